@@ -1,0 +1,114 @@
+"""Envelope <-> stream entry fields.
+
+A task stream entry has three fields (all values are byte strings)::
+
+    v     wire format version, "1"
+    enc   "json" or "json+gzip"
+    body  the Envelope as UTF-8 JSON, gzip-compressed when enc says so
+
+Entries may carry further fields (for example ``n``, the number of times the
+entry was redelivered after its consumer died); readers ignore fields they do
+not know. A reader that meets a ``v`` it does not support treats the entry as
+malformed, so a later format never gets misread.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from kombu_envelope.envelope import DEFAULT_LIMITS, Envelope, Limits
+from kombu_envelope.errors import InvalidEnvelope, MalformedEntry
+
+#: Wire format version written by this library.
+WIRE_VERSION = "1"
+ENC_JSON = "json"
+ENC_JSON_GZIP = "json+gzip"
+
+#: Bodies of at least this many bytes (of JSON) are gzip-compressed by default.
+DEFAULT_GZIP_MIN_BYTES = 8192
+
+#: Entry field names.
+F_VERSION = "v"
+F_ENCODING = "enc"
+F_BODY = "body"
+F_REDELIVERIES = "n"
+
+# Decompressed bodies larger than this are refused (a gzip bomb is malformed input).
+_BODY_OVERHEAD_BYTES = 256 * 1024
+
+
+def encode_body(envelope: Envelope, gzip_min_bytes: int | None = DEFAULT_GZIP_MIN_BYTES
+                ) -> tuple[str, bytes]:
+    """Return ``(enc, body)`` for ``envelope``; gzip when the JSON reaches the threshold.
+
+    ``gzip_min_bytes=None`` never compresses.
+    """
+    body = envelope.to_json()
+    if gzip_min_bytes is not None and len(body) >= gzip_min_bytes:
+        return ENC_JSON_GZIP, gzip.compress(body, compresslevel=6, mtime=0)
+    return ENC_JSON, body
+
+
+def encode_entry(envelope: Envelope, gzip_min_bytes: int | None = DEFAULT_GZIP_MIN_BYTES
+                 ) -> dict[str, bytes | str]:
+    """The fields of the stream entry that stores ``envelope``."""
+    enc, body = encode_body(envelope, gzip_min_bytes)
+    return {F_VERSION: WIRE_VERSION, F_ENCODING: enc, F_BODY: body}
+
+
+def _field(fields: Mapping[Any, Any], name: str) -> bytes:
+    value = fields.get(name.encode())
+    if value is None:
+        value = fields.get(name)
+    if value is None:
+        raise MalformedEntry(f"missing field {name!r}")
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    raise MalformedEntry(f"field {name!r} is not a string")
+
+
+def _inflate(body: bytes, limits: Limits) -> bytes:
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    max_bytes = limits.max_payload_bytes + _BODY_OVERHEAD_BYTES
+    try:
+        data = inflater.decompress(body, max_bytes + 1)
+    except zlib.error as exc:
+        raise MalformedEntry(f"body is not valid gzip: {exc}") from exc
+    if len(data) > max_bytes or inflater.unconsumed_tail:
+        raise MalformedEntry(f"gzip body inflates beyond {max_bytes} bytes")
+    if not inflater.eof:
+        raise MalformedEntry("gzip body is truncated")
+    return data
+
+
+def decode_body(enc: bytes | str, body: bytes, limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Decode a body written with encoding ``enc``; raise :class:`MalformedEntry`."""
+    enc_text = enc.decode("utf-8", "replace") if isinstance(enc, bytes) else enc
+    if enc_text == ENC_JSON_GZIP:
+        body = _inflate(body, limits)
+    elif enc_text != ENC_JSON:
+        raise MalformedEntry(f"unknown encoding {enc_text!r}")
+    try:
+        return Envelope.parse(body, limits)
+    except InvalidEnvelope as exc:
+        raise MalformedEntry(str(exc), exc.violations) from exc
+
+
+def decode_entry(fields: Any, limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Decode stream entry fields into an Envelope; raise :class:`MalformedEntry`.
+
+    Any input whatsoever yields either an Envelope or :class:`MalformedEntry`.
+    """
+    if not isinstance(fields, Mapping):
+        raise MalformedEntry("entry is not a field/value mapping")
+    version = _field(fields, F_VERSION)
+    if version != WIRE_VERSION.encode():
+        raise MalformedEntry(
+            f"unsupported wire version {version.decode('utf-8', 'replace')!r}"
+        )
+    return decode_body(_field(fields, F_ENCODING), _field(fields, F_BODY), limits)

@@ -1,0 +1,302 @@
+"""The Envelope: the one task format every language reads and writes.
+
+An Envelope is a JSON object. This module holds its pydantic model and its
+validation rules; ``docs/protocol.md`` describes every field for implementers
+in other languages and ``kombu_envelope/schemas/envelope.schema.json`` is the
+JSON Schema generated from this model.
+
+Rules that depend on the moment of publishing (how far ahead a task may be
+scheduled) live in :func:`check_publishable`, so a stored Envelope stays
+readable whatever the clock says.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError, to_json
+
+from kombu_envelope.errors import InvalidEnvelope, Violation
+
+#: Lowest and highest ``priority``; a higher number is more urgent, in every language.
+PRIORITY_MIN = 0
+PRIORITY_MAX = 255
+#: ``priority`` of an Envelope that does not say.
+PRIORITY_DEFAULT = 100
+
+#: Default ``max_retries`` (the same as Celery's).
+MAX_RETRIES_DEFAULT = 3
+
+_RFC3339 = re.compile(
+    r"^(?P<date>\d{4}-\d{2}-\d{2})[Tt](?P<time>\d{2}:\d{2}:\d{2})"
+    r"(?:\.(?P<frac>\d{1,9}))?(?P<offset>[Zz]|[+-]\d{2}:\d{2})$"
+)
+RFC3339_PATTERN = _RFC3339.pattern
+TASK_TYPE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z_][A-Za-z0-9_\-]*)*$"
+TOKEN_PATTERN = r"^[\x21-\x7e]+$"
+EXT_NAMESPACE_PATTERN = r"^[a-z][a-z0-9_.\-]*$"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Configurable validation limits.
+
+    ``max_delay_s``: how far ahead of now (seconds) ``schedule_time`` may be at publish.
+    ``max_payload_depth``: deepest nesting of objects/arrays; the payload object is level 1.
+    ``max_payload_bytes``: largest payload, measured as compact UTF-8 JSON.
+    """
+
+    max_delay_s: float = 90 * 24 * 3600
+    max_payload_depth: int = 5
+    max_payload_bytes: int = 1024 * 1024
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def utcnow() -> datetime:
+    """The current time as an aware UTC datetime."""
+    return datetime.now(timezone.utc)
+
+
+def parse_rfc3339(value: Any) -> datetime:
+    """Parse an RFC 3339 timestamp that carries an explicit offset (``Z`` or ``±hh:mm``).
+
+    Aware :class:`datetime` objects are accepted as they are. Naive datetimes,
+    numbers (epoch seconds or milliseconds) and strings without an offset are
+    refused: they are read differently by different languages. Fractions
+    finer than a microsecond are truncated.
+    """
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise PydanticCustomError(
+                "timezone_required", "naive datetime: a timezone offset is required"
+            )
+        return value
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        raise PydanticCustomError(
+            "rfc3339_required",
+            "numeric timestamps are not accepted; use an RFC 3339 string with an offset",
+        )
+    if not isinstance(value, str):
+        raise PydanticCustomError("rfc3339_required", "must be an RFC 3339 string")
+    match = _RFC3339.match(value)
+    if match is None:
+        raise PydanticCustomError(
+            "rfc3339_required",
+            "must be RFC 3339 with an explicit offset, e.g. 2025-09-11T12:45:00+08:00",
+        )
+    frac = (match["frac"] or "").ljust(6, "0")[:6]
+    offset = match["offset"]
+    offset = "+00:00" if offset in ("Z", "z") else offset
+    try:
+        return datetime.fromisoformat(f"{match['date']}T{match['time']}.{frac}{offset}")
+    except ValueError as exc:
+        raise PydanticCustomError("rfc3339_required", "not a valid date or time") from exc
+
+
+def format_rfc3339(value: datetime) -> str:
+    """Format an aware datetime as RFC 3339, keeping its offset (UTC is written ``Z``)."""
+    text = value.isoformat()
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+Timestamp = Annotated[
+    datetime,
+    BeforeValidator(parse_rfc3339),
+    PlainSerializer(format_rfc3339, return_type=str),
+    WithJsonSchema({"type": "string", "format": "date-time", "pattern": RFC3339_PATTERN}),
+]
+
+
+def _new_task_id() -> str:
+    return str(uuid.uuid4())
+
+
+def _new_trace_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
+    """Check that ``value`` holds only JSON values; return its nesting depth."""
+    if isinstance(value, dict):
+        if level > max_depth:
+            raise PydanticCustomError(
+                "max_depth",
+                "nested deeper than {max_depth} levels at {where}",
+                {"max_depth": max_depth, "where": where},
+            )
+        depth = level
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise PydanticCustomError("json_value", "object keys must be strings")
+            depth = max(depth, _json_depth(item, f"{where}.{key}", max_depth, level + 1))
+        return depth
+    if isinstance(value, list):
+        if level > max_depth:
+            raise PydanticCustomError(
+                "max_depth",
+                "nested deeper than {max_depth} levels at {where}",
+                {"max_depth": max_depth, "where": where},
+            )
+        depth = level
+        for index, item in enumerate(value):
+            depth = max(depth, _json_depth(item, f"{where}[{index}]", max_depth, level + 1))
+        return depth
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PydanticCustomError("json_value", "NaN and infinity are not JSON ({where})",
+                                  {"where": where})
+    if value is None or isinstance(value, (str, int, float)):
+        return level - 1
+    raise PydanticCustomError(
+        "json_value",
+        "{type} at {where} is not a JSON value",
+        {"type": type(value).__name__, "where": where},
+    )
+
+
+def _limits(info: ValidationInfo) -> Limits:
+    context = info.context or {}
+    limits = context.get("limits")
+    return limits if isinstance(limits, Limits) else DEFAULT_LIMITS
+
+
+class Envelope(BaseModel):
+    """A task, as every language sees it. Field meanings are in ``docs/protocol.md``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    task_id: Annotated[str, Field(min_length=1, max_length=255, pattern=TOKEN_PATTERN)] = Field(
+        default_factory=_new_task_id
+    )
+    task_type: Annotated[str, Field(min_length=1, max_length=255, pattern=TASK_TYPE_PATTERN)]
+    payload_version: Annotated[StrictInt, Field(ge=1)] = 1
+    payload: dict[str, Any] = Field(default_factory=dict)
+    schedule_time: Timestamp | None = None
+    timeout_ms: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_retries: Annotated[StrictInt, Field(ge=0)] | None = MAX_RETRIES_DEFAULT
+    retry_count: Annotated[StrictInt, Field(ge=0)] = 0
+    priority: Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = PRIORITY_DEFAULT
+    trace_id: Annotated[str, Field(min_length=1, max_length=128, pattern=TOKEN_PATTERN)] = Field(
+        default_factory=_new_trace_id
+    )
+    created_at: Timestamp = Field(default_factory=utcnow)
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    ext: dict[
+        Annotated[str, Field(pattern=EXT_NAMESPACE_PATTERN)], dict[str, Any]
+    ] = Field(default_factory=dict)
+
+    @field_validator("payload")
+    @classmethod
+    def _payload_is_small_shallow_json(
+        cls, payload: dict[str, Any], info: ValidationInfo
+    ) -> dict[str, Any]:
+        limits = _limits(info)
+        _json_depth(payload, "payload", limits.max_payload_depth)
+        size = len(to_json(payload))
+        if size > limits.max_payload_bytes:
+            raise PydanticCustomError(
+                "max_bytes",
+                "payload is {size} bytes of JSON, above the limit of {limit}",
+                {"size": size, "limit": limits.max_payload_bytes},
+            )
+        return payload
+
+    @field_validator("ext")
+    @classmethod
+    def _ext_is_json(cls, ext: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        _json_depth(ext, "ext", max_depth=64)
+        return ext
+
+    @field_validator("retry_count")
+    @classmethod
+    def _retry_count_within_max(cls, retry_count: int, info: ValidationInfo) -> int:
+        max_retries = info.data.get("max_retries")
+        if max_retries is not None and retry_count > max_retries:
+            raise PydanticCustomError(
+                "retry_count_le_max_retries",
+                "retry_count ({retry_count}) exceeds max_retries ({max_retries})",
+                {"retry_count": retry_count, "max_retries": max_retries},
+            )
+        return retry_count
+
+    @classmethod
+    def parse(cls, data: Any, limits: Limits | None = None) -> Envelope:
+        """Validate ``data`` (a dict or JSON text/bytes); raise :class:`InvalidEnvelope`."""
+        context = {"limits": limits or DEFAULT_LIMITS}
+        try:
+            if isinstance(data, (str, bytes, bytearray)):
+                return cls.model_validate_json(data, context=context)
+            return cls.model_validate(data, context=context)
+        except ValidationError as exc:
+            raise InvalidEnvelope(violations_from(exc)) from exc
+
+    @classmethod
+    def new(cls, limits: Limits | None = None, **fields: Any) -> Envelope:
+        """Build an Envelope from keyword fields; raise :class:`InvalidEnvelope`."""
+        return cls.parse(fields, limits)
+
+    def to_json(self) -> bytes:
+        """Canonical compact JSON; ``null`` optional fields are left out."""
+        return self.model_dump_json(exclude_none=True).encode()
+
+    def is_due(self, now: datetime | None = None) -> bool:
+        """True when the task may run now (no ``schedule_time`` or one in the past)."""
+        return self.schedule_time is None or self.schedule_time <= (now or utcnow())
+
+    def due_ms(self) -> int:
+        """Due time in milliseconds since the Unix epoch (now when unscheduled)."""
+        when = self.schedule_time or utcnow()
+        return int(when.timestamp() * 1000)
+
+
+def violations_from(exc: ValidationError) -> list[Violation]:
+    """Turn pydantic's errors into :class:`Violation`s naming field and rule."""
+    found = []
+    for error in exc.errors(include_url=False):
+        field = ".".join(str(part) for part in error["loc"]) or "envelope"
+        found.append(Violation(field=field, rule=error["type"], message=error["msg"]))
+    return found
+
+
+def check_publishable(
+    envelope: Envelope, limits: Limits | None = None, now: datetime | None = None
+) -> None:
+    """Apply the publish-time rules; raise :class:`InvalidEnvelope` if one is broken.
+
+    ``schedule_time`` may be at most ``limits.max_delay_s`` ahead of ``now``:
+    a timestamp read in the wrong unit would otherwise park a task for months.
+    """
+    limits = limits or DEFAULT_LIMITS
+    if envelope.schedule_time is None:
+        return
+    horizon = (now or utcnow()) + timedelta(seconds=limits.max_delay_s)
+    if envelope.schedule_time > horizon:
+        raise InvalidEnvelope([
+            Violation(
+                field="schedule_time",
+                rule="max_delay",
+                message=(
+                    f"{format_rfc3339(envelope.schedule_time)} is more than "
+                    f"{timedelta(seconds=limits.max_delay_s)} (the maximum delay) ahead of now"
+                ),
+            )
+        ])

@@ -1,0 +1,64 @@
+"""Exceptions raised by kombu-envelope.
+
+Every class subclasses :class:`kombu.exceptions.KombuError`, so code that
+already catches kombu's errors keeps working. Publishing problems are
+:class:`kombu.exceptions.EncodeError`s, problems with stored data are
+:class:`kombu.exceptions.DecodeError`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kombu.exceptions import DecodeError, EncodeError, KombuError
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken rule: the field (dotted path), the rule's name and a message."""
+
+    field: str
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message} [{self.rule}]"
+
+
+class EnvelopeError(KombuError):
+    """Base class of every kombu-envelope error."""
+
+
+class InvalidEnvelope(EnvelopeError, EncodeError, ValueError):
+    """An Envelope breaks a validation rule; nothing was published."""
+
+    def __init__(self, violations: list[Violation]) -> None:
+        self.violations = list(violations)
+        super().__init__("invalid envelope: " + "; ".join(str(v) for v in self.violations))
+
+    @property
+    def fields(self) -> list[str]:
+        """The offending fields, in the order they were found."""
+        return [v.field for v in self.violations]
+
+    @property
+    def rules(self) -> list[str]:
+        """The names of the broken rules, in the order they were found."""
+        return [v.rule for v in self.violations]
+
+
+class MalformedEntry(EnvelopeError, DecodeError):
+    """A stream entry cannot be decoded into a valid Envelope."""
+
+    def __init__(self, reason: str, violations: list[Violation] | None = None) -> None:
+        self.reason = reason
+        self.violations = list(violations or [])
+        super().__init__(reason)
+
+
+class UnsupportedMessage(EnvelopeError, EncodeError):
+    """A message cannot become an Envelope (for example it is not JSON)."""
+
+
+class InvalidQueueName(EnvelopeError, ValueError):
+    """A queue name cannot be used in a Redis Cluster hash tag."""

@@ -1,0 +1,168 @@
+"""Every Redis key name kombu-envelope uses, in one place.
+
+All keys of one queue share the Redis Cluster hash tag ``{<queue>}`` so that
+the Lua scripts, which touch several keys of one queue at once, stay valid on
+a cluster. Keys that are not tied to a queue (bindings, consumer liveness,
+the queue registry) are only ever used one at a time.
+
+Layout for prefix ``envelope`` and queue ``celery``::
+
+    envelope:{celery}:high          task stream, priority >= 170
+    envelope:{celery}:normal        task stream, 85 <= priority < 170
+    envelope:{celery}:low           task stream, priority < 85
+    envelope:{celery}:kombu         non-task messages (events, replies, plain kombu)
+    envelope:{celery}:delayed       ZSET task_id -> due time (ms since the Unix epoch)
+    envelope:{celery}:delayed:data  HASH task_id -> stored entry
+    envelope:{celery}:dead          dead-letter stream
+    envelope:{celery}:cancelled     HASH task_id -> cancel time (tasks cancelled after promotion)
+    envelope:{celery}:meta          HASH queue settings
+    envelope:queues                 SET of queue names that have delayed tasks
+    envelope:binding:<exchange>     SET of bindings of an exchange
+    envelope:consumer:<name>        liveness of a consumer (expires after the lease)
+    envelope:idem:<key>             idempotency lease / done marker
+    envelope:wakeup                 pub/sub channel that wakes delayed-task promoters
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+
+from kombu_envelope.errors import InvalidQueueName
+
+#: Default prefix of every key.
+DEFAULT_PREFIX = "envelope"
+
+#: Name of the consumer group every worker of every language joins, on every stream.
+DEFAULT_GROUP = "workers"
+
+
+class Bucket(str, Enum):
+    """Priority buckets of a queue, most urgent first."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+#: Buckets in the order consumers read them: a higher bucket is always served first.
+BUCKETS_BY_URGENCY: tuple[Bucket, ...] = (Bucket.HIGH, Bucket.NORMAL, Bucket.LOW)
+
+#: Lowest priority value that lands in the HIGH bucket.
+HIGH_PRIORITY_FROM = 170
+#: Lowest priority value that lands in the NORMAL bucket.
+NORMAL_PRIORITY_FROM = 85
+
+
+def bucket_for(priority: int) -> Bucket:
+    """Return the bucket an Envelope of ``priority`` (0-255, higher first) goes to."""
+    if priority >= HIGH_PRIORITY_FROM:
+        return Bucket.HIGH
+    if priority >= NORMAL_PRIORITY_FROM:
+        return Bucket.NORMAL
+    return Bucket.LOW
+
+
+def _check_queue_name(queue: str) -> None:
+    if not queue or "{" in queue or "}" in queue:
+        raise InvalidQueueName(
+            f"queue name {queue!r} must be non-empty and contain no '{{' or '}}' "
+            "(it becomes a Redis Cluster hash tag)"
+        )
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """The keys of one queue."""
+
+    prefix: str
+    queue: str
+
+    @property
+    def base(self) -> str:
+        """Common start of every key of this queue: ``<prefix>:{<queue>}``."""
+        return f"{self.prefix}:{{{self.queue}}}"
+
+    def stream(self, bucket: Bucket) -> str:
+        """Task stream of one priority bucket."""
+        return f"{self.base}:{bucket.value}"
+
+    @property
+    def task_streams(self) -> tuple[str, ...]:
+        """Task streams, most urgent first."""
+        return tuple(self.stream(b) for b in BUCKETS_BY_URGENCY)
+
+    @property
+    def kombu_stream(self) -> str:
+        """Stream of non-task messages (events, remote-control replies, plain kombu)."""
+        return f"{self.base}:kombu"
+
+    @property
+    def all_streams(self) -> tuple[str, ...]:
+        """Every stream a consumer of this queue reads, in reading order."""
+        return (*self.task_streams, self.kombu_stream)
+
+    @property
+    def delayed(self) -> str:
+        """ZSET of delayed task ids scored by due time in milliseconds."""
+        return f"{self.base}:delayed"
+
+    @property
+    def delayed_data(self) -> str:
+        """HASH of delayed task id to stored entry."""
+        return f"{self.base}:delayed:data"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream."""
+        return f"{self.base}:dead"
+
+    @property
+    def cancelled(self) -> str:
+        """HASH of task ids cancelled after they reached a stream."""
+        return f"{self.base}:cancelled"
+
+    @property
+    def meta(self) -> str:
+        """HASH of queue settings (for example whether the queue is transient)."""
+        return f"{self.base}:meta"
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Builds key names under one prefix, so several apps can share one Redis."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def queue(self, name: str) -> QueueKeys:
+        """Keys of queue ``name``."""
+        return _queue_keys(self.prefix, name)
+
+    @property
+    def queues(self) -> str:
+        """SET of names of queues that have (or had) delayed tasks."""
+        return f"{self.prefix}:queues"
+
+    def binding(self, exchange: str) -> str:
+        """SET of bindings of ``exchange``."""
+        return f"{self.prefix}:binding:{exchange}"
+
+    def consumer(self, consumer: str) -> str:
+        """Liveness key of consumer ``consumer``; it expires when the consumer dies."""
+        return f"{self.prefix}:consumer:{consumer}"
+
+    def idempotency(self, key: str) -> str:
+        """Idempotency lease / done marker for idempotency key ``key``."""
+        return f"{self.prefix}:idem:{key}"
+
+    @property
+    def wakeup_channel(self) -> str:
+        """Pub/sub channel on which publishers wake the delayed-task promoters."""
+        return f"{self.prefix}:wakeup"
+
+
+@lru_cache(maxsize=4096)
+def _queue_keys(prefix: str, name: str) -> QueueKeys:
+    _check_queue_name(name)
+    return QueueKeys(prefix, name)
