@@ -44,11 +44,23 @@ PRIORITY_DEFAULT = 100
 #: Default ``max_retries`` (the same as Celery's).
 MAX_RETRIES_DEFAULT = 3
 
-_RFC3339 = re.compile(
-    r"^(?P<date>\d{4}-\d{2}-\d{2})[Tt](?P<time>\d{2}:\d{2}:\d{2})"
-    r"(?:\.(?P<frac>\d{1,9}))?(?P<offset>[Zz]|[+-]\d{2}:\d{2})$"
+#: Largest integer every JSON implementation reads exactly (JavaScript's MAX_SAFE_INTEGER).
+MAX_SAFE_INTEGER = 2**53 - 1
+
+#: RFC 3339 date-time with a mandatory offset; portable (ECMA 262, RE2, Python) syntax.
+RFC3339_PATTERN = (
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?"
+    r"([Zz]|[+-][0-9]{2}:[0-9]{2})$"
 )
-RFC3339_PATTERN = _RFC3339.pattern
+# Used with fullmatch(): "$" would also match before a trailing newline.
+_RFC3339 = re.compile(
+    r"(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})[Tt](?P<time>[0-9]{2}:[0-9]{2}:[0-9]{2})"
+    r"(?:\.(?P<frac>[0-9]{1,9}))?(?P<offset>[Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
+# An RFC 3339 local date-time: what a date-time looks like when its offset is missing.
+_RFC3339_LOCAL = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?"
+)
 TASK_TYPE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*(\.[A-Za-z_][A-Za-z0-9_\-]*)*$"
 TOKEN_PATTERN = r"^[\x21-\x7e]+$"
 EXT_NAMESPACE_PATTERN = r"^[a-z][a-z0-9_.\-]*$"
@@ -76,6 +88,21 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _in_range(value: datetime) -> datetime:
+    """Check an aware datetime can be written as RFC 3339 and compared with any other."""
+    try:
+        utc = value.astimezone(timezone.utc)
+    except OverflowError as exc:
+        raise PydanticCustomError(
+            "rfc3339", "outside the years 0001-9999 once converted to UTC"
+        ) from exc
+    offset = value.utcoffset()
+    if offset is not None and offset % timedelta(minutes=1):
+        # RFC 3339 offsets are whole minutes; keep the instant, write it in UTC.
+        return utc
+    return value
+
+
 def parse_rfc3339(value: Any) -> datetime:
     """Parse an RFC 3339 timestamp that carries an explicit offset (``Z`` or ``±hh:mm``).
 
@@ -89,31 +116,40 @@ def parse_rfc3339(value: Any) -> datetime:
             raise PydanticCustomError(
                 "timezone_required", "naive datetime: a timezone offset is required"
             )
-        return value
-    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return _in_range(value)
+    if isinstance(value, (bool, int, float)):
         raise PydanticCustomError(
-            "rfc3339_required",
+            "type",
             "numeric timestamps are not accepted; use an RFC 3339 string with an offset",
         )
     if not isinstance(value, str):
-        raise PydanticCustomError("rfc3339_required", "must be an RFC 3339 string")
-    match = _RFC3339.match(value)
+        raise PydanticCustomError("type", "must be an RFC 3339 string with an offset")
+    match = _RFC3339.fullmatch(value)
     if match is None:
+        if _RFC3339_LOCAL.fullmatch(value):
+            raise PydanticCustomError(
+                "timezone_required",
+                "no timezone offset: add Z or ±hh:mm, e.g. 2025-09-11T12:45:00+08:00",
+            )
         raise PydanticCustomError(
-            "rfc3339_required",
+            "rfc3339",
             "must be RFC 3339 with an explicit offset, e.g. 2025-09-11T12:45:00+08:00",
         )
     frac = (match["frac"] or "").ljust(6, "0")[:6]
     offset = match["offset"]
     offset = "+00:00" if offset in ("Z", "z") else offset
     try:
-        return datetime.fromisoformat(f"{match['date']}T{match['time']}.{frac}{offset}")
+        parsed = datetime.fromisoformat(f"{match['date']}T{match['time']}.{frac}{offset}")
     except ValueError as exc:
-        raise PydanticCustomError("rfc3339_required", "not a valid date or time") from exc
+        raise PydanticCustomError("rfc3339", "not a valid date, time or offset") from exc
+    return _in_range(parsed)
 
 
 def format_rfc3339(value: datetime) -> str:
     """Format an aware datetime as RFC 3339, keeping its offset (UTC is written ``Z``)."""
+    offset = value.utcoffset()
+    if offset is not None and offset % timedelta(minutes=1):
+        value = value.astimezone(timezone.utc)
     text = value.isoformat()
     return text[:-6] + "Z" if text.endswith("+00:00") else text
 
@@ -172,6 +208,17 @@ def _json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
     )
 
 
+def _to_json(value: Any, where: str) -> bytes:
+    """Compact UTF-8 JSON of ``value``; a value JSON cannot hold breaks ``json_value``."""
+    try:
+        return to_json(value)
+    except ValueError as exc:  # e.g. a lone surrogate, which UTF-8 cannot encode
+        raise PydanticCustomError(
+            "json_value", "{where} cannot be written as UTF-8 JSON: {error}",
+            {"where": where, "error": str(exc)},
+        ) from exc
+
+
 def _limits(info: ValidationInfo) -> Limits:
     context = info.context or {}
     limits = context.get("limits")
@@ -187,12 +234,12 @@ class Envelope(BaseModel):
         default_factory=_new_task_id
     )
     task_type: Annotated[str, Field(min_length=1, max_length=255, pattern=TASK_TYPE_PATTERN)]
-    payload_version: Annotated[StrictInt, Field(ge=1)] = 1
+    payload_version: Annotated[StrictInt, Field(ge=1, le=MAX_SAFE_INTEGER)] = 1
     payload: dict[str, Any] = Field(default_factory=dict)
     schedule_time: Timestamp | None = None
-    timeout_ms: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_retries: Annotated[StrictInt, Field(ge=0)] | None = MAX_RETRIES_DEFAULT
-    retry_count: Annotated[StrictInt, Field(ge=0)] = 0
+    timeout_ms: Annotated[StrictInt, Field(ge=1, le=MAX_SAFE_INTEGER)] | None = None
+    max_retries: Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INTEGER)] | None = MAX_RETRIES_DEFAULT
+    retry_count: Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INTEGER)] = 0
     priority: Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = PRIORITY_DEFAULT
     trace_id: Annotated[str, Field(min_length=1, max_length=128, pattern=TOKEN_PATTERN)] = Field(
         default_factory=_new_trace_id
@@ -211,7 +258,7 @@ class Envelope(BaseModel):
     ) -> dict[str, Any]:
         limits = _limits(info)
         _json_depth(payload, "payload", limits.max_payload_depth)
-        size = len(to_json(payload))
+        size = len(_to_json(payload, "payload"))
         if size > limits.max_payload_bytes:
             raise PydanticCustomError(
                 "max_bytes",
@@ -224,7 +271,14 @@ class Envelope(BaseModel):
     @classmethod
     def _ext_is_json(cls, ext: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         _json_depth(ext, "ext", max_depth=64)
+        _to_json(ext, "ext")
         return ext
+
+    @field_validator("headers", "idempotency_key")
+    @classmethod
+    def _text_is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        _to_json(value, info.field_name or "value")
+        return value
 
     @field_validator("retry_count")
     @classmethod
@@ -255,8 +309,13 @@ class Envelope(BaseModel):
         return cls.parse(fields, limits)
 
     def to_json(self) -> bytes:
-        """Canonical compact JSON; ``null`` optional fields are left out."""
-        return self.model_dump_json(exclude_none=True).encode()
+        """Canonical compact JSON.
+
+        A ``null`` field is left out when ``null`` is also its default; otherwise
+        (``"max_retries": null``, unlimited retries) it is written.
+        """
+        exclude = {name for name in _NULL_BY_DEFAULT if getattr(self, name) is None}
+        return self.model_dump_json(exclude=exclude).encode()
 
     def is_due(self, now: datetime | None = None) -> bool:
         """True when the task may run now (no ``schedule_time`` or one in the past)."""
@@ -265,15 +324,61 @@ class Envelope(BaseModel):
     def due_ms(self) -> int:
         """Due time in milliseconds since the Unix epoch (now when unscheduled)."""
         when = self.schedule_time or utcnow()
-        return int(when.timestamp() * 1000)
+        return (when - _EPOCH) // _ONE_MS
+
+
+_NULL_BY_DEFAULT = frozenset(
+    name for name, info in Envelope.model_fields.items() if info.default is None
+)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_ONE_MS = timedelta(milliseconds=1)
+
+# pydantic error types -> the language-neutral rule names of conformance/README.md.
+# Errors raised by this module already use the neutral names.
+_RULES = {
+    "missing": "required",
+    "extra_forbidden": "unknown_field",
+    "string_pattern_mismatch": "pattern",
+    "string_too_short": "length",
+    "string_too_long": "length",
+    "greater_than": "range",
+    "greater_than_equal": "range",
+    "less_than": "range",
+    "less_than_equal": "range",
+    "json_invalid": "json",
+    "json_type": "json",
+    "model_type": "type",
+    "model_attributes_type": "type",
+    "dict_type": "type",
+    "string_type": "type",
+    "string_unicode": "type",
+    "int_type": "type",
+    "int_parsing": "type",
+    "int_from_float": "type",
+    "bool_type": "type",
+    "float_type": "type",
+    "list_type": "type",
+    "none_required": "type",
+}
+
+
+def rule_name(error_type: str) -> str:
+    """The language-neutral rule name of a pydantic error type."""
+    return _RULES.get(error_type, error_type)
 
 
 def violations_from(exc: ValidationError) -> list[Violation]:
-    """Turn pydantic's errors into :class:`Violation`s naming field and rule."""
+    """Turn pydantic's errors into :class:`Violation`s naming field and (neutral) rule."""
     found = []
     for error in exc.errors(include_url=False):
-        field = ".".join(str(part) for part in error["loc"]) or "envelope"
-        found.append(Violation(field=field, rule=error["type"], message=error["msg"]))
+        path = [str(part) for part in error["loc"] if part != "[key]"]
+        found.append(
+            Violation(
+                field=".".join(path) or "envelope",
+                rule=rule_name(error["type"]),
+                message=error["msg"],
+            )
+        )
     return found
 
 

@@ -1,0 +1,78 @@
+"""Message adapters: which kombu messages are tasks, and how they map to Envelopes.
+
+The transport asks its adapter about every published message. A message the
+adapter turns into an Envelope is a task and goes to the queue's task
+streams, where any language reads it; anything else (events, remote-control
+replies, plain kombu messages) stays in the queue's ``kombu`` stream.
+
+The default adapter treats messages whose content type is
+:data:`ENVELOPE_CONTENT_TYPE` as tasks: publish with ``serializer="envelope"``
+and a body that is an :class:`~kombu_envelope.envelope.Envelope` or a dict of
+its fields. ``celery_ext`` provides the adapter for Celery task messages.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kombu.serialization import register
+
+from kombu_envelope.envelope import Envelope, Limits
+from kombu_envelope.errors import EnvelopeError
+
+#: Content type of a kombu message whose body is an Envelope.
+ENVELOPE_CONTENT_TYPE = "application/vnd.kombu-envelope+json"
+
+
+class Undeliverable(EnvelopeError):
+    """An Envelope this consumer must not run; it goes to the dead-letter stream."""
+
+    def __init__(self, failure_class: str, reason: str) -> None:
+        self.failure_class = failure_class
+        self.reason = reason
+        super().__init__(f"{failure_class}: {reason}")
+
+
+class MessageAdapter:
+    """Converts between kombu messages and Envelopes (the default: envelope bodies)."""
+
+    def to_envelope(self, message: dict[str, Any], body: bytes | str,
+                    limits: Limits) -> Envelope | None:
+        """The Envelope a published message carries, or None if it is not a task.
+
+        ``message`` is kombu's message dict (``headers``, ``properties``,
+        ``content-type``...), ``body`` its decoded body. Raise
+        :class:`~kombu_envelope.errors.InvalidEnvelope` to refuse the publish.
+        """
+        if message.get("content-type") != ENVELOPE_CONTENT_TYPE:
+            return None
+        return Envelope.parse(body, limits)
+
+    def to_message(self, envelope: Envelope, queue: str) -> dict[str, Any]:
+        """The kombu message dict delivered to consumers of ``queue``.
+
+        Raise :class:`Undeliverable` to send the task to the dead-letter stream instead.
+        """
+        return {
+            "body": envelope.to_json().decode("utf-8"),
+            "content-type": ENVELOPE_CONTENT_TYPE,
+            "content-encoding": "utf-8",
+            "headers": {},
+            "properties": {"priority": envelope.priority, "body_encoding": None,
+                           "delivery_info": {}},
+        }
+
+
+def _dumps(value: Any) -> str:
+    envelope = value if isinstance(value, Envelope) else Envelope.parse(value)
+    return envelope.to_json().decode("utf-8")
+
+
+def _loads(data: bytes | str) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(data)
+    return loaded
+
+
+register("envelope", _dumps, _loads, content_type=ENVELOPE_CONTENT_TYPE,
+         content_encoding="utf-8")

@@ -1,0 +1,527 @@
+"""The kombu channel over Redis Streams.
+
+Publishing: the message adapter decides whether a message is a task. Tasks
+are validated, encoded as Envelopes and added to the queue's priority stream
+(or its delayed set when ``schedule_time`` is ahead); other messages go to
+the queue's ``kombu`` stream. Exchange bindings live in Redis, so routing
+agrees across processes.
+
+Consuming: one consumer group per stream, shared by every worker of every
+language. A blocking ``XREADGROUP`` on a dedicated connection waits for new
+entries; its socket is registered with the event loop. Reads never take more
+entries than the prefetch limit allows and serve higher buckets first.
+Ack is ``XACK`` + ``XDEL``; reject without requeue moves the entry to the
+dead-letter stream; malformed entries go there too, with their raw bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+from kombu.transport import virtual
+from redis.exceptions import ResponseError
+
+from kombu_envelope.adapter import MessageAdapter, Undeliverable
+from kombu_envelope.codec import F_BODY, F_ENCODING, decode_entry
+from kombu_envelope.deadletter import Failure, FailureClass, dead_letter_pending
+from kombu_envelope.envelope import Envelope, format_rfc3339, utcnow
+from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.keys import QueueKeys, bucket_for
+from kombu_envelope.publisher import Publisher
+from kombu_envelope.scripts import script
+from kombu_envelope.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: Field of a ``kombu`` stream entry holding the kombu message as JSON.
+F_KOMBU = "kombu"
+#: Separator of the members of an exchange's binding set.
+BINDING_SEP = "\x06"
+#: delivery_info keys that locate the stream entry of a delivered message.
+INFO_STREAM = "envelope_stream"
+INFO_ENTRY_ID = "envelope_entry_id"
+#: delivery_info key a consumer may set before reject() to name the failure class.
+INFO_FAILURE_CLASS = "envelope_failure_class"
+INFO_FAILURE_REASON = "envelope_failure_reason"
+
+_TRANSIENT_ARGUMENTS = ("x-expires", "x-message-ttl")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting; ack, reject and restore act on the stream entries."""
+
+    def ack(self, delivery_tag: str) -> None:
+        message = self._delivered.get(delivery_tag)
+        if message is not None:
+            self.channel.ack_entry(message.delivery_info)
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        message = self._delivered.get(delivery_tag)
+        if message is not None:
+            if requeue:
+                self.channel.requeue_entry(message.delivery_info)
+            else:
+                self.channel.dead_letter_rejected(message)
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[Any]:
+        """Put every delivered, unacknowledged entry back into its stream at once."""
+        self._flush()
+        errors = []
+        while self._delivered:
+            _tag, message = self._delivered.popitem()
+            try:
+                self.channel.requeue_entry(message.delivery_info)
+            except Exception as exc:
+                errors.append((exc, message))
+        return errors
+
+
+class Channel(virtual.Channel):
+    """A kombu channel whose queues are Redis Streams holding Envelopes."""
+
+    QoS = QoS
+    do_restore = True
+    supports_fanout = True  # every binding is stored in Redis, fanout included
+
+    def __init__(self, connection: Any, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        transport = self.connection
+        self.settings: Settings = transport.settings
+        self.keys = self.settings.keys
+        self.client = transport.new_redis_client()
+        self.adapter: MessageAdapter = transport.adapter
+        self.publisher = Publisher(self.client, self.settings)
+        self.consumer_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._no_ack_queues: set[str] = set()
+        self._transient: dict[str, bool] = {}
+        self._reader: Any = None
+        self._reading = False
+        self._registered_liveness = False
+        transport.poller.add(self)
+
+    # ----------------------------------------------------------------- publish
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        body = self.decode_body(message["body"], message["properties"].get("body_encoding"))
+        envelope = self.adapter.to_envelope(message, body, self.settings.limits)
+        if envelope is None:
+            self._put_kombu(queue, message)
+        else:
+            self.publisher.publish(queue, envelope)
+
+    def _put_kombu(self, queue: str, message: dict[str, Any]) -> None:
+        maxlen = self.settings.transient_maxlen if self._is_transient(queue) else None
+        self.client.xadd(
+            self.keys.queue(queue).kombu_stream, {F_KOMBU: json.dumps(message)},
+            maxlen=maxlen, approximate=True,
+        )
+
+    def _is_transient(self, queue: str) -> bool:
+        known = self._transient.get(queue)
+        if known is None:
+            known = self._transient[queue] = bool(
+                self.client.hget(self.keys.queue(queue).meta, "transient")
+            )
+        return known
+
+    # ------------------------------------------------------------ queue admin
+
+    def _new_queue(self, queue: str, auto_delete: bool = False, **kwargs: Any) -> None:
+        keys = self.keys.queue(queue)
+        pipe = self.client.pipeline(transaction=False)
+        for stream in keys.all_streams:
+            pipe.xgroup_create(stream, self.settings.consumer_group, id="0", mkstream=True)
+        arguments = kwargs.get("arguments") or {}
+        transient = auto_delete or any(a in arguments for a in _TRANSIENT_ARGUMENTS)
+        if transient:
+            pipe.hset(keys.meta, "transient", 1)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, ResponseError) and not str(reply).startswith("BUSYGROUP"):
+                raise reply
+        self._transient[queue] = transient or self._transient.get(queue, False)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return bool(self.client.exists(*self.keys.queue(queue).all_streams))
+
+    def _size(self, queue: str) -> int:
+        """Entries waiting to be read (neither delivered nor delayed)."""
+        keys = self.keys.queue(queue)
+        pipe = self.client.pipeline(transaction=False)
+        for stream in keys.all_streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, self.settings.consumer_group)
+        replies = pipe.execute(raise_on_error=False)
+        size = 0
+        for length, pending in zip(replies[::2], replies[1::2]):
+            if isinstance(length, int):
+                size += length - (pending["pending"] if isinstance(pending, dict) else 0)
+        return size
+
+    def _purge(self, queue: str) -> int:
+        """Delete entries nobody has read yet, and delayed tasks; return how many."""
+        keys = self.keys.queue(queue)
+        purger = f"purge-{uuid.uuid4().hex[:8]}"
+        read = script(self.client, "read")
+        purged = 0
+        while True:
+            reply = read(keys=list(keys.all_streams),
+                         args=[self.settings.consumer_group, purger, 1000])
+            if not reply:
+                break
+            pipe = self.client.pipeline(transaction=True)
+            for stream, entries in reply:
+                ids = [entry_id for entry_id, _ in entries]
+                pipe.xack(stream, self.settings.consumer_group, *ids)
+                pipe.xdel(stream, *ids)
+                purged += len(ids)
+            pipe.execute()
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zcard(keys.delayed)
+        pipe.delete(keys.delayed, keys.delayed_data)
+        for stream in keys.all_streams:
+            pipe.xgroup_delconsumer(stream, self.settings.consumer_group, purger)
+        purged += pipe.execute(raise_on_error=False)[0]
+        return purged
+
+    def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
+                     **kwargs: Any) -> None:
+        """Delete the queue's bindings and every key of the queue."""
+        if if_empty and self._size(queue):
+            return
+        super().queue_delete(queue, if_unused=if_unused, if_empty=if_empty, **kwargs)
+        keys = self.keys.queue(queue)
+        self.client.delete(*keys.all_streams, keys.delayed, keys.delayed_data, keys.meta,
+                           keys.cancelled)
+        self._transient.pop(queue, None)
+
+    def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str | None,
+                *args: Any, **kwargs: Any) -> None:
+        self.client.srem(self.keys.binding(exchange), self._binding_member(
+            routing_key, pattern, queue))
+
+    # --------------------------------------------------------------- bindings
+
+    @staticmethod
+    def _binding_member(routing_key: str, pattern: str | None, queue: str) -> str:
+        return BINDING_SEP.join((routing_key or "", pattern or "", queue))
+
+    def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None,
+                    queue: str) -> None:
+        self.client.sadd(self.keys.binding(exchange),
+                         self._binding_member(routing_key, pattern, queue))
+
+    def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
+                     arguments: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        exchange = exchange or "amq.direct"
+        self.state.binding_delete(queue, exchange, routing_key)
+        meta = self.typeof(exchange).prepare_bind(queue, exchange, routing_key, arguments)
+        self._delete(queue, exchange, *meta)
+
+    def _put_fanout(self, exchange: str, message: dict[str, Any], routing_key: str,
+                    **kwargs: Any) -> None:
+        for queue in self._lookup(exchange, routing_key):
+            self._put(queue, message, **kwargs)
+
+    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+        """Bindings of ``exchange`` as (routing_key, pattern, queue), shared via Redis."""
+        members = self.client.smembers(self.keys.binding(exchange))
+        table = []
+        for member in members:
+            routing_key, pattern, queue = _text(member).split(BINDING_SEP)
+            table.append((routing_key, pattern, queue))
+        return table
+
+    # -------------------------------------------------------------- consuming
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        result = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self._register_liveness()
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack_queues.discard(queue)
+        self._register_liveness()
+        return result
+
+    def _register_liveness(self) -> None:
+        lease = self.connection.lease_keeper
+        if self._active_queues:
+            lease.register(self.consumer_name, self._active_queues)
+            self._registered_liveness = True
+
+    @property
+    def consuming(self) -> bool:
+        """True when this channel has queues to read and prefetch credit left."""
+        return bool(self._active_queues) and self.qos.can_consume()
+
+    def _credit(self) -> int:
+        estimate = self.qos.can_consume_max_estimate()
+        return self.settings.max_batch if estimate is None else max(int(estimate), 1)
+
+    def _consumed_streams(self) -> list[str]:
+        return [s for q in self._active_queues for s in self.keys.queue(q).all_streams]
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        """basic_get: take one entry of ``queue`` without blocking."""
+        self._register_liveness_for_get()
+        while True:
+            reply = self._read_now(list(self.keys.queue(queue).all_streams), 1)
+            if not reply:
+                raise virtual.base.Empty()
+            messages = self._messages_from_reply(reply)
+            if messages:
+                return messages[0][1]
+
+    def _register_liveness_for_get(self) -> None:
+        if not self._registered_liveness:
+            self.connection.lease_keeper.register(self.consumer_name, self._active_queues)
+            self._registered_liveness = True
+
+    def _read_now(self, streams: list[str], count: int) -> list[Any]:
+        """Non-blocking read of up to ``count`` entries, most urgent stream first."""
+        read = script(self.client, "read")
+        args = [self.settings.consumer_group, self.consumer_name, count]
+        try:
+            return read(keys=streams, args=args)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+            self._recreate_groups()
+            return read(keys=streams, args=args)
+
+    def _recreate_groups(self) -> None:
+        """After Redis lost its data (restart without persistence), declare groups again."""
+        logger.warning("consumer groups missing (was Redis restarted?); creating them again")
+        for queue in set(self._active_queues):
+            self._new_queue(queue)
+
+    # Blocking reads, driven by the transport's poller.
+
+    @property
+    def reader(self) -> Any:
+        """Dedicated connection for blocking reads; its socket goes to the event loop."""
+        if self._reader is None:
+            self._reader = self.client.connection_pool.make_connection()
+            self._reader.connect()
+        return self._reader
+
+    def start_blocking_read(self) -> int | None:
+        """Send a blocking XREADGROUP unless one is in flight; return the socket's fd."""
+        if not self._reading:
+            if not self.consuming:
+                return None
+            streams = self._consumed_streams()
+            per_stream = max(1, self._credit() // len(streams))
+            self.reader.send_command(
+                "XREADGROUP", "GROUP", self.settings.consumer_group, self.consumer_name,
+                "COUNT", per_stream, "BLOCK", self.settings.block_ms,
+                "STREAMS", *streams, *([">"] * len(streams)),
+            )
+            self._reading = True
+        sock = self._reader._sock if self._reader is not None else None
+        return sock.fileno() if sock is not None else None
+
+    def finish_blocking_read(self) -> int:
+        """Read the reply of the blocking read and deliver it; return messages delivered."""
+        self._reading = False
+        try:
+            reply = self.reader.read_response()
+        except ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+            self._recreate_groups()
+            return 0
+        except BaseException:
+            self._drop_reader()
+            raise
+        delivered = self._deliver_reply(reply or [])
+        if delivered and self.consuming:
+            delivered += self._deliver_reply(self._read_now(self._consumed_streams(),
+                                                            self._credit()))
+        return delivered
+
+    def _drop_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.disconnect()
+            self._reader = None
+        self._reading = False
+
+    def _deliver_reply(self, reply: list[Any]) -> int:
+        delivered = 0
+        for queue, message in self._messages_from_reply(reply):
+            self.connection._deliver(message, queue)
+            if queue in self._no_ack_queues:
+                self.ack_entry(message["properties"]["delivery_info"])
+            delivered += 1
+        return delivered
+
+    def _messages_from_reply(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+        messages = []
+        for stream_name, entries in reply:
+            stream = _text(stream_name)
+            queue = self.connection.queue_of_stream(stream)
+            for entry_id, fields in entries:
+                if fields is None:
+                    continue
+                message = self._message_from_entry(queue, stream, _text(entry_id), fields)
+                if message is not None:
+                    messages.append((queue, message))
+        return messages
+
+    def _message_from_entry(self, queue: str, stream: str, entry_id: str,
+                            fields: Any) -> dict[str, Any] | None:
+        keys = self.keys.queue(queue)
+        if isinstance(fields, list):
+            fields = dict(zip(fields[::2], fields[1::2]))
+        try:
+            if stream == keys.kombu_stream:
+                message = self._kombu_message(fields)
+                redelivered = False
+            else:
+                envelope = decode_entry(fields, self.settings.limits)
+                if not envelope.is_due():
+                    self._reschedule(queue, keys, stream, entry_id, envelope, fields)
+                    return None
+                message = self.adapter.to_message(envelope, queue)
+                redelivered = b"n" in fields or "n" in fields
+        except MalformedEntry as exc:
+            self._dead_letter(queue, stream, entry_id, Failure(FailureClass.MALFORMED_ENTRY,
+                                                               exc.reason))
+            return None
+        except Undeliverable as exc:
+            self._dead_letter(queue, stream, entry_id,
+                              Failure(FailureClass(exc.failure_class), exc.reason,
+                                      task_id=envelope.task_id, task_type=envelope.task_type))
+            return None
+        properties = message.setdefault("properties", {})
+        properties["delivery_tag"] = f"{stream} {entry_id}"
+        info = properties.setdefault("delivery_info", {})
+        info.setdefault("exchange", "")
+        info.setdefault("routing_key", queue)
+        info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id, "redelivered": redelivered})
+        return message
+
+    @staticmethod
+    def _kombu_message(fields: dict[Any, Any]) -> dict[str, Any]:
+        raw = fields.get(F_KOMBU.encode(), fields.get(F_KOMBU))
+        if raw is None:
+            raise MalformedEntry("kombu stream entry has no 'kombu' field")
+        try:
+            message = json.loads(raw)
+        except ValueError as exc:
+            raise MalformedEntry(f"kombu stream entry is not JSON: {exc}") from exc
+        if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
+            raise MalformedEntry("kombu stream entry is not a kombu message")
+        return message
+
+    def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,
+                    envelope: Envelope, fields: dict[Any, Any]) -> None:
+        """An entry added to a stream before it is due goes to the delayed set instead."""
+        self.publisher._register_delayed_queues({queue})
+        pipe = self.client.pipeline(transaction=True)
+        script(self.client, "schedule")(
+            keys=[keys.delayed, keys.delayed_data],
+            args=[envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value,
+                  fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
+                  fields.get(F_BODY.encode(), fields.get(F_BODY)),
+                  self.keys.wakeup_channel],
+            client=pipe,
+        )
+        pipe.xack(stream, self.settings.consumer_group, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+    # ------------------------------------------------------- ack / reject
+
+    def ack_entry(self, delivery_info: dict[str, Any]) -> None:
+        """Acknowledge and delete the entry a message came from."""
+        stream = delivery_info.get(INFO_STREAM)
+        if stream is None:
+            return
+        entry_id = delivery_info[INFO_ENTRY_ID]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(stream, self.settings.consumer_group, entry_id)
+        pipe.xdel(stream, entry_id)
+        acked, _ = pipe.execute()
+        if not acked:
+            logger.warning(
+                "entry %s of %s was no longer pending when acknowledged "
+                "(it was taken over while this consumer looked dead)", entry_id, stream)
+
+    def requeue_entry(self, delivery_info: dict[str, Any]) -> None:
+        """Put the entry a message came from back at the end of its stream."""
+        stream = delivery_info.get(INFO_STREAM)
+        if stream is None:
+            return
+        queue = self.connection.queue_of_stream(stream)
+        script(self.client, "requeue")(
+            keys=[stream, stream, self.keys.queue(queue).dead],
+            args=[self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
+                  format_rfc3339(utcnow())],
+        )
+
+    def dead_letter_rejected(self, message: Any) -> None:
+        """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""
+        info = message.delivery_info
+        stream = info.get(INFO_STREAM)
+        if stream is None:
+            return
+        failure_class = FailureClass(info.get(INFO_FAILURE_CLASS, FailureClass.REJECTED))
+        reason = info.get(INFO_FAILURE_REASON, "rejected by the consumer without requeue")
+        self._dead_letter(self.connection.queue_of_stream(stream), stream,
+                          info[INFO_ENTRY_ID], Failure(failure_class, reason))
+
+    def _dead_letter(self, queue: str, stream: str, entry_id: str, failure: Failure) -> None:
+        dead_id = dead_letter_pending(
+            self.client, self.settings, queue=queue, stream=stream, entry_id=entry_id,
+            failure=failure, consumer=self.consumer_name,
+        )
+        logger.error("entry %s of %s dead-lettered as %s (%s): %s", entry_id, stream,
+                     dead_id, failure.failure_class.value, failure.reason)
+
+    # ---------------------------------------------------------------- close
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        transport = self.connection
+        queues = set(self._active_queues)
+        super().close()  # cancels consumers and restores what QoS tracked
+        self._drop_reader()
+        transport.poller.discard(self)
+        if self._registered_liveness:
+            self._requeue_own_pending(queues)
+            transport.lease_keeper.unregister(self.consumer_name)
+        self.client.close()
+
+    def _requeue_own_pending(self, queues: set[str]) -> None:
+        """Entries read but never delivered (a read in flight at close) go back at once."""
+        requeue = script(self.client, "requeue")
+        now = format_rfc3339(utcnow())
+        for queue in queues:
+            keys = self.keys.queue(queue)
+            for stream in keys.all_streams:
+                pending = self.client.xpending_range(
+                    stream, self.settings.consumer_group, min="-", max="+", count=10_000,
+                    consumername=self.consumer_name,
+                )
+                for item in pending:
+                    requeue(keys=[stream, stream, keys.dead],
+                            args=[self.settings.consumer_group, _text(item["message_id"]),
+                                  self.consumer_name, 0, 0, 0, now])

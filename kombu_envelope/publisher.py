@@ -1,0 +1,85 @@
+"""Publishing Envelopes: validate, encode, then add to a stream or the delayed set.
+
+Usable without kombu::
+
+    from redis import Redis
+    from kombu_envelope import Envelope, Publisher
+
+    Publisher(Redis()).publish("orders", Envelope.new(task_type="order.close_timeout",
+                                                      payload={"order_id": 1}))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from kombu_envelope.codec import F_BODY, F_ENCODING, F_VERSION, WIRE_VERSION, encode_body
+from kombu_envelope.envelope import Envelope, check_publishable, utcnow
+from kombu_envelope.keys import bucket_for
+from kombu_envelope.scripts import script
+from kombu_envelope.settings import Settings
+
+
+class Publisher:
+    """Stores Envelopes in a queue: its priority stream when due, its delayed set otherwise."""
+
+    def __init__(self, client: Any, settings: Settings | None = None) -> None:
+        self.client = client
+        self.settings = settings or Settings()
+        self._known_delayed_queues: set[str] = set()
+
+    def publish(self, queue: str, envelope: Envelope, now: datetime | None = None) -> str | None:
+        """Publish one Envelope; return its stream entry id, or None when it was delayed.
+
+        Raises :class:`~kombu_envelope.errors.InvalidEnvelope` before anything
+        reaches Redis when a publish-time rule is broken.
+        """
+        return self.publish_many([(queue, envelope)], now)[0]
+
+    def publish_many(
+        self, items: Iterable[tuple[str, Envelope]], now: datetime | None = None
+    ) -> list[str | None]:
+        """Publish many Envelopes in one pipelined round trip.
+
+        Every Envelope is validated first; if any is invalid nothing is sent.
+        Returns, in order, each stream entry id (None for delayed ones).
+        """
+        now = now or utcnow()
+        settings = self.settings
+        prepared = []
+        for queue, envelope in items:
+            check_publishable(envelope, settings.limits, now)
+            prepared.append((queue, envelope, *encode_body(envelope, settings.gzip_min_bytes)))
+        self._register_delayed_queues(
+            {queue for queue, envelope, _, _ in prepared if not envelope.is_due(now)}
+        )
+        pipe = self.client.pipeline(transaction=False)
+        schedule = script(self.client, "schedule")
+        for queue, envelope, enc, body in prepared:
+            keys = settings.keys.queue(queue)
+            bucket = bucket_for(envelope.priority)
+            if envelope.is_due(now):
+                pipe.xadd(keys.stream(bucket), {F_VERSION: WIRE_VERSION, F_ENCODING: enc,
+                                                F_BODY: body})
+            else:
+                schedule(
+                    keys=[keys.delayed, keys.delayed_data],
+                    args=[envelope.task_id, envelope.due_ms(), bucket.value, enc, body,
+                          settings.keys.wakeup_channel],
+                    client=pipe,
+                )
+        # XADD answers the entry id; schedule.lua answers an integer.
+        return [
+            reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)
+            else None
+            for reply in pipe.execute()
+        ]
+
+    def _register_delayed_queues(self, queues: set[str]) -> None:
+        """Add queues to the registry that promoters scan (once per publisher)."""
+        new = queues - self._known_delayed_queues
+        if new:
+            self.client.sadd(self.settings.keys.queues, *sorted(new))
+            self._known_delayed_queues |= new

@@ -1,0 +1,181 @@
+"""kombu transport ``envelope://`` on Redis Streams (``envelopes://`` for TLS).
+
+Features
+========
+* Type: Virtual
+* Supports Direct: Yes
+* Supports Topic: Yes
+* Supports Fanout: Yes (bindings are shared through Redis)
+* Supports Priority: Yes (0-255, higher first; three buckets per queue)
+* Supports TTL: No
+
+Connection String
+=================
+``envelope://[USER:PASSWORD@]HOST[:PORT][/DB]``, ``envelopes://...`` for TLS.
+
+Transport Options
+=================
+See :class:`kombu_envelope.settings.Settings`: ``key_prefix``, ``consumer_group``,
+``lease_ms``, ``block_ms``, ``max_batch``, ``gzip_min_bytes``, ``max_delay_s``,
+``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
+``max_redeliveries``, ``message_adapter``, ``socket_timeout``,
+``socket_connect_timeout``, ``connection_kwargs``.
+"""
+
+from __future__ import annotations
+
+import select
+from time import monotonic
+from typing import Any
+
+import redis
+from kombu.transport import virtual
+from kombu.transport.redis import get_redis_error_classes
+from kombu.utils.imports import symbol_by_name
+from kombu.utils.objects import cached_property
+
+from kombu_envelope.adapter import MessageAdapter
+from kombu_envelope.channel import Channel
+from kombu_envelope.connection import connection_pool
+from kombu_envelope.lease import LeaseKeeper
+from kombu_envelope.settings import Settings
+
+
+class Poller:
+    """Tracks the channels of one connection and their blocking-read sockets."""
+
+    def __init__(self) -> None:
+        self.channels: list[Channel] = []
+        self._fd_to_channel: dict[int, Channel] = {}
+
+    def add(self, channel: Channel) -> None:
+        """Poll ``channel`` from now on."""
+        self.channels.append(channel)
+
+    def discard(self, channel: Channel) -> None:
+        """Stop polling ``channel``."""
+        if channel in self.channels:
+            self.channels.remove(channel)
+        for fd, known in list(self._fd_to_channel.items()):
+            if known is channel:
+                del self._fd_to_channel[fd]
+
+    def arm(self) -> list[int]:
+        """Start a blocking read on every channel that can consume; return their fds."""
+        self._fd_to_channel = {}
+        for channel in list(self.channels):
+            fd = channel.start_blocking_read()
+            if fd is not None:
+                self._fd_to_channel[fd] = channel
+        return list(self._fd_to_channel)
+
+    def on_readable(self, fd: int) -> int:
+        """A read reply arrived on ``fd``: deliver it; return messages delivered."""
+        channel = self._fd_to_channel.get(fd)
+        if channel is None or not channel._reading:
+            return 0
+        return channel.finish_blocking_read()
+
+
+class Transport(virtual.Transport):
+    """The ``envelope://`` transport."""
+
+    Channel = Channel
+
+    default_port = 6379
+    driver_type = "redis"  # Celery enables gossip, mingle and events for "redis"
+    driver_name = "redis"
+    polling_interval = None
+
+    implements = virtual.Transport.implements.extend(
+        asynchronous=True,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+        heartbeats=False,
+    )
+
+    connection_errors, channel_errors = get_redis_error_classes()
+
+    #: Adapter used when the ``message_adapter`` option is not set.
+    default_adapter = MessageAdapter
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.settings = Settings.from_transport_options(client.transport_options)
+        self.poller = Poller()
+        self._stream_queues: dict[str, str] = {}
+
+    def driver_version(self) -> str:
+        return str(redis.__version__)
+
+    @cached_property
+    def adapter(self) -> MessageAdapter:
+        """The message adapter named by the ``message_adapter`` option."""
+        name = self.settings.message_adapter
+        adapter_cls = symbol_by_name(name) if name else self.default_adapter
+        adapter: MessageAdapter = adapter_cls()
+        return adapter
+
+    @cached_property
+    def pool(self) -> redis.ConnectionPool:
+        """Connection pool shared by this connection's channels."""
+        return connection_pool(self.client, self.settings)
+
+    def new_redis_client(self) -> redis.Redis:
+        """A client on the shared pool."""
+        return redis.Redis(connection_pool=self.pool)
+
+    @cached_property
+    def lease_keeper(self) -> LeaseKeeper:
+        """Keeps this connection's consumers alive (started on first consume)."""
+        return LeaseKeeper(lambda: redis.Redis(connection_pool=connection_pool(
+            self.client, self.settings)), self.settings)
+
+    def queue_of_stream(self, stream: str) -> str:
+        """The queue a stream key belongs to (the hash tag between the braces)."""
+        queue = self._stream_queues.get(stream)
+        if queue is None:
+            queue = self._stream_queues[stream] = stream[stream.index("{") + 1:
+                                                         stream.rindex("}")]
+        return queue
+
+    # --------------------------------------------------------- event loop
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        """Register blocking-read sockets with the hub on every tick."""
+        poller = self.poller
+        add_reader = loop.add_reader
+
+        def on_readable(fd: int) -> None:
+            loop.remove_reader(fd)  # armed again on the next tick
+            poller.on_readable(fd)
+
+        def on_poll_start() -> None:
+            for fd in poller.arm():
+                add_reader(fd, on_readable, fd)
+
+        loop.on_tick.add(on_poll_start)
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds for messages and deliver them."""
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            fds = self.poller.arm()
+            remaining = None if deadline is None else max(deadline - monotonic(), 0)
+            if not fds:
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError()
+                select.select([], [], [], min(remaining if remaining is not None else 1, 1))
+                continue
+            readable, _, _ = select.select(fds, [], [], remaining)
+            delivered = sum(self.poller.on_readable(fd) for fd in readable)
+            if delivered:
+                return
+            if deadline is not None and monotonic() >= deadline:
+                raise TimeoutError()
+
+    def close_connection(self, connection: Any) -> None:
+        super().close_connection(connection)
+        if "lease_keeper" in self.__dict__:
+            self.lease_keeper.stop()
+        if "pool" in self.__dict__:
+            self.pool.disconnect()

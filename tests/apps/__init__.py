@@ -1,0 +1,1 @@
+"""Small Celery apps started by test workers (``celery -A apps.<name>``)."""
