@@ -13,7 +13,10 @@ from weakref import WeakKeyDictionary
 
 from redis.commands.core import Script
 
-SCRIPT_NAMES = ("schedule", "promote", "read", "requeue", "dead_letter")
+SCRIPT_NAMES = (
+    "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
+    "idem_begin", "idem_finish", "retry_slot",
+)
 
 _registered: WeakKeyDictionary[Any, dict[str, Script]] = WeakKeyDictionary()
 
