@@ -372,39 +372,87 @@ class Channel(virtual.Channel):
         return delivered
 
     def _messages_from_reply(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
-        messages = []
+        """Turn read entries into kombu messages (section 5.1 of docs/protocol.md)."""
+        decoded = []
         for stream_name, entries in reply:
             stream = _text(stream_name)
             queue = self.connection.queue_of_stream(stream)
             for entry_id, fields in entries:
-                if fields is None:
-                    continue
-                message = self._message_from_entry(queue, stream, _text(entry_id), fields)
-                if message is not None:
-                    messages.append((queue, message))
+                if fields is not None:
+                    item = self._decode_entry(queue, stream, _text(entry_id), fields)
+                    if item is not None:
+                        decoded.append(item)
+        cancelled = self._cancelled_among(decoded)
+        messages = []
+        for queue, stream, entry_id, fields, envelope in decoded:
+            if envelope is not None and envelope.task_id in cancelled.get(queue, ()):
+                self._skip_cancelled(queue, stream, entry_id, envelope)
+                continue
+            message = self._message_for(queue, stream, entry_id, fields, envelope)
+            if message is not None:
+                messages.append((queue, message))
         return messages
 
-    def _message_from_entry(self, queue: str, stream: str, entry_id: str,
-                            fields: Any) -> dict[str, Any] | None:
-        keys = self.keys.queue(queue)
+    def _decode_entry(self, queue: str, stream: str, entry_id: str, fields: Any
+                      ) -> tuple[str, str, str, dict[Any, Any], Envelope | None] | None:
+        """Decode one entry; malformed and not-yet-due ones are dealt with here (None)."""
         if isinstance(fields, list):
             fields = dict(zip(fields[::2], fields[1::2]))
+        keys = self.keys.queue(queue)
+        if stream == keys.kombu_stream:
+            return queue, stream, entry_id, fields, None
         try:
-            if stream == keys.kombu_stream:
-                message = self._kombu_message(fields)
-                redelivered = False
-            else:
-                envelope = decode_entry(fields, self.settings.limits)
-                if not envelope.is_due():
-                    self._reschedule(queue, keys, stream, entry_id, envelope, fields)
-                    return None
-                message = self.adapter.to_message(envelope, queue)
-                redelivered = b"n" in fields or "n" in fields
+            envelope = decode_entry(fields, self.settings.limits)
         except MalformedEntry as exc:
-            self._dead_letter(queue, stream, entry_id, Failure(FailureClass.MALFORMED_ENTRY,
-                                                               exc.reason))
+            self._dead_letter(queue, stream, entry_id,
+                              Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
+            return None
+        if not envelope.is_due():
+            self._reschedule(queue, keys, stream, entry_id, envelope, fields)
+            return None
+        return queue, stream, entry_id, fields, envelope
+
+    def _cancelled_among(self, decoded: list[Any]) -> dict[str, set[str]]:
+        """Task ids of ``decoded`` marked cancelled, per queue (one round trip)."""
+        by_queue: dict[str, list[str]] = {}
+        for queue, _stream, _id, _fields, envelope in decoded:
+            if envelope is not None:
+                by_queue.setdefault(queue, []).append(envelope.task_id)
+        if not by_queue:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for queue, task_ids in by_queue.items():
+            pipe.zmscore(self.keys.queue(queue).cancelled, task_ids)
+        return {
+            queue: {tid for tid, mark in zip(task_ids, marks) if mark is not None}
+            for (queue, task_ids), marks in zip(by_queue.items(), pipe.execute())
+        }
+
+    def _skip_cancelled(self, queue: str, stream: str, entry_id: str,
+                        envelope: Envelope) -> None:
+        """Acknowledge a cancelled task without running it, and clear its mark."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(stream, self.settings.consumer_group, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.zrem(self.keys.queue(queue).cancelled, envelope.task_id)
+        pipe.execute()
+        logger.info("task %s (%s) was cancelled; acknowledged without running it",
+                    envelope.task_id, envelope.task_type)
+
+    def _message_for(self, queue: str, stream: str, entry_id: str, fields: dict[Any, Any],
+                     envelope: Envelope | None) -> dict[str, Any] | None:
+        """The kombu message for a decoded entry (None when it was dead-lettered)."""
+        try:
+            if envelope is None:
+                message = self._kombu_message(fields)
+            else:
+                message = self.adapter.to_message(envelope, queue)
+        except MalformedEntry as exc:
+            self._dead_letter(queue, stream, entry_id,
+                              Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
             return None
         except Undeliverable as exc:
+            assert envelope is not None
             self._dead_letter(queue, stream, entry_id,
                               Failure(FailureClass(exc.failure_class), exc.reason,
                                       task_id=envelope.task_id, task_type=envelope.task_type))
@@ -414,7 +462,8 @@ class Channel(virtual.Channel):
         info = properties.setdefault("delivery_info", {})
         info.setdefault("exchange", "")
         info.setdefault("routing_key", queue)
-        info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id, "redelivered": redelivered})
+        info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id,
+                     "redelivered": b"n" in fields or "n" in fields})
         return message
 
     @staticmethod

@@ -14,7 +14,7 @@ Layout for prefix ``envelope`` and queue ``celery``::
     envelope:{celery}:delayed       ZSET task_id -> due time (ms since the Unix epoch)
     envelope:{celery}:delayed:data  HASH task_id -> stored entry
     envelope:{celery}:dead          dead-letter stream
-    envelope:{celery}:cancelled     HASH task_id -> cancel time (tasks cancelled after promotion)
+    envelope:{celery}:cancelled     ZSET task_id -> cancel time in ms (cancelled after promotion)
     envelope:{celery}:meta          HASH queue settings
     envelope:queues                 SET of queue names that have delayed tasks
     envelope:binding:<exchange>     SET of bindings of an exchange
@@ -120,7 +120,7 @@ class QueueKeys:
 
     @property
     def cancelled(self) -> str:
-        """HASH of task ids cancelled after they reached a stream."""
+        """ZSET of task ids cancelled after they reached a stream, scored by cancel time (ms)."""
         return f"{self.base}:cancelled"
 
     @property

@@ -1,0 +1,136 @@
+"""Inspect and cancel delayed tasks.
+
+Delayed tasks wait in ``<prefix>:{<queue>}:delayed`` (task ids scored by due
+time) with their stored entries in ``<prefix>:{<queue>}:delayed:data``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from kombu_envelope.codec import decode_body
+from kombu_envelope.envelope import Envelope, utcnow
+from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.scripts import script
+from kombu_envelope.settings import Settings
+
+#: How long a cancel mark waits for its task to reach a consumer (ms): 7 days.
+CANCEL_MARK_RETENTION_MS = 7 * 24 * 3600 * 1000
+
+
+class CancelOutcome(str, Enum):
+    """What :meth:`DelayedTasks.cancel` did."""
+
+    #: The task was still delayed and is gone.
+    REMOVED = "removed"
+    #: The task may already be in a stream; consumers will skip it.
+    MARKED = "marked"
+    #: It had been marked before.
+    ALREADY = "already"
+
+
+@dataclass(frozen=True)
+class DelayedTask:
+    """One delayed task: where it waits, when it is due, and its Envelope."""
+
+    queue: str
+    task_id: str
+    due: datetime
+    envelope: Envelope | None
+    error: str | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _decode_stored(stored: bytes, settings: Settings) -> tuple[Envelope | None, str | None]:
+    """Decode a delayed-set value "<bucket>\\n<enc>\\n<body>"."""
+    try:
+        _bucket, enc, body = stored.split(b"\n", 2)
+        return decode_body(enc, body, settings.limits), None
+    except ValueError:
+        return None, "stored value has no bucket/enc header"
+    except MalformedEntry as exc:
+        return None, exc.reason
+
+
+class DelayedTasks:
+    """Read-only views of the delayed sets, and cancellation."""
+
+    def __init__(self, client: Any, settings: Settings | None = None) -> None:
+        self.client = client
+        self.settings = settings or Settings()
+
+    def queues(self) -> list[str]:
+        """Queues that have (or had) delayed tasks."""
+        return sorted(_text(q) for q in self.client.smembers(self.settings.keys.queues))
+
+    def count(self, queue: str) -> int:
+        """How many tasks of ``queue`` are delayed."""
+        return int(self.client.zcard(self.settings.keys.queue(queue).delayed))
+
+    def counts(self) -> dict[str, int]:
+        """Delayed tasks per queue."""
+        return {queue: self.count(queue) for queue in self.queues()}
+
+    def next_due(self, queue: str, limit: int = 10) -> list[DelayedTask]:
+        """The ``limit`` tasks of ``queue`` due soonest."""
+        keys = self.settings.keys.queue(queue)
+        scored = self.client.zrange(keys.delayed, 0, limit - 1, withscores=True)
+        return self._with_envelopes(queue, scored)
+
+    def iter_all(self, queue: str, batch: int = 500) -> Iterator[DelayedTask]:
+        """Every delayed task of ``queue``, soonest first."""
+        keys = self.settings.keys.queue(queue)
+        start = 0
+        while True:
+            scored = self.client.zrange(keys.delayed, start, start + batch - 1, withscores=True)
+            if not scored:
+                return
+            yield from self._with_envelopes(queue, scored)
+            start += batch
+
+    def count_by_task_type(self, queue: str) -> Counter[str]:
+        """Delayed tasks of ``queue`` per ``task_type`` (undecodable ones under "?")."""
+        return Counter(
+            task.envelope.task_type if task.envelope else "?" for task in self.iter_all(queue)
+        )
+
+    def get(self, task_id: str, queue: str | None = None) -> DelayedTask | None:
+        """Look a delayed task up by ``task_id`` (in ``queue``, or in every queue)."""
+        for name in [queue] if queue else self.queues():
+            keys = self.settings.keys.queue(name)
+            score = self.client.zscore(keys.delayed, task_id)
+            if score is not None:
+                return self._with_envelopes(name, [(task_id, score)])[0]
+        return None
+
+    def cancel(self, task_id: str, queue: str) -> CancelOutcome:
+        """Cancel ``task_id`` of ``queue`` (see :class:`CancelOutcome`)."""
+        keys = self.settings.keys.queue(queue)
+        now_ms = int(utcnow().timestamp() * 1000)
+        reply = script(self.client, "cancel")(
+            keys=[keys.delayed, keys.delayed_data, keys.cancelled],
+            args=[task_id, now_ms, CANCEL_MARK_RETENTION_MS],
+        )
+        return CancelOutcome(_text(reply))
+
+    def _with_envelopes(self, queue: str, scored: list[tuple[Any, float]]) -> list[DelayedTask]:
+        if not scored:
+            return []
+        keys = self.settings.keys.queue(queue)
+        ids = [_text(member) for member, _ in scored]
+        stored = self.client.hmget(keys.delayed_data, ids)
+        tasks = []
+        for task_id, (_, score), value in zip(ids, scored, stored):
+            envelope, error = (None, "no stored entry") if value is None else _decode_stored(
+                value, self.settings)
+            due = datetime.fromtimestamp(score / 1000, tz=timezone.utc)
+            tasks.append(DelayedTask(queue, task_id, due, envelope, error))
+        return tasks
