@@ -1,20 +1,30 @@
 """The dead-letter stream: where every terminal failure lands, with its raw bytes.
 
-A dead-letter entry holds the failure fields below, then every field of the
-original stream entry under ``raw.<field>``, byte for byte. Nothing is ever
-dropped: a malformed entry is kept as it was written.
+A dead-letter entry holds the failure fields (see docs/protocol.md), then every
+field of the original stream entry under ``raw.<field>``, byte for byte.
+Nothing is ever dropped: a malformed entry is kept as it was written.
+
+:class:`DeadLetters` lists, shows, counts, purges and replays entries.
 """
 
 from __future__ import annotations
 
+import base64
+import getpass
+import json
 import os
 import socket
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-from kombu_envelope.envelope import format_rfc3339, utcnow
+from kombu_envelope.codec import decode_entry, encode_body
+from kombu_envelope.envelope import Envelope, Limits, check_publishable, format_rfc3339, utcnow
+from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.keys import bucket_for
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -101,4 +111,232 @@ def dead_letter_pending(
     reply = script(client, "dead_letter")(
         keys=[stream, settings.keys.queue(queue).dead], args=args
     )
-    return reply.decode() if isinstance(reply, bytes) else reply or None
+    if reply:
+        client.sadd(settings.keys.dead_queues, queue)
+    return _text(reply) if reply else None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead-letter entry: its failure fields, the raw original fields, its Envelope."""
+
+    queue: str
+    entry_id: str
+    fields: dict[str, str]
+    raw: dict[str, bytes]
+    envelope: Envelope | None
+    decode_error: str | None
+
+    @property
+    def failure_class(self) -> str:
+        """Why it failed (a :class:`FailureClass` value)."""
+        return self.fields.get("failure_class", "")
+
+    @property
+    def task_type(self) -> str | None:
+        """The task type, from the Envelope or the failure fields."""
+        return self.envelope.task_type if self.envelope else self.fields.get("task_type")
+
+    @property
+    def task_id(self) -> str | None:
+        """The task id, from the Envelope or the failure fields."""
+        return self.envelope.task_id if self.envelope else self.fields.get("task_id")
+
+    @property
+    def dead_at(self) -> datetime:
+        """When it was dead-lettered (from the stream entry id)."""
+        millis = int(self.entry_id.split("-", 1)[0])
+        return datetime.fromtimestamp(millis / 1000, tz=timezone.utc)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (raw bytes as text when they are UTF-8, else base64)."""
+        raw = {}
+        for name, value in self.raw.items():
+            try:
+                raw[name] = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raw[name] = "base64:" + base64.b64encode(value).decode("ascii")
+        return {
+            "queue": self.queue,
+            "id": self.entry_id,
+            **self.fields,
+            "raw": raw,
+            "envelope": json.loads(self.envelope.to_json()) if self.envelope else None,
+            "decode_error": self.decode_error,
+        }
+
+
+@dataclass(frozen=True)
+class DeadLetterFilter:
+    """Which entries to select; every given criterion must match."""
+
+    task_type: str | None = None
+    failure_class: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def id_range(self) -> tuple[str, str]:
+        """XRANGE bounds from the time range (stream ids start with milliseconds)."""
+        low = "-" if self.since is None else str(int(self.since.timestamp() * 1000))
+        high = "+" if self.until is None else str(int(self.until.timestamp() * 1000))
+        return low, high
+
+    def matches(self, entry: DeadLetter) -> bool:
+        """True when ``entry`` passes the filter."""
+        return (self.task_type in (None, entry.task_type)
+                and self.failure_class in (None, entry.failure_class))
+
+
+def json_merge_patch(target: Any, patch: Any) -> Any:
+    """Apply an RFC 7386 JSON merge patch to ``target`` and return the result."""
+    if not isinstance(patch, dict):
+        return patch
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = json_merge_patch(result.get(key), value)
+    return result
+
+
+@dataclass(frozen=True)
+class ReplayEdit:
+    """How to change a dead-lettered Envelope before publishing it again.
+
+    ``payload`` replaces the payload; ``merge_patch`` is applied to it (RFC 7386);
+    ``payload_version`` sets the version (``bump_version`` adds one instead);
+    ``retry_count`` and ``max_retries`` override those fields (by default the
+    retry count starts again at 0).
+    """
+
+    payload: dict[str, Any] | None = None
+    merge_patch: dict[str, Any] | None = None
+    payload_version: int | None = None
+    bump_version: bool = False
+    retry_count: int = 0
+    max_retries: int | None = None
+
+    def apply(self, envelope: Envelope, limits: Limits) -> Envelope:
+        """The edited Envelope, validated; raises InvalidEnvelope."""
+        data = json.loads(envelope.to_json())
+        if self.payload is not None:
+            data["payload"] = self.payload
+        if self.merge_patch is not None:
+            data["payload"] = json_merge_patch(data.get("payload", {}), self.merge_patch)
+        if self.payload_version is not None:
+            data["payload_version"] = self.payload_version
+        elif self.bump_version:
+            data["payload_version"] = envelope.payload_version + 1
+        if self.max_retries is not None:
+            data["max_retries"] = self.max_retries
+        data["retry_count"] = self.retry_count
+        data.pop("schedule_time", None)  # a replay runs now
+        edited = Envelope.parse(data, limits)
+        check_publishable(edited, limits)
+        return edited
+
+
+class DeadLetters:
+    """List, show, count, purge and replay dead-letter entries."""
+
+    def __init__(self, client: Any, settings: Settings | None = None) -> None:
+        self.client = client
+        self.settings = settings or Settings()
+
+    def queues(self) -> list[str]:
+        """Queues that have had dead-letter entries."""
+        return sorted(_text(q) for q in self.client.smembers(self.settings.keys.dead_queues))
+
+    def iter(self, queue: str, where: DeadLetterFilter | None = None,
+             batch: int = 200) -> Iterator[DeadLetter]:
+        """Entries of ``queue`` matching ``where``, oldest first."""
+        where = where or DeadLetterFilter()
+        low, high = where.id_range()
+        stream = self.settings.keys.queue(queue).dead
+        while True:
+            entries = self.client.xrange(stream, low, high, count=batch)
+            for entry_id, fields in entries:
+                entry = self._entry(queue, _text(entry_id), fields)
+                if where.matches(entry):
+                    yield entry
+            if len(entries) < batch:
+                return
+            low = "(" + _text(entries[-1][0])
+
+    def list(self, queues: Iterable[str] | None = None, where: DeadLetterFilter | None = None,
+             limit: int = 100) -> list[DeadLetter]:
+        """Up to ``limit`` matching entries of ``queues`` (default: every queue)."""
+        found: list[DeadLetter] = []
+        for queue in queues or self.queues():
+            for entry in self.iter(queue, where):
+                if len(found) >= limit:
+                    return found
+                found.append(entry)
+        return found
+
+    def get(self, queue: str, entry_id: str) -> DeadLetter | None:
+        """One entry by id, or None."""
+        entries = self.client.xrange(self.settings.keys.queue(queue).dead, entry_id, entry_id)
+        return self._entry(queue, entry_id, entries[0][1]) if entries else None
+
+    def stats(self, queues: Iterable[str] | None = None,
+              where: DeadLetterFilter | None = None) -> Counter[tuple[str, str, str]]:
+        """Counts per (queue, task_type, failure_class)."""
+        counts: Counter[tuple[str, str, str]] = Counter()
+        for queue in queues or self.queues():
+            for entry in self.iter(queue, where):
+                counts[(queue, entry.task_type or "?", entry.failure_class)] += 1
+        return counts
+
+    def purge(self, queue: str, where: DeadLetterFilter | None = None) -> int:
+        """Delete matching entries of ``queue``; return how many."""
+        stream = self.settings.keys.queue(queue).dead
+        ids = [entry.entry_id for entry in self.iter(queue, where)]
+        for start in range(0, len(ids), 500):
+            self.client.xdel(stream, *ids[start:start + 500])
+        return len(ids)
+
+    def replay(self, queue: str, entry_id: str, edit: ReplayEdit | None = None,
+               operator: str | None = None) -> str | None:
+        """Publish a dead-lettered task again (edited first); return the new entry id.
+
+        Returns None when the entry is gone (someone replayed or purged it first).
+        Raises InvalidEnvelope when the edited Envelope is invalid, and
+        MalformedEntry when the entry holds no decodable Envelope.
+        """
+        entry = self.get(queue, entry_id)
+        if entry is None:
+            return None
+        if entry.envelope is None:
+            raise MalformedEntry(f"dead-letter entry {entry_id} holds no valid Envelope: "
+                                 f"{entry.decode_error}")
+        envelope = (edit or ReplayEdit()).apply(entry.envelope, self.settings.limits)
+        enc, body = encode_body(envelope, self.settings.gzip_min_bytes)
+        keys = self.settings.keys.queue(queue)
+        record = ["replayed_at", format_rfc3339(utcnow()),
+                  "operator", operator or f"{getpass.getuser()}@{socket.gethostname()}"]
+        reply = script(self.client, "replay")(
+            keys=[keys.dead, keys.stream(bucket_for(envelope.priority)), keys.replayed],
+            args=[entry_id, enc, body, *record],
+        )
+        return _text(reply) if reply else None
+
+    def _entry(self, queue: str, entry_id: str, fields: dict[Any, Any]) -> DeadLetter:
+        failure: dict[str, str] = {}
+        raw: dict[str, bytes] = {}
+        for name, value in fields.items():
+            key = _text(name)
+            if key.startswith("raw."):
+                raw[key[4:]] = value if isinstance(value, bytes) else str(value).encode()
+            else:
+                failure[key] = _text(value)
+        try:
+            envelope, error = decode_entry(raw, self.settings.limits), None
+        except MalformedEntry as exc:
+            envelope, error = None, exc.reason
+        return DeadLetter(queue, entry_id, failure, raw, envelope, error)

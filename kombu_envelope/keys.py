@@ -14,12 +14,15 @@ Layout for prefix ``envelope`` and queue ``celery``::
     envelope:{celery}:delayed       ZSET task_id -> due time (ms since the Unix epoch)
     envelope:{celery}:delayed:data  HASH task_id -> stored entry
     envelope:{celery}:dead          dead-letter stream
+    envelope:{celery}:replayed      records of replayed dead-letter entries
     envelope:{celery}:cancelled     ZSET task_id -> cancel time in ms (cancelled after promotion)
     envelope:{celery}:meta          HASH queue settings
     envelope:queues                 SET of queue names that have delayed tasks
+    envelope:dead-queues            SET of queue names that have dead-letter entries
     envelope:binding:<exchange>     SET of bindings of an exchange
     envelope:consumer:<name>        liveness of a consumer (expires after the lease)
-    envelope:idem:<key>             idempotency lease / done marker
+    envelope:idem:<task_type>:<key> idempotency claim / done marker
+    envelope:retrying:<task_type>   ZSET of running retries (concurrency cap)
     envelope:wakeup                 pub/sub channel that wakes delayed-task promoters
 """
 
@@ -119,6 +122,11 @@ class QueueKeys:
         return f"{self.base}:dead"
 
     @property
+    def replayed(self) -> str:
+        """Stream of records of replayed dead-letter entries."""
+        return f"{self.base}:replayed"
+
+    @property
     def cancelled(self) -> str:
         """ZSET of task ids cancelled after they reached a stream, scored by cancel time (ms)."""
         return f"{self.base}:cancelled"
@@ -144,6 +152,11 @@ class KeySpace:
         """SET of names of queues that have (or had) delayed tasks."""
         return f"{self.prefix}:queues"
 
+    @property
+    def dead_queues(self) -> str:
+        """SET of names of queues that have dead-letter entries."""
+        return f"{self.prefix}:dead-queues"
+
     def binding(self, exchange: str) -> str:
         """SET of bindings of ``exchange``."""
         return f"{self.prefix}:binding:{exchange}"
@@ -152,9 +165,13 @@ class KeySpace:
         """Liveness key of consumer ``consumer``; it expires when the consumer dies."""
         return f"{self.prefix}:consumer:{consumer}"
 
-    def idempotency(self, key: str) -> str:
-        """Idempotency lease / done marker for idempotency key ``key``."""
-        return f"{self.prefix}:idem:{key}"
+    def idempotency(self, task_type: str, key: str) -> str:
+        """Idempotency claim / done marker of ``key`` for tasks of ``task_type``."""
+        return f"{self.prefix}:idem:{task_type}:{key}"
+
+    def retrying(self, task_type: str) -> str:
+        """ZSET of retries of ``task_type`` running now (the retry concurrency cap)."""
+        return f"{self.prefix}:retrying:{task_type}"
 
     @property
     def wakeup_channel(self) -> str:
