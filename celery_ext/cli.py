@@ -1,0 +1,296 @@
+"""``celery envelope ...``: operate the scheduler, delayed tasks and dead letters.
+
+Registered through the ``celery.commands`` entry point, so every command runs
+as ``celery -A proj envelope <command>`` against the app's broker. Output is a
+human-readable table; ``--json`` prints JSON instead.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import click
+
+from celery_ext.broker import broker_redis, broker_settings
+from kombu_envelope.deadletter import DeadLetterFilter, DeadLetters, ReplayEdit
+from kombu_envelope.delayed import DelayedTasks
+from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
+from kombu_envelope.errors import EnvelopeError
+from kombu_envelope.scheduler import Promoter
+
+
+def _app(ctx: click.Context) -> Any:
+    return ctx.obj.app
+
+
+def _echo_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    rows = [[str(cell) for cell in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    click.echo(line.format(*headers))
+    click.echo(line.format(*("-" * w for w in widths)))
+    for row in rows:
+        click.echo(line.format(*row))
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+def _time(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return parse_rfc3339(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r}: {exc}") from exc
+
+
+def _json_object(value: str | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    try:
+        loaded = json.loads(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}") from exc
+    if not isinstance(loaded, dict):
+        raise click.BadParameter("must be a JSON object")
+    return loaded
+
+
+@click.group()
+def envelope() -> None:
+    """kombu-envelope: scheduler, delayed tasks and dead letters."""
+
+
+@envelope.command()
+@click.option("--batch", default=1000, show_default=True, help="Tasks moved per step.")
+@click.pass_context
+def scheduler(ctx: click.Context, batch: int) -> None:
+    """Run a standalone delayed-task promoter until interrupted."""
+    app = _app(ctx)
+    settings = broker_settings(app)
+    promoter = Promoter(lambda: broker_redis(app, settings), settings, batch=batch)
+    click.echo(f"promoting delayed tasks (prefix {settings.key_prefix}); Ctrl-C to stop")
+    stop = threading.Event()
+    promoter.start()
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        promoter.stop()
+
+
+# ------------------------------------------------------------------ delayed
+
+
+@envelope.group()
+def delayed() -> None:
+    """Inspect and cancel delayed tasks."""
+
+
+def _delayed(ctx: click.Context) -> DelayedTasks:
+    app = _app(ctx)
+    settings = broker_settings(app)
+    return DelayedTasks(broker_redis(app, settings), settings)
+
+
+@delayed.command("count")
+@click.option("--queue", "-Q", default=None, help="Count per task_type in this queue.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def delayed_count(ctx: click.Context, queue: str | None, as_json: bool) -> None:
+    """Count delayed tasks per queue, or per task_type of one queue."""
+    tasks = _delayed(ctx)
+    counts = dict(tasks.count_by_task_type(queue)) if queue else tasks.counts()
+    if as_json:
+        _echo_json(counts)
+    else:
+        _echo_table(["task_type" if queue else "queue", "delayed"], sorted(counts.items()))
+
+
+@delayed.command("list")
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.option("--task-type", default=None, help="Only this task_type.")
+@click.option("--limit", default=20, show_default=True, help="Show the N due soonest.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def delayed_list(ctx: click.Context, queue: str, task_type: str | None, limit: int,
+                 as_json: bool) -> None:
+    """List the delayed tasks of a queue, soonest first."""
+    found = []
+    for task in _delayed(ctx).iter_all(queue):
+        if task_type and (task.envelope is None or task.envelope.task_type != task_type):
+            continue
+        found.append(task)
+        if len(found) >= limit:
+            break
+    if as_json:
+        _echo_json([{"task_id": t.task_id, "due": format_rfc3339(t.due),
+                     "envelope": json.loads(t.envelope.to_json()) if t.envelope else None,
+                     "error": t.error} for t in found])
+        return
+    _echo_table(["due", "task_id", "task_type"],
+                [(format_rfc3339(t.due), t.task_id,
+                  t.envelope.task_type if t.envelope else f"? ({t.error})") for t in found])
+
+
+@delayed.command("show")
+@click.argument("task_id")
+@click.option("--queue", "-Q", default=None, help="Queue name (default: search all).")
+@click.pass_context
+def delayed_show(ctx: click.Context, task_id: str, queue: str | None) -> None:
+    """Show one delayed task as JSON."""
+    task = _delayed(ctx).get(task_id, queue)
+    if task is None:
+        raise click.ClickException(f"no delayed task {task_id}")
+    _echo_json({"queue": task.queue, "due": format_rfc3339(task.due),
+                "envelope": json.loads(task.envelope.to_json()) if task.envelope else None,
+                "error": task.error})
+
+
+@envelope.command()
+@click.argument("task_id")
+@click.option("--queue", "-Q", default="celery", show_default=True, help="Queue name.")
+@click.pass_context
+def cancel(ctx: click.Context, task_id: str, queue: str) -> None:
+    """Cancel a task: remove it if still delayed, else mark it to be skipped."""
+    click.echo(_delayed(ctx).cancel(task_id, queue).value)
+
+
+# ---------------------------------------------------------------------- dlq
+
+
+@envelope.group()
+def dlq() -> None:
+    """List, inspect, purge and replay dead-lettered tasks."""
+
+
+def _dead_letters(ctx: click.Context) -> DeadLetters:
+    app = _app(ctx)
+    settings = broker_settings(app)
+    return DeadLetters(broker_redis(app, settings), settings)
+
+
+def _filter_options(func: Any) -> Any:
+    for option in reversed([
+        click.option("--queue", "-Q", "queues", multiple=True, help="Queue (repeatable)."),
+        click.option("--task-type", default=None, help="Only this task_type."),
+        click.option("--failure-class", default=None, help="Only this failure class."),
+        click.option("--since", default=None, help="RFC 3339 time, inclusive."),
+        click.option("--until", default=None, help="RFC 3339 time, inclusive."),
+    ]):
+        func = option(func)
+    return func
+
+
+def _where(task_type: str | None, failure_class: str | None, since: str | None,
+           until: str | None) -> DeadLetterFilter:
+    return DeadLetterFilter(task_type=task_type, failure_class=failure_class,
+                            since=_time(since), until=_time(until))
+
+
+@dlq.command("list")
+@_filter_options
+@click.option("--limit", default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def dlq_list(ctx: click.Context, queues: tuple[str, ...], task_type: str | None,
+             failure_class: str | None, since: str | None, until: str | None, limit: int,
+             as_json: bool) -> None:
+    """List dead-lettered tasks, oldest first."""
+    entries = _dead_letters(ctx).list(queues or None,
+                                      _where(task_type, failure_class, since, until), limit)
+    if as_json:
+        _echo_json([entry.as_dict() for entry in entries])
+        return
+    _echo_table(["queue", "id", "dead_at", "failure_class", "task_type", "reason"],
+                [(e.queue, e.entry_id, format_rfc3339(e.dead_at), e.failure_class,
+                  e.task_type or "?", e.fields.get("reason", "")[:60]) for e in entries])
+
+
+@dlq.command("show")
+@click.argument("queue")
+@click.argument("entry_id")
+@click.pass_context
+def dlq_show(ctx: click.Context, queue: str, entry_id: str) -> None:
+    """Show one dead-letter entry as JSON (failure, raw fields, Envelope)."""
+    entry = _dead_letters(ctx).get(queue, entry_id)
+    if entry is None:
+        raise click.ClickException(f"no dead-letter entry {entry_id} in {queue}")
+    _echo_json(entry.as_dict())
+
+
+@dlq.command("stats")
+@_filter_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def dlq_stats(ctx: click.Context, queues: tuple[str, ...], task_type: str | None,
+              failure_class: str | None, since: str | None, until: str | None,
+              as_json: bool) -> None:
+    """Count dead-lettered tasks per queue, task_type and failure class."""
+    counts = _dead_letters(ctx).stats(queues or None,
+                                      _where(task_type, failure_class, since, until))
+    rows = sorted((*key, count) for key, count in counts.items())
+    if as_json:
+        _echo_json([{"queue": q, "task_type": t, "failure_class": f, "count": c}
+                    for q, t, f, c in rows])
+    else:
+        _echo_table(["queue", "task_type", "failure_class", "count"], rows)
+
+
+@dlq.command("purge")
+@_filter_options
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def dlq_purge(ctx: click.Context, queues: tuple[str, ...], task_type: str | None,
+              failure_class: str | None, since: str | None, until: str | None,
+              yes: bool) -> None:
+    """Delete dead-lettered tasks (all of the selected queues, or those matching)."""
+    dead = _dead_letters(ctx)
+    where = _where(task_type, failure_class, since, until)
+    names = list(queues) or dead.queues()
+    matching = sum(1 for q in names for _ in dead.iter(q, where))
+    if not matching:
+        click.echo("nothing to purge")
+        return
+    if not yes:
+        click.confirm(f"Delete {matching} dead-letter entries from {', '.join(names)}? "
+                      "There is no undo", abort=True)
+    click.echo(f"purged {sum(dead.purge(q, where) for q in names)}")
+
+
+@dlq.command("replay")
+@click.argument("queue")
+@click.argument("entry_ids", nargs=-1, required=True)
+@click.option("--payload", default=None, help="Replace the payload (JSON object).")
+@click.option("--merge-patch", default=None, help="RFC 7386 JSON merge patch for the payload.")
+@click.option("--payload-version", type=int, default=None, help="Set payload_version.")
+@click.option("--bump-version", is_flag=True, help="Add one to payload_version.")
+@click.option("--max-retries", type=int, default=None, help="Set max_retries.")
+@click.option("--keep-retry-count", is_flag=True, help="Keep retry_count (default: reset).")
+@click.pass_context
+def dlq_replay(ctx: click.Context, queue: str, entry_ids: tuple[str, ...], payload: str | None,
+               merge_patch: str | None, payload_version: int | None, bump_version: bool,
+               max_retries: int | None, keep_retry_count: bool) -> None:
+    """Publish dead-lettered tasks again, optionally edited first."""
+    dead = _dead_letters(ctx)
+    for entry_id in entry_ids:
+        entry = dead.get(queue, entry_id)
+        if entry is None:
+            click.echo(f"{entry_id}: not found (already replayed or purged)")
+            continue
+        retry_count = entry.envelope.retry_count if keep_retry_count and entry.envelope else 0
+        edit = ReplayEdit(payload=_json_object(payload), merge_patch=_json_object(merge_patch),
+                          payload_version=payload_version, bump_version=bump_version,
+                          retry_count=retry_count, max_retries=max_retries)
+        try:
+            new_id = dead.replay(queue, entry_id, edit)
+        except EnvelopeError as exc:
+            raise click.ClickException(f"{entry_id}: {exc}") from exc
+        click.echo(f"{entry_id}: " + (f"replayed as {new_id}" if new_id else "already replayed"))
