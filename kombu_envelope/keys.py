@@ -17,8 +17,10 @@ Layout for prefix ``envelope`` and queue ``celery``::
     envelope:{celery}:replayed      records of replayed dead-letter entries
     envelope:{celery}:cancelled     ZSET task_id -> cancel time in ms (cancelled after promotion)
     envelope:{celery}:meta          HASH queue settings
+    envelope:{celery}:periodic      HASH periodic entry name -> next occurrence (ms)
     envelope:queues                 SET of queue names that have delayed tasks
     envelope:dead-queues            SET of queue names that have dead-letter entries
+    envelope:periodic-queues        SET of queue names that have periodic entries
     envelope:binding:<exchange>     SET of bindings of an exchange
     envelope:consumer:<name>        liveness of a consumer (expires after the lease)
     envelope:idem:<task_type>:<key> idempotency claim / done marker
@@ -132,6 +134,11 @@ class QueueKeys:
         return f"{self.base}:cancelled"
 
     @property
+    def periodic(self) -> str:
+        """HASH of periodic entry name to its next occurrence (ms), plus fingerprints."""
+        return f"{self.base}:periodic"
+
+    @property
     def meta(self) -> str:
         """HASH of queue settings (for example whether the queue is transient)."""
         return f"{self.base}:meta"
@@ -156,6 +163,11 @@ class KeySpace:
     def dead_queues(self) -> str:
         """SET of names of queues that have dead-letter entries."""
         return f"{self.prefix}:dead-queues"
+
+    @property
+    def periodic_queues(self) -> str:
+        """SET of names of queues that have periodic entries."""
+        return f"{self.prefix}:periodic-queues"
 
     def binding(self, exchange: str) -> str:
         """SET of bindings of ``exchange``."""

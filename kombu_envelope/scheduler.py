@@ -55,8 +55,12 @@ class Promoter:
         settings: Settings | None = None,
         batch: int = DEFAULT_BATCH,
         max_idle_s: float = DEFAULT_MAX_IDLE_S,
+        jobs: Sequence[Callable[[int], int | None]] = (),
     ) -> None:
         self._client_factory = client_factory
+        #: Extra work run on every pass with the Redis time in ms (periodic
+        #: tasks, for example); each returns when it next needs to run, or None.
+        self.jobs = list(jobs)
         self.settings = settings or Settings()
         self.batch = batch
         self.max_idle_s = max_idle_s
@@ -112,6 +116,10 @@ class Promoter:
                 moved, next_due = self.run_once(now_ms)
                 if moved:
                     logger.debug("promoted %d due tasks", moved)
+                for job in self.jobs:
+                    job_next = job(now_ms)
+                    if job_next is not None and (next_due is None or job_next < next_due):
+                        next_due = job_next
                 sleep_s = self.max_idle_s
                 if next_due is not None:
                     sleep_s = min(sleep_s, max(next_due - now_ms, 0) / 1000)

@@ -15,7 +15,7 @@ from redis.commands.core import Script
 
 SCRIPT_NAMES = (
     "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
-    "idem_begin", "idem_finish", "retry_slot", "replay",
+    "idem_begin", "idem_finish", "retry_slot", "replay", "periodic",
 )
 
 _registered: WeakKeyDictionary[Any, dict[str, Script]] = WeakKeyDictionary()
