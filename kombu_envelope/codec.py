@@ -88,9 +88,12 @@ def encode_entry(
 
 
 def _field(fields: Mapping[Any, Any], name: str) -> bytes:
-    value = fields.get(name.encode())
-    if value is None:
-        value = fields.get(name)
+    try:
+        value = fields.get(name.encode())
+        if value is None:
+            value = fields.get(name)
+    except Exception as exc:  # a mapping that refuses bytes or str keys (e.g. os.environ)
+        raise MalformedEntry(f"cannot read field {name!r}: {exc!r}") from exc
     if value is None:
         raise MalformedEntry(f"missing field {name!r}")
     if isinstance(value, str):

@@ -57,7 +57,7 @@ _RFC3339 = re.compile(
     r"(?P<date>[0-9]{4}-[0-9]{2}-[0-9]{2})[Tt](?P<time>[0-9]{2}:[0-9]{2}:[0-9]{2})"
     r"(?:\.(?P<frac>[0-9]{1,9}))?(?P<offset>[Zz]|[+-][0-9]{2}:[0-9]{2})"
 )
-# An RFC 3339 local date-time: what a date-time looks like when its offset is missing.
+# An RFC 3339 local date-time: a date-time that lacks only its offset.
 _RFC3339_LOCAL = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?"
 )
@@ -106,7 +106,8 @@ def _in_range(value: datetime) -> datetime:
 def parse_rfc3339(value: Any) -> datetime:
     """Parse an RFC 3339 timestamp that carries an explicit offset (``Z`` or ``±hh:mm``).
 
-    Aware :class:`datetime` objects are accepted as they are. Naive datetimes,
+    Aware :class:`datetime` objects are accepted as they are (converted to UTC
+    if their offset is not whole minutes, which RFC 3339 cannot write). Naive datetimes,
     numbers (epoch seconds or milliseconds) and strings without an offset are
     refused: they are read differently by different languages. Fractions
     finer than a microsecond are truncated.
@@ -137,7 +138,11 @@ def parse_rfc3339(value: Any) -> datetime:
         )
     frac = (match["frac"] or "").ljust(6, "0")[:6]
     offset = match["offset"]
-    offset = "+00:00" if offset in ("Z", "z") else offset
+    if offset in ("Z", "z"):
+        offset = "+00:00"
+    elif int(offset[1:3]) > 23 or int(offset[4:6]) > 59:
+        raise PydanticCustomError("rfc3339", "offset {offset} is not ±00:00 to ±23:59",
+                                  {"offset": offset})
     try:
         parsed = datetime.fromisoformat(f"{match['date']}T{match['time']}.{frac}{offset}")
     except ValueError as exc:
@@ -274,11 +279,11 @@ class Envelope(BaseModel):
         _to_json(ext, "ext")
         return ext
 
-    @field_validator("headers", "idempotency_key")
+    @field_validator("headers")
     @classmethod
-    def _text_is_unicode(cls, value: Any, info: ValidationInfo) -> Any:
-        _to_json(value, info.field_name or "value")
-        return value
+    def _headers_are_unicode(cls, headers: dict[str, str]) -> dict[str, str]:
+        _to_json(headers, "headers")
+        return headers
 
     @field_validator("retry_count")
     @classmethod
@@ -351,7 +356,7 @@ _RULES = {
     "model_attributes_type": "type",
     "dict_type": "type",
     "string_type": "type",
-    "string_unicode": "type",
+    "string_unicode": "json_value",
     "int_type": "type",
     "int_parsing": "type",
     "int_from_float": "type",

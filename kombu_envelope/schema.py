@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
@@ -52,7 +53,9 @@ class WireJsonSchema(GenerateJsonSchema):
         return json_schema
 
 
-def _wire_schema(model: type[Any], name: str, title: str, description: str) -> dict[str, Any]:
+def _wire_schema(
+    model: type[BaseModel], name: str, title: str, description: str
+) -> dict[str, Any]:
     schema = model.model_json_schema(mode="validation", schema_generator=WireJsonSchema)
     schema.update({
         "$schema": DIALECT,

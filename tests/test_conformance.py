@@ -1,0 +1,189 @@
+"""The language-neutral conformance vectors, run against the Python implementation.
+
+``conformance/README.md`` describes the format; implementations in other
+languages run the same files.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kombu_envelope.codec import decode_entry
+from kombu_envelope.envelope import Envelope, check_publishable, format_rfc3339, utcnow
+from kombu_envelope.errors import InvalidEnvelope, MalformedEntry
+
+ROOT = Path(__file__).resolve().parent.parent / "conformance"
+MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+#: The rule names a violation may carry (documented in conformance/README.md).
+RULES = {
+    "required", "unknown_field", "type", "json", "json_value", "pattern", "length", "range",
+    "rfc3339", "timezone_required", "max_depth", "max_bytes", "retry_count_le_max_retries",
+    "max_delay",
+}
+#: Why an entry is malformed (documented in conformance/README.md), as the Python
+#: implementation words it.
+ENTRY_ERRORS = {
+    "missing_field": "missing field",
+    "version": "unsupported wire version",
+    "encoding": "unknown encoding",
+    "gzip": "body is not valid gzip",
+    "too_large": "body too large",
+    "envelope": "invalid envelope",
+}
+ENVELOPE_KEYS = {"name", "description", "input", "valid", "field", "rule", "expect",
+                 "schema_checks", "publish", "schedule_offset_s"}
+ENTRY_KEYS = {"name", "description", "fields", "valid", "envelope", "error", "field", "rule"}
+
+
+@functools.cache
+def load(relative: str) -> dict[str, Any]:
+    """One vector file (cached: treat it as read-only)."""
+    case: dict[str, Any] = json.loads((ROOT / relative).read_text(encoding="utf-8"))
+    return case
+
+
+def json_text(case: dict[str, Any]) -> str:
+    """The vector's input as the JSON text a reader receives."""
+    value = case["input"]
+    if isinstance(value, dict) and set(value) == {"raw"}:
+        raw: str = value["raw"]
+        return raw
+    if "schedule_offset_s" in case:
+        when = utcnow() + timedelta(seconds=case["schedule_offset_s"])
+        value = {**value, "schedule_time": format_rfc3339(when)}
+    return json.dumps(value, ensure_ascii=False)
+
+
+def entry_fields(case: dict[str, Any]) -> dict[bytes, bytes]:
+    """The vector's entry fields as redis-py returns them."""
+    fields = {}
+    for name, value in case["fields"].items():
+        if name == "body_base64":
+            fields[b"body"] = base64.b64decode(value, validate=True)
+        else:
+            fields[name.encode()] = value.encode()
+    return fields
+
+
+# --- the suite itself -------------------------------------------------------
+
+
+def test_the_manifest_lists_every_vector_file() -> None:
+    on_disk = {
+        "envelopes": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("envelopes/*.json")),
+        "entries": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("entries/*.json")),
+    }
+    assert MANIFEST["envelopes"] == on_disk["envelopes"]
+    assert MANIFEST["entries"] == on_disk["entries"]
+    assert MANIFEST["format_version"] == 1
+
+
+def test_there_are_enough_vectors_and_every_rule_is_exercised() -> None:
+    cases = [load(name) for name in MANIFEST["envelopes"]]
+    assert len(cases) >= 40
+    used = {case["rule"] for case in cases if not case["valid"]}
+    # Only native values (NaN, sets, dates) break json_value: unit tests cover it.
+    assert used == RULES - {"json_value"}
+
+
+def test_every_rule_and_entry_error_is_documented() -> None:
+    for name in RULES | set(ENTRY_ERRORS):
+        assert f"`{name}`" in README, name
+
+
+@pytest.mark.parametrize("relative", MANIFEST["envelopes"])
+def test_envelope_vector_is_well_formed(relative: str) -> None:
+    case = load(relative)
+    assert set(case) <= ENVELOPE_KEYS
+    assert case["name"] == Path(relative).stem
+    assert case["description"]
+    assert isinstance(case["valid"], bool)
+    if case["valid"]:
+        assert "field" not in case and "rule" not in case
+    else:
+        assert case["rule"] in RULES
+        assert case["field"]
+    assert ("schedule_offset_s" in case) == case.get("publish", False)
+
+
+@pytest.mark.parametrize("relative", MANIFEST["entries"])
+def test_entry_vector_is_well_formed(relative: str) -> None:
+    case = load(relative)
+    assert set(case) <= ENTRY_KEYS
+    assert case["name"] == Path(relative).stem
+    assert not ({"body", "body_base64"} <= set(case["fields"]))
+    assert all(isinstance(value, str) for value in case["fields"].values())
+    if case["valid"]:
+        assert isinstance(case["envelope"], dict)
+        assert "error" not in case
+    else:
+        assert case["error"] in ENTRY_ERRORS
+        assert ("field" in case) == ("rule" in case)
+        assert "field" not in case or case["error"] == "envelope"
+
+
+# --- the Python implementation against the vectors --------------------------
+
+
+def verdict(parse: Callable[[], Envelope], case: dict[str, Any]) -> None:
+    """Check ``parse()`` (and the publish rules, if asked) against the vector's verdict."""
+    try:
+        env = parse()
+        if case.get("publish"):
+            check_publishable(env)
+    except InvalidEnvelope as exc:
+        assert not case["valid"], f"refused: {exc}"
+        assert [(v.field, v.rule) for v in exc.violations] == [(case["field"], case["rule"])]
+        return
+    assert case["valid"], f"accepted, expected {case['field']}: {case['rule']}"
+    written = json.loads(env.to_json())
+    for name, value in case.get("expect", {}).items():
+        assert written.get(name) == value, name
+    assert Envelope.parse(env.to_json()) == env
+
+
+@pytest.mark.parametrize("relative", MANIFEST["envelopes"])
+def test_envelope_vector(relative: str) -> None:
+    case = load(relative)
+    verdict(lambda: Envelope.parse(json_text(case)), case)
+
+
+OBJECT_INPUTS = [
+    name for name in MANIFEST["envelopes"]
+    if isinstance(load(name)["input"], dict) and set(load(name)["input"]) != {"raw"}
+]
+
+
+@pytest.mark.parametrize("relative", OBJECT_INPUTS)
+def test_envelope_vector_through_the_python_api(relative: str) -> None:
+    """Parsing the decoded object (a dict) agrees with parsing the JSON text."""
+    case = load(relative)
+    verdict(lambda: Envelope.parse(json.loads(json_text(case))), case)
+
+
+@pytest.mark.parametrize("relative", MANIFEST["entries"])
+def test_entry_vector(relative: str) -> None:
+    case = load(relative)
+    for fields in (entry_fields(case), {k.decode(): v for k, v in entry_fields(case).items()}):
+        try:
+            env = decode_entry(fields)
+        except MalformedEntry as exc:
+            assert not case["valid"], f"refused: {exc.reason}"
+            assert ENTRY_ERRORS[case["error"]] in exc.reason
+            if "field" in case:
+                assert [(v.field, v.rule) for v in exc.violations] == [
+                    (case["field"], case["rule"])
+                ]
+            continue
+        assert case["valid"], f"accepted, expected {case['error']}"
+        assert json.loads(env.to_json()) == case["envelope"]
