@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from kombu.serialization import register
+from pydantic_core import to_json
 
 from kombu_envelope.envelope import Envelope, Limits
 from kombu_envelope.errors import EnvelopeError
@@ -65,8 +66,12 @@ class MessageAdapter:
 
 
 def _dumps(value: Any) -> str:
-    envelope = value if isinstance(value, Envelope) else Envelope.parse(value)
-    return envelope.to_json().decode("utf-8")
+    if isinstance(value, Envelope):
+        return value.to_json().decode("utf-8")
+    # A dict is validated by the transport when it is published, with the
+    # transport's limits; kombu would wrap an InvalidEnvelope raised here in a
+    # plain EncodeError.
+    return to_json(value).decode("utf-8")
 
 
 def _loads(data: bytes | str) -> dict[str, Any]:

@@ -100,6 +100,13 @@ class Channel(virtual.Channel):
         self.settings: Settings = transport.settings
         self.keys = self.settings.keys
         self.client = transport.new_redis_client()
+        try:
+            # Fail here when Redis is unreachable, so that Connection.ensure_connection
+            # retries (kombu's redis transport does the same).
+            self.client.ping()
+        except Exception:
+            self.client.close()
+            raise
         self.adapter: MessageAdapter = transport.adapter
         self.publisher = Publisher(self.client, self.settings)
         self.consumer_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -107,6 +114,7 @@ class Channel(virtual.Channel):
         self._transient: dict[str, bool] = {}
         self._reader: Any = None
         self._reading = False
+        self._wait_only = False
         self._registered_liveness = False
         transport.poller.add(self)
 
@@ -322,17 +330,31 @@ class Channel(virtual.Channel):
         return self._reader
 
     def start_blocking_read(self) -> int | None:
-        """Send a blocking XREADGROUP unless one is in flight; return the socket's fd."""
+        """Send a blocking read unless one is in flight; return the socket's fd.
+
+        XREADGROUP takes up to COUNT entries from *each* stream. When the
+        prefetch credit is smaller than the number of streams, the blocking
+        read is an XREAD from the group's last-delivered ids instead: it only
+        waits for unread entries, and exactly ``credit`` of them are then
+        taken, most urgent first, by read.lua.
+        """
         if not self._reading:
             if not self.consuming:
                 return None
             streams = self._consumed_streams()
-            per_stream = max(1, self._credit() // len(streams))
-            self.reader.send_command(
-                "XREADGROUP", "GROUP", self.settings.consumer_group, self.consumer_name,
-                "COUNT", per_stream, "BLOCK", self.settings.block_ms,
-                "STREAMS", *streams, *([">"] * len(streams)),
-            )
+            credit = self._credit()
+            self._wait_only = credit < len(streams)
+            if self._wait_only:
+                self.reader.send_command(
+                    "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
+                    "STREAMS", *streams, *self._last_delivered_ids(streams),
+                )
+            else:
+                self.reader.send_command(
+                    "XREADGROUP", "GROUP", self.settings.consumer_group, self.consumer_name,
+                    "COUNT", credit // len(streams), "BLOCK", self.settings.block_ms,
+                    "STREAMS", *streams, *([">"] * len(streams)),
+                )
             self._reading = True
         sock = self._reader._sock if self._reader is not None else None
         return sock.fileno() if sock is not None else None
@@ -350,11 +372,31 @@ class Channel(virtual.Channel):
         except BaseException:
             self._drop_reader()
             raise
+        if self._wait_only:  # the reply only says that unread entries exist
+            if not self.consuming:
+                return 0
+            return self._deliver_reply(self._read_now(self._consumed_streams(),
+                                                      self._credit()))
         delivered = self._deliver_reply(reply or [])
         if delivered and self.consuming:
             delivered += self._deliver_reply(self._read_now(self._consumed_streams(),
                                                             self._credit()))
         return delivered
+
+    def _last_delivered_ids(self, streams: list[str]) -> list[str]:
+        """The consumer group's last-delivered id on each stream ("0-0" when unknown)."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        ids = []
+        for groups in pipe.execute(raise_on_error=False):
+            last = "0-0"  # no stream or no group yet: any entry is unread
+            if not isinstance(groups, Exception):
+                for group in groups:
+                    if _text(group["name"]) == self.settings.consumer_group:
+                        last = _text(group["last-delivered-id"])
+            ids.append(last)
+        return ids
 
     def _drop_reader(self) -> None:
         if self._reader is not None:
@@ -554,10 +596,15 @@ class Channel(virtual.Channel):
         super().close()  # cancels consumers and restores what QoS tracked
         self._drop_reader()
         transport.poller.discard(self)
-        if self._registered_liveness:
-            self._requeue_own_pending(queues)
-            transport.lease_keeper.unregister(self.consumer_name)
-        self.client.close()
+        try:
+            if self._registered_liveness:
+                self._requeue_own_pending(queues)
+        finally:
+            # Even when Redis is unreachable: stop renewing this consumer, so that its
+            # liveness key expires and other consumers take back what it still holds.
+            if self._registered_liveness:
+                transport.lease_keeper.unregister(self.consumer_name)
+            self.client.close()
 
     def _requeue_own_pending(self, queues: set[str]) -> None:
         """Entries read but never delivered (a read in flight at close) go back at once."""

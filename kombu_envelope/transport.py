@@ -6,7 +6,8 @@ Features
 * Supports Direct: Yes
 * Supports Topic: Yes
 * Supports Fanout: Yes (bindings are shared through Redis)
-* Supports Priority: Yes (0-255, higher first; three buckets per queue)
+* Supports Priority: Yes for tasks (0-255, higher first; three buckets per queue);
+  other kombu messages are delivered in publish order
 * Supports TTL: No
 
 Connection String
@@ -174,8 +175,10 @@ class Transport(virtual.Transport):
                 raise TimeoutError()
 
     def close_connection(self, connection: Any) -> None:
-        super().close_connection(connection)
-        if "lease_keeper" in self.__dict__:
-            self.lease_keeper.stop()
-        if "pool" in self.__dict__:
-            self.pool.disconnect()
+        try:
+            super().close_connection(connection)
+        finally:  # also when a channel could not reach Redis while closing
+            if "lease_keeper" in self.__dict__:
+                self.lease_keeper.stop()
+            if "pool" in self.__dict__:
+                self.pool.disconnect()
