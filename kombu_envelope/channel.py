@@ -523,9 +523,13 @@ class Channel(virtual.Channel):
 
     def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,
                     envelope: Envelope, fields: dict[Any, Any]) -> None:
-        """An entry added to a stream before it is due goes to the delayed set instead."""
-        self.publisher._register_delayed_queues({queue})
-        pipe = self.client.pipeline(transaction=True)
+        """An entry added to a stream before it is due goes to the delayed set instead.
+
+        Not a transaction: a crash after scheduling leaves the entry pending, and
+        scheduling it again once taken over replaces the same task_id.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        pipe.sadd(self.keys.queues, queue)
         script(self.client, "schedule")(
             keys=[keys.delayed, keys.delayed_data],
             args=[envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value,

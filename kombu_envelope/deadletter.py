@@ -316,7 +316,8 @@ class DeadLetters:
             raise MalformedEntry(f"dead-letter entry {entry_id} holds no valid Envelope: "
                                  f"{entry.decode_error}")
         envelope = (edit or ReplayEdit()).apply(entry.envelope, self.settings.limits)
-        enc, body = encode_body(envelope, self.settings.gzip_min_bytes)
+        enc, body = encode_body(envelope, self.settings.gzip_min_bytes,
+                                limits=self.settings.limits)
         keys = self.settings.keys.queue(queue)
         record = ["replayed_at", format_rfc3339(utcnow()),
                   "operator", operator or f"{getpass.getuser()}@{socket.gethostname()}"]

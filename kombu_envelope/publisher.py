@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from kombu_envelope.codec import F_BODY, F_ENCODING, F_VERSION, WIRE_VERSION, encode_body
+from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, check_publishable, utcnow
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.scripts import script
@@ -28,7 +28,6 @@ class Publisher:
     def __init__(self, client: Any, settings: Settings | None = None) -> None:
         self.client = client
         self.settings = settings or Settings()
-        self._known_delayed_queues: set[str] = set()
 
     def publish(self, queue: str, envelope: Envelope, now: datetime | None = None) -> str | None:
         """Publish one Envelope; return its stream entry id, or None when it was delayed.
@@ -50,19 +49,27 @@ class Publisher:
         settings = self.settings
         prepared = []
         for queue, envelope in items:
+            keys = settings.keys.queue(queue)  # an invalid queue name also sends nothing
             check_publishable(envelope, settings.limits, now)
-            prepared.append((queue, envelope, *encode_body(envelope, settings.gzip_min_bytes)))
-        self._register_delayed_queues(
-            {queue for queue, envelope, _, _ in prepared if not envelope.is_due(now)}
+            prepared.append((keys, envelope,
+                             *encode_body(envelope, settings.gzip_min_bytes,
+                                          limits=settings.limits)))
+        delayed_queues = sorted(
+            {keys.queue for keys, envelope, _, _ in prepared if not envelope.is_due(now)}
         )
         pipe = self.client.pipeline(transaction=False)
+        if delayed_queues:
+            # Registered on every delayed publish, in the same round trip and before
+            # schedule.lua wakes the promoters: a registry lost with a Redis restart
+            # is rebuilt by the next publish.
+            pipe.sadd(settings.keys.queues, *delayed_queues)
         schedule = script(self.client, "schedule")
-        for queue, envelope, enc, body in prepared:
-            keys = settings.keys.queue(queue)
+        enqueue = script(self.client, "enqueue")
+        for keys, envelope, enc, body in prepared:
             bucket = bucket_for(envelope.priority)
             if envelope.is_due(now):
-                pipe.xadd(keys.stream(bucket), {F_VERSION: WIRE_VERSION, F_ENCODING: enc,
-                                                F_BODY: body})
+                enqueue(keys=[keys.stream(bucket), keys.delayed, keys.delayed_data],
+                        args=[envelope.task_id, enc, body], client=pipe)
             else:
                 schedule(
                     keys=[keys.delayed, keys.delayed_data],
@@ -70,16 +77,12 @@ class Publisher:
                           settings.keys.wakeup_channel],
                     client=pipe,
                 )
-        # XADD answers the entry id; schedule.lua answers an integer.
+        replies = pipe.execute()
+        if delayed_queues:
+            replies = replies[1:]  # the SADD
+        # enqueue.lua answers the entry id; schedule.lua answers an integer.
         return [
             reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)
             else None
-            for reply in pipe.execute()
+            for reply in replies
         ]
-
-    def _register_delayed_queues(self, queues: set[str]) -> None:
-        """Add queues to the registry that promoters scan (once per publisher)."""
-        new = queues - self._known_delayed_queues
-        if new:
-            self.client.sadd(self.settings.keys.queues, *sorted(new))
-            self._known_delayed_queues |= new

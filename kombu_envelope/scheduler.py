@@ -21,14 +21,15 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -89,7 +90,12 @@ class Promoter:
         earliest: int | None = None
         for raw in self.client.smembers(self.settings.keys.queues):
             queue = raw.decode() if isinstance(raw, bytes) else raw
-            moved, next_due = self.promote_queue(queue, now_ms)
+            try:
+                moved, next_due = self.promote_queue(queue, now_ms)
+            except InvalidQueueName:  # written by some other client; never fatal
+                logger.warning("skipping invalid queue name %r in %s", queue,
+                               self.settings.keys.queues)
+                continue
             moved_total += moved
             if next_due is not None and (earliest is None or next_due < earliest):
                 earliest = next_due
@@ -103,7 +109,7 @@ class Promoter:
             except (RedisConnectionError, RedisTimeoutError):
                 logger.warning("promoter lost Redis; retrying in 1 s", exc_info=True)
                 self._stop.wait(1.0)
-            except RedisError:
+            except Exception:  # a thread that dies would silently stop promotion
                 logger.exception("promoter failed; retrying in 1 s")
                 self._stop.wait(1.0)
 
@@ -112,6 +118,7 @@ class Promoter:
         pubsub.subscribe(self.settings.keys.wakeup_channel)
         try:
             while not self._stop.is_set():
+                started = time.monotonic()
                 now_ms = redis_now_ms(self.client)
                 moved, next_due = self.run_once(now_ms)
                 if moved:
@@ -122,7 +129,9 @@ class Promoter:
                         next_due = job_next
                 sleep_s = self.max_idle_s
                 if next_due is not None:
-                    sleep_s = min(sleep_s, max(next_due - now_ms, 0) / 1000)
+                    # The pass itself took time: count from its start, not its end.
+                    elapsed_s = time.monotonic() - started
+                    sleep_s = min(sleep_s, max(next_due - now_ms, 0) / 1000 - elapsed_s)
                 if sleep_s > 0:
                     self._wait_for_wakeup(pubsub, sleep_s)
         finally:

@@ -14,7 +14,7 @@ from weakref import WeakKeyDictionary
 from redis.commands.core import Script
 
 SCRIPT_NAMES = (
-    "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
+    "enqueue", "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
     "idem_begin", "idem_finish", "retry_slot", "replay", "periodic",
 )
 

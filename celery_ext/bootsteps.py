@@ -1,0 +1,109 @@
+"""Run the delayed-task promoter inside every Celery worker on ``envelope://``.
+
+Tasks published with a ``countdown`` or ``eta`` wait in their queue's delayed
+set until a :class:`~kombu_envelope.scheduler.Promoter` moves them to their
+stream. :class:`DelayedTaskPromoter` is a worker bootstep that runs one
+promoter per worker process, so a deployment needs no separate scheduler
+process: however many workers run, each due task is still delivered once.
+
+The promoter runs in its own thread rather than on the worker's event loop.
+With the ``solo`` pool, a task runs in the worker's main thread and blocks
+that loop until it returns: a promoter driven by the loop would stop
+promoting for as long as one long task runs, delaying every delayed task of
+every queue and every worker that relies on it. In its thread it keeps
+promoting on time whatever the pool is doing, and it only waits on Redis.
+
+The step is included only when the app's broker transport is kombu-envelope's
+(or a subclass such as :class:`celery_ext.transport.Transport`). Turn it off,
+for example when ``python -m kombu_envelope.scheduler`` runs on its own, with::
+
+    app.conf.envelope_promoter_enabled = False
+
+Add it to a worker with :func:`add_worker_steps`, or connect
+:func:`install_worker_steps` to :data:`celery.signals.celeryd_init`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from kombu_envelope.connection import connection_pool
+from kombu_envelope.scheduler import Promoter
+from kombu_envelope.settings import Settings
+from kombu_envelope.transport import Transport as EnvelopeTransport
+
+__all__ = [
+    "ENABLED_SETTING",
+    "DelayedTaskPromoter",
+    "add_worker_steps",
+    "install_worker_steps",
+    "uses_envelope_broker",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Celery setting that keeps the promoter out of the worker when False (default True).
+ENABLED_SETTING = "envelope_promoter_enabled"
+
+
+def uses_envelope_broker(app: Any) -> bool:
+    """True when the app's broker transport is kombu-envelope's (or a subclass)."""
+    with app.connection_for_write() as conn:
+        return isinstance(conn.transport, EnvelopeTransport)
+
+
+class DelayedTaskPromoter(bootsteps.StartStopStep):
+    """Worker bootstep: a :class:`Promoter` thread from worker start to worker stop."""
+
+    label = "Delayed-task promoter"
+    conditional = True
+    # Start after the pool has forked its processes, so they do not inherit the thread.
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.pool: redis.ConnectionPool | None = None
+
+    def include_if(self, parent: Any) -> bool:
+        app = parent.app
+        if not app.conf.get(ENABLED_SETTING, True):
+            logger.debug("delayed-task promoter disabled by %s", ENABLED_SETTING)
+            return False
+        return uses_envelope_broker(app)
+
+    def create(self, parent: Any) -> Promoter:
+        app = parent.app
+        settings = Settings.from_transport_options(app.conf.broker_transport_options)
+        with app.connection_for_write() as conn:
+            pool = self.pool = connection_pool(conn, settings)
+        return Promoter(lambda: redis.Redis(connection_pool=pool), settings)
+
+    def start(self, parent: Any) -> None:
+        if self.obj is not None:
+            self.obj.start()
+            logger.debug("delayed-task promoter started (key prefix %r)",
+                         self.obj.settings.key_prefix)
+
+    def stop(self, parent: Any) -> None:
+        if self.obj is not None:
+            self.obj.stop()
+        if self.pool is not None:
+            self.pool.disconnect()
+
+    def terminate(self, parent: Any) -> None:
+        self.stop(parent)
+
+
+def add_worker_steps(app: Any) -> None:
+    """Add :class:`DelayedTaskPromoter` to the app's worker blueprint (idempotent)."""
+    app.steps["worker"].add(DelayedTaskPromoter)
+
+
+def install_worker_steps(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
+    """``celeryd_init`` receiver: add the worker steps before the blueprint is built."""
+    if instance is not None:
+        add_worker_steps(instance.app)
