@@ -1,0 +1,110 @@
+package envelope
+
+import (
+	"fmt"
+	"strings"
+)
+
+// DefaultPrefix starts every key; DefaultGroup is the consumer group of every worker.
+const (
+	DefaultPrefix = "envelope"
+	DefaultGroup  = "workers"
+)
+
+// Bucket is a priority stream of a queue.
+type Bucket string
+
+// Buckets, and the priorities that choose them (higher is more urgent).
+const (
+	High   Bucket = "high"
+	Normal Bucket = "normal"
+	Low    Bucket = "low"
+
+	HighPriorityFrom   = 170
+	NormalPriorityFrom = 85
+)
+
+// BucketsByUrgency is the order streams are read in.
+var BucketsByUrgency = []Bucket{High, Normal, Low}
+
+// BucketFor returns the bucket of a priority (0-255).
+func BucketFor(priority int) Bucket {
+	switch {
+	case priority >= HighPriorityFrom:
+		return High
+	case priority >= NormalPriorityFrom:
+		return Normal
+	}
+	return Low
+}
+
+// KeySpace builds key names under one prefix (docs/protocol.md section 2).
+type KeySpace struct {
+	Prefix string
+}
+
+// QueueKeys are the keys of one queue; all carry the hash tag {<queue>}.
+type QueueKeys struct {
+	Prefix, Queue string
+}
+
+// CheckQueueName refuses names that cannot be a Redis Cluster hash tag.
+func CheckQueueName(queue string) error {
+	if queue == "" || strings.ContainsAny(queue, "{}") {
+		return fmt.Errorf("queue name %q must be non-empty and contain no '{' or '}'", queue)
+	}
+	return nil
+}
+
+// Queue returns the keys of queue (call CheckQueueName first for user input).
+func (k KeySpace) Queue(queue string) QueueKeys { return QueueKeys{k.Prefix, queue} }
+
+// Queues is the set of queues that have delayed tasks.
+func (k KeySpace) Queues() string { return k.Prefix + ":queues" }
+
+// Consumer is the liveness key of a consumer.
+func (k KeySpace) Consumer(name string) string { return k.Prefix + ":consumer:" + name }
+
+// Idempotency is the claim / done marker of an idempotency key.
+func (k KeySpace) Idempotency(taskType, key string) string {
+	return k.Prefix + ":idem:" + taskType + ":" + key
+}
+
+// Retrying is the set of running retries of a task type (retry_slot.lua).
+func (k KeySpace) Retrying(taskType string) string { return k.Prefix + ":retrying:" + taskType }
+
+// Wakeup is the pub/sub channel that wakes promoters.
+func (k KeySpace) Wakeup() string { return k.Prefix + ":wakeup" }
+
+// Base is "<prefix>:{<queue>}".
+func (q QueueKeys) Base() string { return q.Prefix + ":{" + q.Queue + "}" }
+
+// Stream is the task stream of a bucket.
+func (q QueueKeys) Stream(b Bucket) string { return q.Base() + ":" + string(b) }
+
+// TaskStreams are the task streams, most urgent first.
+func (q QueueKeys) TaskStreams() []string {
+	return []string{q.Stream(High), q.Stream(Normal), q.Stream(Low)}
+}
+
+// Delayed is the sorted set of delayed task ids by due time (ms).
+func (q QueueKeys) Delayed() string { return q.Base() + ":delayed" }
+
+// DelayedData is the hash of delayed task id to stored entry.
+func (q QueueKeys) DelayedData() string { return q.Base() + ":delayed:data" }
+
+// Dead is the dead-letter stream.
+func (q QueueKeys) Dead() string { return q.Base() + ":dead" }
+
+// Cancelled is the hash of task ids cancelled after they reached a stream.
+func (q QueueKeys) Cancelled() string { return q.Base() + ":cancelled" }
+
+// BucketOfStream returns the bucket of one of this queue's task streams.
+func (q QueueKeys) BucketOfStream(stream string) (Bucket, bool) {
+	for _, b := range BucketsByUrgency {
+		if q.Stream(b) == stream {
+			return b, true
+		}
+	}
+	return "", false
+}

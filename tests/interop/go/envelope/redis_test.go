@@ -1,0 +1,441 @@
+package envelope
+
+// Worker tests against a real Redis. They run when $ENVELOPE_TEST_REDIS_URL is
+// set (tests/test_interop_go.py sets it to its private server) and are skipped
+// otherwise. Every test uses its own key prefix.
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+type env struct {
+	t       *testing.T
+	client  *redis.Client
+	scripts Scripts
+	prefix  string
+	queue   string
+	keys    KeySpace
+	q       QueueKeys
+	logs    *lockedBuffer
+}
+
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func newEnv(t *testing.T) *env {
+	url := os.Getenv("ENVELOPE_TEST_REDIS_URL")
+	if url == "" {
+		t.Skip("set ENVELOPE_TEST_REDIS_URL to run the worker tests against Redis")
+	}
+	client, err := NewClient(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := os.Getenv(ScriptDirEnv)
+	if dir == "" {
+		dir = filepath.Join("..", "..", "..", "..", "kombu_envelope", "lua")
+	}
+	scripts, err := LoadScripts(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := "go-" + NewTraceID()[:10]
+	e := &env{t: t, client: client, scripts: scripts, prefix: prefix, queue: "jobs",
+		keys: KeySpace{prefix}, q: KeySpace{prefix}.Queue("jobs"), logs: &lockedBuffer{}}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("worker log:\n%s", e.logs.String())
+		}
+		ctx := context.Background()
+		if keys, _ := client.Keys(ctx, prefix+":*").Result(); len(keys) > 0 {
+			client.Del(ctx, keys...)
+		}
+		client.Close()
+	})
+	return e
+}
+
+func (e *env) worker(mutate func(*Config)) *Worker {
+	cfg := Config{
+		Prefix: e.prefix, Queue: e.queue, Lease: 600 * time.Millisecond, Block: 100 * time.Millisecond,
+		Retry:  RetryPolicy{FastRetries: 2, Backoff: 100 * time.Millisecond, MaxBackoff: 400 * time.Millisecond},
+		Logger: slog.New(slog.NewJSONHandler(e.logs, nil)), DeferDelay: 200 * time.Millisecond,
+	}
+	if mutate != nil {
+		mutate(&cfg)
+	}
+	w, err := NewWorker(e.client, e.scripts, cfg)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	return w
+}
+
+// start runs w (and a promoter) until the test ends.
+func (e *env) start(w *Worker) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); _ = w.Run(ctx) }()
+	p := &Promoter{Client: e.client, Keys: e.keys, Scripts: e.scripts, MaxIdle: 200 * time.Millisecond,
+		Log: slog.New(slog.NewJSONHandler(e.logs, nil))}
+	go func() { defer wg.Done(); p.Run(ctx) }()
+	e.t.Cleanup(func() { cancel(); wg.Wait() })
+}
+
+func (e *env) publish(env *Envelope) {
+	e.t.Helper()
+	if _, err := NewProducer(e.client, e.prefix, e.scripts).Publish(context.Background(), e.queue, env); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) waitFor(what string, cond func() bool) {
+	e.t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			e.t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (e *env) dead() []map[string]any {
+	msgs, err := e.client.XRange(context.Background(), e.q.Dead(), "-", "+").Result()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	out := make([]map[string]any, len(msgs))
+	for i, m := range msgs {
+		out[i] = m.Values
+	}
+	return out
+}
+
+func (e *env) drained() bool {
+	ctx := context.Background()
+	for _, s := range e.q.TaskStreams() {
+		if n, _ := e.client.XLen(ctx, s).Result(); n > 0 {
+			return false
+		}
+		if p, err := e.client.XPending(ctx, s, DefaultGroup).Result(); err == nil && p.Count > 0 {
+			return false
+		}
+	}
+	n, _ := e.client.ZCard(ctx, e.q.Delayed()).Result()
+	return n == 0
+}
+
+// hold makes consumer read one entry (it then holds it pending).
+func (e *env) hold(w *Worker, consumer string) string {
+	e.t.Helper()
+	ctx := context.Background()
+	if err := w.ensureGroups(ctx); err != nil {
+		e.t.Fatal(err)
+	}
+	res, err := e.client.XReadGroup(ctx, &redis.XReadGroupArgs{Group: DefaultGroup, Consumer: consumer,
+		Streams: []string{e.q.Stream(Normal), ">"}, Count: 1, Block: -1}).Result()
+	if err != nil || len(res) != 1 || len(res[0].Messages) != 1 {
+		e.t.Fatalf("reading as %s: %v %v", consumer, res, err)
+	}
+	return res[0].Messages[0].ID
+}
+
+func TestWorkerTakesOverDeadConsumersOnly(t *testing.T) {
+	e := newEnv(t)
+	var ran sync.Map
+	w := e.worker(nil)
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error {
+		ran.Store(task.TaskID, task.Redelivered)
+		return nil
+	})
+	dead, alive := New("jobs.run", nil), New("jobs.run", nil)
+	e.publish(dead)
+	e.hold(w, "ghost-dead")
+	e.publish(alive)
+	e.hold(w, "ghost-alive")
+	e.client.Set(context.Background(), e.keys.Consumer("ghost-alive"), "h 1 go", time.Minute)
+
+	e.start(w)
+	e.waitFor("the dead consumer's entry to run", func() bool { _, ok := ran.Load(dead.TaskID); return ok })
+	if n, _ := ran.Load(dead.TaskID); n != 1 {
+		t.Fatalf("redelivery count %v, want 1", n)
+	}
+	e.waitFor("the dead consumer to be removed", func() bool {
+		consumers, _ := e.client.XInfoConsumers(context.Background(), e.q.Stream(Normal), DefaultGroup).Result()
+		for _, c := range consumers {
+			if c.Name == "ghost-dead" {
+				return false
+			}
+		}
+		return true
+	})
+	time.Sleep(3 * w.cfg.Lease) // long past any idle threshold
+	if _, ok := ran.Load(alive.TaskID); ok {
+		t.Fatal("an entry of a live consumer was taken over only because it was idle")
+	}
+	p, _ := e.client.XPendingExt(context.Background(), &redis.XPendingExtArgs{Stream: e.q.Stream(Normal),
+		Group: DefaultGroup, Start: "-", End: "+", Count: 10}).Result()
+	if len(p) != 1 || p[0].Consumer != "ghost-alive" {
+		t.Fatalf("pending %v", p)
+	}
+}
+
+func TestEntryOfAConsumerThatDiedTooOftenIsDeadLettered(t *testing.T) {
+	e := newEnv(t)
+	w := e.worker(func(c *Config) { c.MaxRedeliveries = 3 })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { t.Error("ran"); return nil })
+	task := New("jobs.run", nil)
+	e.client.XAdd(context.Background(), &redis.XAddArgs{Stream: e.q.Stream(Normal),
+		Values: []string{"v", "1", "enc", "json", "body", string(task.JSON()), "n", "2"}})
+	e.hold(w, "ghost")
+	e.start(w)
+	e.waitFor("a dead-letter entry", func() bool { return len(e.dead()) == 1 })
+	d := e.dead()[0]
+	if d["failure_class"] != ClassRedeliveryLimit || d["attempts"] != "3" || d["raw.body"] != string(task.JSON()) {
+		t.Fatalf("dead-letter entry %v", d)
+	}
+}
+
+func TestBusyIdempotencyKeyIsDeferredThenTakenOverFromADeadHolder(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	w := e.worker(nil)
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	ctx := context.Background()
+	idemKey := e.keys.Idempotency("jobs.run", "k1")
+	e.client.Set(ctx, e.keys.Consumer("other"), "h 1 go", time.Minute)
+	e.client.Set(ctx, idemKey, "running other task-0", time.Minute)
+	task := New("jobs.run", nil)
+	k := "k1"
+	task.IdempotencyKey = &k
+	e.publish(task)
+	e.start(w)
+
+	e.waitFor("the task to be deferred", func() bool {
+		body, _ := e.client.HGet(ctx, e.q.DelayedData(), task.TaskID).Result()
+		return strings.Contains(body, `"retry_count":0`)
+	})
+	time.Sleep(500 * time.Millisecond)
+	if runs.Load() != 0 {
+		t.Fatal("ran while another live consumer held the key")
+	}
+	e.client.Del(ctx, e.keys.Consumer("other")) // the holder dies
+	e.waitFor("the task to run", func() bool { return runs.Load() == 1 })
+	e.waitFor("the queue to drain", e.drained)
+	if v, _ := e.client.Get(ctx, idemKey).Result(); !strings.HasPrefix(v, "done "+task.TaskID+" ") {
+		t.Fatalf("marker %q", v)
+	}
+}
+
+func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	ctx := context.Background()
+	slots := e.keys.Retrying("jobs.run")
+	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
+	task := New("jobs.run", nil)
+	task.RetryCount = 1
+	e.publish(task)
+	e.start(w)
+	e.waitFor("the retry to be rescheduled", func() bool {
+		body, _ := e.client.HGet(ctx, e.q.DelayedData(), task.TaskID).Result()
+		return strings.Contains(body, `"retry_count":1`)
+	})
+	if runs.Load() != 0 {
+		t.Fatal("ran without a retry slot")
+	}
+	e.client.ZRem(ctx, slots, "other")
+	e.waitFor("the retry to run", func() bool { return runs.Load() == 1 })
+	e.waitFor("its slot to be released", func() bool { n, _ := e.client.ZCard(ctx, slots).Result(); return n == 0 })
+}
+
+func TestTransientErrorsTakeTheFastTierThenBackoff(t *testing.T) {
+	e := newEnv(t)
+	var seen []string
+	var mu sync.Mutex
+	w := e.worker(nil)
+	w.Handle("jobs.flaky", func(ctx context.Context, task *Task) error {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, task.Headers[HeaderFastRetries])
+		if len(seen) < 4 {
+			return Transient(errors.New("connection reset"))
+		}
+		return nil
+	})
+	task := New("jobs.flaky", nil)
+	e.publish(task)
+	e.start(w)
+	e.waitFor("four attempts", func() bool { mu.Lock(); defer mu.Unlock(); return len(seen) == 4 })
+	e.waitFor("the queue to drain", e.drained)
+	if strings.Join(seen, ",") != ",1,2,2" {
+		t.Fatalf("x-fast-retries per attempt: %q", seen)
+	}
+	if len(e.dead()) != 0 {
+		t.Fatal("dead-lettered")
+	}
+}
+
+func TestTimeoutsAndPermanentErrors(t *testing.T) {
+	e := newEnv(t)
+	w := e.worker(nil)
+	w.Handle("jobs.slow", func(ctx context.Context, task *Task) error {
+		time.Sleep(5 * time.Second) // ignores its deadline: abandoned
+		return nil
+	})
+	w.Handle("jobs.bad", func(ctx context.Context, task *Task) error {
+		return InvalidPayload(errors.New("order_id is missing"))
+	})
+	zero, timeout := int64(0), int64(100)
+	slow := New("jobs.slow", nil)
+	slow.MaxRetries, slow.TimeoutMS = &zero, &timeout
+	bad := New("jobs.bad", nil)
+	old := New("jobs.bad", nil)
+	old.PayloadVersion = 2
+	e.publish(slow)
+	e.publish(bad)
+	e.publish(old)
+	started := time.Now()
+	e.start(w)
+	e.waitFor("three dead-letter entries", func() bool { return len(e.dead()) == 3 })
+	if time.Since(started) > 3*time.Second {
+		t.Fatal("a timed-out attempt was waited for")
+	}
+	classes := map[string]string{}
+	for _, d := range e.dead() {
+		classes[fmt.Sprint(d["task_id"])] = fmt.Sprint(d["failure_class"]) + "/" + fmt.Sprint(d["attempts"])
+	}
+	if classes[slow.TaskID] != "timeout/1" || classes[bad.TaskID] != "invalid_payload/1" {
+		t.Fatalf("classes %v", classes)
+	}
+	if !strings.HasPrefix(classes[old.TaskID], ClassUnsupportedPayloadVersion) {
+		t.Fatalf("classes %v", classes)
+	}
+}
+
+func TestCancelledAndNotYetDueEntries(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	w := e.worker(nil)
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	ctx := context.Background()
+	cancelled := New("jobs.run", nil)
+	e.client.HSet(ctx, e.q.Cancelled(), cancelled.TaskID, Now().String())
+	e.publish(cancelled)
+	later := New("jobs.run", nil)
+	at, _ := ParseTimestamp(NewTimestamp(time.Now().Add(time.Hour)).String())
+	later.ScheduleTime = &at
+	body := string(later.JSON())
+	// Added to a stream although not due: the worker moves it to the delayed set.
+	e.client.XAdd(ctx, &redis.XAddArgs{Stream: e.q.Stream(High),
+		Values: []string{"v", "1", "enc", "json", "body", body}})
+	e.start(w)
+	e.waitFor("the early entry to be delayed", func() bool {
+		stored, _ := e.client.HGet(ctx, e.q.DelayedData(), later.TaskID).Result()
+		return stored == "normal\njson\n"+body
+	})
+	e.waitFor("the cancelled entry to be acknowledged", func() bool {
+		n, _ := e.client.XLen(ctx, e.q.Stream(Normal)).Result()
+		marked, _ := e.client.HExists(ctx, e.q.Cancelled(), cancelled.TaskID).Result()
+		return n == 0 && !marked
+	})
+	if due, _ := e.client.ZScore(ctx, e.q.Delayed(), later.TaskID).Result(); int64(due) != at.UnixMilli() {
+		t.Fatalf("due %v, want %d", due, at.UnixMilli())
+	}
+	if member, _ := e.client.SIsMember(ctx, e.keys.Queues(), e.queue).Result(); !member {
+		t.Fatal("queue not registered for promotion")
+	}
+	if runs.Load() != 0 {
+		t.Fatal("ran a cancelled or early task")
+	}
+}
+
+func TestMostUrgentBucketFirst(t *testing.T) {
+	e := newEnv(t)
+	var order []int
+	var mu sync.Mutex
+	w := e.worker(func(c *Config) { c.Prefetch = 10 })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error {
+		mu.Lock()
+		defer mu.Unlock()
+		order = append(order, task.Priority)
+		return nil
+	})
+	for _, p := range []int{0, 100, 255, 84, 170} {
+		task := New("jobs.run", nil)
+		task.Priority = p
+		e.publish(task)
+	}
+	e.start(w)
+	e.waitFor("five runs", func() bool { mu.Lock(); defer mu.Unlock(); return len(order) == 5 })
+	mu.Lock()
+	defer mu.Unlock()
+	for i, want := range []int{255, 170, 100, 0, 84} {
+		if order[i] != want {
+			t.Fatalf("ran in order %v", order)
+		}
+	}
+}
+
+func TestShutdownPutsUnstartedEntriesBackAndDeletesTheLivenessKey(t *testing.T) {
+	e := newEnv(t)
+	started := make(chan struct{}, 3)
+	w := e.worker(func(c *Config) { c.Prefetch = 3 })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error {
+		started <- struct{}{}
+		time.Sleep(300 * time.Millisecond)
+		return nil
+	})
+	for i := 0; i < 3; i++ {
+		e.publish(New("jobs.run", nil))
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- w.Run(ctx) }()
+	<-started
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	bg := context.Background()
+	if n, _ := e.client.XLen(bg, e.q.Stream(Normal)).Result(); n != 2 {
+		t.Fatalf("%d entries back in the stream, want 2", n)
+	}
+	if p, _ := e.client.XPending(bg, e.q.Stream(Normal), DefaultGroup).Result(); p.Count != 0 {
+		t.Fatalf("%d entries still pending", p.Count)
+	}
+	if n, _ := e.client.Exists(bg, e.keys.Consumer(w.Consumer())).Result(); n != 0 {
+		t.Fatal("liveness key left behind")
+	}
+}

@@ -1,0 +1,893 @@
+package envelope
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Language is written in liveness keys and dead-letter entries.
+const Language = "go"
+
+// HandlerFunc runs one attempt of a task. Return nil on success; wrap an error
+// with Transient to retry it on the fast tier, with InvalidPayload or Reject
+// to dead-letter it at once. ctx ends when timeout_ms passes.
+type HandlerFunc func(ctx context.Context, t *Task) error
+
+// Task is what a handler receives.
+type Task struct {
+	*Envelope
+	Queue       string
+	Stream      string
+	EntryID     string
+	Redelivered int // how many times the entry was taken back from a dead consumer
+	Log         *slog.Logger
+}
+
+// DecodePayload unmarshals the payload into v.
+func (t *Task) DecodePayload(v any) error { return json.Unmarshal(t.Payload, v) }
+
+type handler struct {
+	run      HandlerFunc
+	versions []int64
+}
+
+// Config configures a Worker. Zero fields take the protocol's defaults.
+type Config struct {
+	Prefix   string
+	Queue    string
+	Group    string
+	Consumer string // unique per process and connection; default <host>-<pid>-<random>
+
+	Lease    time.Duration // liveness lease (30 s)
+	Block    time.Duration // longest blocking read (1 s)
+	Prefetch int           // entries per read and stream (1)
+
+	Retry            RetryPolicy
+	RetryConcurrency int           // concurrent retries per task type (5)
+	SlotHold         time.Duration // retry slot expiry when timeout_ms is absent (15 min)
+	MaxRedeliveries  int           // taken-over entries dead-lettered after this many (10)
+
+	IdemClaim   time.Duration // safety-net expiry of an idempotency claim (1 h, or timeout + lease)
+	IdemDoneTTL time.Duration // how long the done marker is kept (24 h)
+	DeferDelay  time.Duration // how far a busy idempotent task is pushed back (3 s)
+
+	IsTransient   func(error) bool // default DefaultIsTransient
+	Limits        Limits
+	GzipMin       int           // default GzipMinBytes
+	ExitAfterIdle time.Duration // stop after this long without entries (0: never)
+
+	Logger *slog.Logger
+	// OnDuplicate is called when a task is acknowledged without running because
+	// its idempotency key is already done.
+	OnDuplicate func(ctx context.Context, t *Task)
+}
+
+func (c *Config) defaults() {
+	if c.Prefix == "" {
+		c.Prefix = DefaultPrefix
+	}
+	if c.Group == "" {
+		c.Group = DefaultGroup
+	}
+	if c.Consumer == "" {
+		c.Consumer = NewConsumerName()
+	}
+	if c.Lease <= 0 {
+		c.Lease = 30 * time.Second
+	}
+	if c.Block <= 0 {
+		c.Block = time.Second
+	}
+	if c.Prefetch <= 0 {
+		c.Prefetch = 1
+	}
+	if c.Retry.Backoff <= 0 {
+		c.Retry.Backoff = DefaultRetryPolicy.Backoff
+	}
+	if c.Retry.MaxBackoff <= 0 {
+		c.Retry.MaxBackoff = DefaultRetryPolicy.MaxBackoff
+	}
+	if c.Retry.FastRetries < 0 {
+		c.Retry.FastRetries = 0
+	}
+	if c.RetryConcurrency <= 0 {
+		c.RetryConcurrency = 5
+	}
+	if c.SlotHold <= 0 {
+		c.SlotHold = 15 * time.Minute
+	}
+	if c.MaxRedeliveries < 0 {
+		c.MaxRedeliveries = 0
+	}
+	if c.IdemClaim <= 0 {
+		c.IdemClaim = time.Hour
+	}
+	if c.IdemDoneTTL <= 0 {
+		c.IdemDoneTTL = 24 * time.Hour
+	}
+	if c.DeferDelay <= 0 {
+		c.DeferDelay = 3 * time.Second
+	}
+	if c.IsTransient == nil {
+		c.IsTransient = DefaultIsTransient
+	}
+	if c.Limits == (Limits{}) {
+		c.Limits = DefaultLimits
+	}
+	if c.GzipMin == 0 {
+		c.GzipMin = GzipMinBytes
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	}
+}
+
+// NewConsumerName returns "<host>-<pid>-<random>".
+func NewConsumerName() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return fmt.Sprintf("%s-%d-%s", hostname(), os.Getpid(), hex.EncodeToString(b[:]))
+}
+
+func hostname() string {
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		return "localhost"
+	}
+	return strings.ReplaceAll(h, " ", "_")
+}
+
+// Worker consumes one queue (docs/protocol.md sections 5-10).
+type Worker struct {
+	cfg      Config
+	client   redis.UniversalClient
+	scripts  Scripts
+	keys     KeySpace
+	queue    QueueKeys
+	handlers map[string]handler
+	producer *Producer
+	log      *slog.Logger
+	host     string
+	pid      string
+}
+
+// NewWorker returns a worker for cfg.Queue; register handlers, then Run it.
+func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Worker, error) {
+	if err := CheckQueueName(cfg.Queue); err != nil {
+		return nil, err
+	}
+	cfg.defaults()
+	keys := KeySpace{cfg.Prefix}
+	p := NewProducer(client, cfg.Prefix, scripts)
+	p.Limits, p.GzipMin = cfg.Limits, cfg.GzipMin
+	return &Worker{
+		cfg: cfg, client: client, scripts: scripts, keys: keys, queue: keys.Queue(cfg.Queue),
+		handlers: map[string]handler{}, producer: p,
+		log:  cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
+		host: hostname(), pid: strconv.Itoa(os.Getpid()),
+	}, nil
+}
+
+// Consumer is this worker's consumer name.
+func (w *Worker) Consumer() string { return w.cfg.Consumer }
+
+// Handle registers fn for taskType. versions lists the payload_version values
+// it accepts (default: 1 only).
+func (w *Worker) Handle(taskType string, fn HandlerFunc, versions ...int64) {
+	if len(versions) == 0 {
+		versions = []int64{1}
+	}
+	w.handlers[taskType] = handler{fn, versions}
+}
+
+// Run consumes until ctx ends (or ExitAfterIdle passes), then shuts down
+// cleanly: the task running finishes, entries read but not started go back
+// to their stream, and the liveness key is deleted.
+func (w *Worker) Run(ctx context.Context) error {
+	bg := context.Background()
+	if err := w.scripts.Load(bg, w.client); err != nil {
+		return err
+	}
+	if err := w.ensureGroups(bg); err != nil {
+		return err
+	}
+	if err := w.renew(bg); err != nil {
+		return fmt.Errorf("setting the liveness key: %w", err)
+	}
+	keeperCtx, stopKeeper := context.WithCancel(bg)
+	var keeper sync.WaitGroup
+	keeper.Add(1)
+	go func() {
+		defer keeper.Done()
+		w.keepAlive(keeperCtx)
+	}()
+	w.log.Info("worker started", "lease_ms", w.cfg.Lease.Milliseconds(), "language", Language)
+
+	lastWork := time.Now()
+	for ctx.Err() == nil {
+		if w.cfg.ExitAfterIdle > 0 && time.Since(lastWork) > w.cfg.ExitAfterIdle {
+			w.log.Info("idle; stopping", "idle_ms", w.cfg.ExitAfterIdle.Milliseconds())
+			break
+		}
+		streams, err := w.read(bg)
+		if err != nil {
+			if strings.HasPrefix(err.Error(), "NOGROUP") {
+				_ = w.ensureGroups(bg)
+				continue
+			}
+			w.log.Warn("read failed; retrying", "error", err.Error())
+			sleep(ctx, time.Second)
+			continue
+		}
+		for _, s := range streams {
+			for _, m := range s.Messages {
+				if ctx.Err() != nil {
+					break // left pending: put back below
+				}
+				lastWork = time.Now()
+				w.process(s.Stream, m)
+			}
+		}
+		if len(streams) > 0 {
+			lastWork = time.Now()
+		}
+	}
+	returned := w.requeueOwnPending(bg)
+	stopKeeper()
+	keeper.Wait()
+	if err := w.client.Del(bg, w.keys.Consumer(w.cfg.Consumer)).Err(); err != nil {
+		w.log.Warn("could not delete the liveness key", "error", err.Error())
+	}
+	w.log.Info("worker stopped", "requeued", returned)
+	return nil
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+func (w *Worker) ensureGroups(ctx context.Context) error {
+	for _, stream := range w.queue.TaskStreams() {
+		err := w.client.XGroupCreateMkStream(ctx, stream, w.cfg.Group, "0").Err()
+		if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
+			return fmt.Errorf("XGROUP CREATE %s: %w", stream, err)
+		}
+	}
+	return nil
+}
+
+// read is XREADGROUP over high, normal, low (most urgent first).
+func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
+	streams := w.queue.TaskStreams()
+	args := append(slices.Clone(streams), ">", ">", ">")
+	res, err := w.client.XReadGroup(ctx, &redis.XReadGroupArgs{
+		Group: w.cfg.Group, Consumer: w.cfg.Consumer, Streams: args,
+		Count: int64(w.cfg.Prefetch), Block: w.cfg.Block,
+	}).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	// Deliver in urgency order whatever order the reply has.
+	slices.SortStableFunc(res, func(a, b redis.XStream) int {
+		return slices.Index(streams, a.Stream) - slices.Index(streams, b.Stream)
+	})
+	return res, nil
+}
+
+// --- liveness and takeover -------------------------------------------------------
+
+func (w *Worker) renew(ctx context.Context) error {
+	value := fmt.Sprintf("%s %s %s", w.host, w.pid, Language)
+	return w.client.Set(ctx, w.keys.Consumer(w.cfg.Consumer), value, w.cfg.Lease).Err()
+}
+
+// keepAlive renews the liveness key every lease/3, whatever the tasks do, and
+// takes over the entries of dead consumers.
+func (w *Worker) keepAlive(ctx context.Context) {
+	ticker := time.NewTicker(w.cfg.Lease / 3)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+		if err := w.renew(ctx); err != nil && ctx.Err() == nil {
+			w.log.Warn("liveness renewal failed", "error", err.Error())
+			continue
+		}
+		if n, err := w.TakeOverDeadConsumers(ctx); err != nil && ctx.Err() == nil {
+			w.log.Warn("takeover failed", "error", err.Error())
+		} else if n > 0 {
+			w.log.Warn("took over entries of dead consumers", "entries", n)
+		}
+	}
+}
+
+// TakeOverDeadConsumers puts back the entries held by consumers whose liveness
+// key is gone and that were idle for a lease; it returns how many it moved.
+func (w *Worker) TakeOverDeadConsumers(ctx context.Context) (int, error) {
+	moved := 0
+	for _, stream := range w.queue.TaskStreams() {
+		summary, err := w.client.XPending(ctx, stream, w.cfg.Group).Result()
+		if err != nil {
+			if strings.HasPrefix(err.Error(), "NOGROUP") || errors.Is(err, redis.Nil) {
+				continue
+			}
+			return moved, err
+		}
+		for owner := range summary.Consumers {
+			if owner == w.cfg.Consumer {
+				continue
+			}
+			alive, err := w.client.Exists(ctx, w.keys.Consumer(owner)).Result()
+			if err != nil {
+				return moved, err
+			}
+			if alive == 1 {
+				continue
+			}
+			n, err := w.takeOver(ctx, stream, owner)
+			moved += n
+			if err != nil {
+				return moved, err
+			}
+		}
+	}
+	return moved, nil
+}
+
+func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error) {
+	const batch = 100
+	pending, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
+		Stream: stream, Group: w.cfg.Group, Idle: w.cfg.Lease, Start: "-", End: "+",
+		Count: batch, Consumer: owner,
+	}).Result()
+	if err != nil {
+		return 0, err
+	}
+	moved := 0
+	for _, p := range pending {
+		res, err := w.scripts.Get("requeue").Run(ctx, w.client,
+			[]string{stream, stream, w.queue.Dead()},
+			w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1, w.cfg.MaxRedeliveries,
+			Now().String()).Result()
+		if errors.Is(err, redis.Nil) {
+			continue
+		}
+		if err != nil {
+			return moved, err
+		}
+		moved++
+		w.log.Warn("took over entry of dead consumer", "owner", owner, "stream", stream,
+			"entry_id", p.ID, "result", fmt.Sprint(res))
+	}
+	if len(pending) < batch {
+		left, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
+			Stream: stream, Group: w.cfg.Group, Start: "-", End: "+", Count: 1, Consumer: owner,
+		}).Result()
+		if err == nil && len(left) == 0 {
+			w.client.XGroupDelConsumer(ctx, stream, w.cfg.Group, owner)
+		}
+	}
+	return moved, nil
+}
+
+// requeueOwnPending puts back every entry this consumer read but did not settle.
+func (w *Worker) requeueOwnPending(ctx context.Context) int {
+	moved := 0
+	for _, stream := range w.queue.TaskStreams() {
+		pending, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
+			Stream: stream, Group: w.cfg.Group, Start: "-", End: "+", Count: 10000,
+			Consumer: w.cfg.Consumer,
+		}).Result()
+		if err != nil {
+			w.log.Warn("listing own pending entries failed", "stream", stream, "error", err.Error())
+			continue
+		}
+		for _, p := range pending {
+			err := w.scripts.Get("requeue").Run(ctx, w.client,
+				[]string{stream, stream, w.queue.Dead()},
+				w.cfg.Group, p.ID, "", 0, 0, 0, Now().String()).Err()
+			if err != nil && !errors.Is(err, redis.Nil) {
+				w.log.Warn("putting an entry back failed", "entry_id", p.ID, "error", err.Error())
+				continue
+			}
+			moved++
+			w.log.Info("put back an unstarted entry", "stream", stream, "entry_id", p.ID)
+		}
+	}
+	return moved
+}
+
+// --- one entry -------------------------------------------------------------------
+
+func textFields(values map[string]any) map[string]string {
+	fields := make(map[string]string, len(values))
+	for k, v := range values {
+		switch s := v.(type) {
+		case string:
+			fields[k] = s
+		case []byte:
+			fields[k] = string(s)
+		default:
+			fields[k] = fmt.Sprint(v)
+		}
+	}
+	return fields
+}
+
+// entry is an entry being handled and what is known about its failures.
+type entry struct {
+	stream, id string
+	fields     map[string]string
+	env        *Envelope
+	log        *slog.Logger
+}
+
+func (w *Worker) process(stream string, m redis.XMessage) {
+	defer func() {
+		if r := recover(); r != nil { // never crash on one entry; it stays pending
+			w.log.Error("internal error handling an entry", "entry_id", m.ID, "panic", fmt.Sprint(r),
+				"stack", string(debug.Stack()))
+		}
+	}()
+	ctx := context.Background()
+	fields := textFields(m.Values)
+	env, err := DecodeEntry(fields, w.cfg.Limits)
+	if err != nil {
+		w.log.Error("malformed entry", "stream", stream, "entry_id", m.ID, "reason", err.Error())
+		w.deadLetter(ctx, &entry{stream: stream, id: m.ID, fields: fields, log: w.log},
+			failure{class: ClassMalformedEntry, reason: err.Error(), exceptionType: "MalformedEntry"})
+		return
+	}
+	e := &entry{stream: stream, id: m.ID, fields: fields, env: env,
+		log: w.log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType,
+			"entry_id", m.ID)}
+	now := time.Now()
+	if !env.IsDue(now) {
+		w.reschedule(ctx, e, now)
+		return
+	}
+	if cancelled, err := w.client.HExists(ctx, w.queue.Cancelled(), env.TaskID).Result(); err != nil {
+		e.log.Warn("cancel check failed; going on", "error", err.Error())
+	} else if cancelled {
+		w.settle(e, "acknowledge cancelled", func() error {
+			_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+				p.XAck(ctx, stream, w.cfg.Group, m.ID)
+				p.XDel(ctx, stream, m.ID)
+				p.HDel(ctx, w.queue.Cancelled(), env.TaskID)
+				return nil
+			})
+			return err
+		})
+		e.log.Info("cancelled task acknowledged without running it", "outcome", "cancelled")
+		return
+	}
+	h, ok := w.handlers[env.TaskType]
+	if !ok {
+		w.deadLetter(ctx, e, failure{class: ClassUnknownTaskType,
+			reason: fmt.Sprintf("no handler for task_type %q in this worker", env.TaskType)})
+		return
+	}
+	if !slices.Contains(h.versions, env.PayloadVersion) {
+		w.deadLetter(ctx, e, failure{class: ClassUnsupportedPayloadVersion,
+			reason: fmt.Sprintf("payload_version %d is not accepted (accepted: %v)", env.PayloadVersion, h.versions)})
+		return
+	}
+	task := &Task{Envelope: env, Queue: w.cfg.Queue, Stream: stream, EntryID: m.ID, Log: e.log}
+	task.Redelivered, _ = strconv.Atoi(fields[FieldRedeliver])
+
+	if env.RetryCount > 0 {
+		slot := w.keys.Retrying(env.TaskType)
+		hold := w.cfg.SlotHold
+		if env.TimeoutMS != nil {
+			hold = time.Duration(*env.TimeoutMS) * time.Millisecond
+		}
+		got, err := w.scripts.Get("retry_slot").Run(ctx, w.client, []string{slot},
+			env.TaskID, w.cfg.RetryConcurrency, hold.Milliseconds()).Int()
+		if err != nil {
+			e.log.Warn("retry slot check failed; running anyway", "error", err.Error())
+		} else if got == 0 {
+			delay := w.cfg.Retry.BackoffDelay(env.RetryCount, FastRetriesTaken(env))
+			e.log.Info("retry slots of this task type are all taken; rescheduled",
+				"delay_ms", delay.Milliseconds())
+			w.replace(ctx, e, w.deferred(env, delay), delay)
+			return
+		} else {
+			defer func() {
+				if err := w.client.ZRem(context.Background(), slot, env.TaskID).Err(); err != nil {
+					e.log.Warn("releasing the retry slot failed", "error", err.Error())
+				}
+			}()
+		}
+	}
+
+	holder := ""
+	if env.IdempotencyKey != nil {
+		var proceed bool
+		holder, proceed = w.claim(ctx, e, task)
+		if !proceed {
+			return
+		}
+	}
+
+	e.log.Info("task started", "retry_count", env.RetryCount, "redelivered", task.Redelivered)
+	started := time.Now()
+	err = w.run(h.run, task)
+	elapsed := time.Since(started)
+	if err == nil {
+		if holder != "" {
+			w.finishIdem(ctx, e, holder, "done")
+		}
+		w.ack(ctx, e)
+		e.log.Info("task succeeded", "outcome", "success", "duration_ms", elapsed.Milliseconds(),
+			"retry_count", env.RetryCount)
+		return
+	}
+	if holder != "" {
+		w.finishIdem(ctx, e, holder, "release")
+	}
+	w.fail(ctx, e, err, elapsed)
+}
+
+// claim applies docs/protocol.md section 9; it answers the holder and whether to run.
+func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool) {
+	env := e.env
+	key := w.keys.Idempotency(env.TaskType, *env.IdempotencyKey)
+	holder := w.cfg.Consumer + " " + env.TaskID
+	claimFor := w.cfg.IdemClaim
+	if env.TimeoutMS != nil {
+		claimFor = time.Duration(*env.TimeoutMS)*time.Millisecond + w.cfg.Lease
+	}
+	replace := ""
+	for round := 0; round < 2; round++ {
+		res, err := w.scripts.Get("idem_begin").Run(ctx, w.client, []string{key},
+			holder, claimFor.Milliseconds(), replace).StringSlice()
+		if err != nil || len(res) == 0 {
+			e.log.Warn("idempotency claim failed; deferring", "error", fmt.Sprint(err))
+			w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+			return "", false
+		}
+		switch res[0] {
+		case "acquired":
+			return holder, true
+		case "done":
+			w.ack(ctx, e)
+			e.log.Info("duplicate: the effect already happened; acknowledged without running",
+				"outcome", "duplicate", "idempotency_key", *env.IdempotencyKey, "marker", res[1])
+			if w.cfg.OnDuplicate != nil {
+				w.cfg.OnDuplicate(ctx, task)
+			}
+			return "", false
+		case "busy":
+			other := res[1]
+			owner := other
+			if i := strings.LastIndexByte(other, ' '); i >= 0 {
+				owner = other[:i]
+			}
+			alive, err := w.client.Exists(ctx, w.keys.Consumer(owner)).Result()
+			if err == nil && alive == 0 && round == 0 {
+				e.log.Warn("idempotency holder is dead; taking the claim over", "holder", other)
+				replace = other
+				continue
+			}
+			e.log.Info("another consumer runs this idempotency key; deferred",
+				"holder", other, "delay_ms", w.cfg.DeferDelay.Milliseconds())
+			w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+			return "", false
+		}
+	}
+	w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+	return "", false
+}
+
+func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
+	key := w.keys.Idempotency(e.env.TaskType, *e.env.IdempotencyKey)
+	w.settle(e, "idem_finish "+how, func() error {
+		n, err := w.scripts.Get("idem_finish").Run(ctx, w.client, []string{key},
+			holder, how, w.cfg.IdemDoneTTL.Milliseconds(), Now().String()).Int()
+		if err == nil && n == 0 {
+			e.log.Warn("the idempotency claim had been taken over: the task may have run twice",
+				"idempotency_key", *e.env.IdempotencyKey)
+		}
+		return err
+	})
+}
+
+// run calls the handler with the attempt's deadline; a handler that outlives
+// its deadline is abandoned (it should honour ctx) and the attempt times out.
+func (w *Worker) run(fn HandlerFunc, task *Task) error {
+	ctx, cancel := context.Background(), context.CancelFunc(func() {})
+	if task.TimeoutMS != nil {
+		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
+	}
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		defer func() {
+			if r := recover(); r != nil {
+				done <- &PanicError{Value: r, Stack: string(debug.Stack())}
+			}
+		}()
+		done <- fn(ctx, task)
+	}()
+	select {
+	case err := <-done:
+		if err != nil && task.TimeoutMS != nil && isTimeout(ctx, err) {
+			return &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: err}
+		}
+		return err
+	case <-ctx.Done():
+		task.Log.Warn("attempt exceeded timeout_ms; abandoned", "timeout_ms", *task.TimeoutMS)
+		return &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: ctx.Err()}
+	}
+}
+
+// PanicError is a handler that panicked.
+type PanicError struct {
+	Value any
+	Stack string
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("panic: %v", e.Value) }
+
+// TimeoutError is an attempt stopped at timeout_ms.
+type TimeoutError struct {
+	TimeoutMS int64
+	Err       error
+}
+
+func (e *TimeoutError) Error() string {
+	return fmt.Sprintf("attempt exceeded timeout_ms %d: %v", e.TimeoutMS, e.Err)
+}
+func (e *TimeoutError) Unwrap() error { return e.Err }
+
+// ExceptionType names an error's type for the dead-letter entry: its
+// ExceptionType() method if it has one, else its Go type.
+func ExceptionType(err error) string {
+	var named interface{ ExceptionType() string }
+	if errors.As(err, &named) {
+		return named.ExceptionType()
+	}
+	var perm *Permanent
+	if errors.As(err, &perm) {
+		err = perm.Err
+	}
+	var tr *transientError
+	if errors.As(err, &tr) {
+		err = tr.err
+	}
+	return fmt.Sprintf("%T", err)
+}
+
+func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Duration) {
+	env := e.env
+	now := time.Now()
+	first := now
+	if t, perr := ParseTimestamp(env.Headers[HeaderFirstFailureAt]); perr == nil {
+		first = t.Time
+	}
+	f := failure{reason: err.Error(), exceptionType: ExceptionType(err),
+		attempts: env.RetryCount + 1, firstFailure: first, lastFailure: now}
+	var panicErr *PanicError
+	if errors.As(err, &panicErr) {
+		f.traceback = panicErr.Stack
+	}
+	var perm *Permanent
+	if errors.As(err, &perm) {
+		f.class = perm.Class
+		e.log.Error("task failed permanently", "outcome", "dead", "error", err.Error())
+		w.deadLetter(ctx, e, f)
+		return
+	}
+	kind := KindTaskError
+	var timeout *TimeoutError
+	switch {
+	case errors.As(err, &timeout):
+		kind = KindTimeout
+	case w.cfg.IsTransient(err):
+		kind = KindTransient
+	}
+	d := w.cfg.Retry.Decide(env, kind)
+	if d.Action == DeadLetter {
+		f.class = d.Class
+		f.reason = d.ExhaustedMsg + ": " + err.Error()
+		e.log.Error("task failed; retries exhausted", "outcome", "dead", "failure_class", d.Class,
+			"error", err.Error(), "attempts", f.attempts)
+		w.deadLetter(ctx, e, f)
+		return
+	}
+	next := NextAttempt(env, d, now)
+	if _, ok := next.Headers[HeaderFirstFailureAt]; !ok {
+		next.Headers[HeaderFirstFailureAt] = NewTimestamp(first.UTC()).String()
+	}
+	e.log.Warn("task failed; retrying", "outcome", "retry", "error", err.Error(),
+		"retry_count", d.Next, "fast", d.Action == RetryNow, "delay_ms", d.Delay.Milliseconds(),
+		"duration_ms", elapsed.Milliseconds())
+	w.replace(ctx, e, next, d.Delay)
+}
+
+// deferred is env pushed back by delay, retry_count unchanged.
+func (w *Worker) deferred(env *Envelope, delay time.Duration) *Envelope {
+	n := env.Clone()
+	at := NewTimestamp(time.Now().Add(delay).UTC())
+	n.ScheduleTime = &at
+	return n
+}
+
+// replace swaps the pending entry for next atomically with retry.lua.
+func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration) {
+	enc, body, err := EncodeBody(next, w.cfg.GzipMin, w.cfg.Limits)
+	if err != nil {
+		w.deadLetter(ctx, e, failure{class: ClassTaskError, reason: "cannot write the next attempt: " + err.Error()})
+		return
+	}
+	due := int64(0)
+	if delay > 0 {
+		due = next.ScheduleTime.UnixMilli()
+		w.settle(e, "register delayed queue", func() error {
+			return w.producer.RegisterDelayedQueue(ctx, w.cfg.Queue)
+		})
+	}
+	bucket := BucketFor(next.Priority)
+	w.settle(e, "retry.lua", func() error {
+		err := w.scripts.Get("retry").Run(ctx, w.client,
+			[]string{e.stream, w.queue.Stream(bucket), w.queue.Delayed(), w.queue.DelayedData()},
+			w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body),
+			w.keys.Wakeup()).Err()
+		if errors.Is(err, redis.Nil) {
+			e.log.Warn("entry was no longer pending when replaced (taken over?)")
+			return nil
+		}
+		return err
+	})
+}
+
+// reschedule moves an entry that is not due yet to the delayed set, byte for byte.
+func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
+	w.settle(e, "register delayed queue", func() error {
+		return w.producer.RegisterDelayedQueue(ctx, w.cfg.Queue)
+	})
+	bucket := BucketFor(e.env.Priority)
+	w.settle(e, "reschedule", func() error {
+		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			s := w.scripts.Get("schedule")
+			p.EvalSha(ctx, s.Hash(), []string{w.queue.Delayed(), w.queue.DelayedData()},
+				e.env.TaskID, e.env.DueMS(now), string(bucket), e.fields[FieldEncoding],
+				e.fields[FieldBody], w.keys.Wakeup())
+			p.XAck(ctx, e.stream, w.cfg.Group, e.id)
+			p.XDel(ctx, e.stream, e.id)
+			return nil
+		})
+		w.reloadOnNoScript(ctx, err)
+		return err
+	})
+	e.log.Info("task not due yet; moved to the delayed set", "outcome", "scheduled",
+		"schedule_time", e.env.ScheduleTime.String())
+}
+
+func (w *Worker) reloadOnNoScript(ctx context.Context, err error) {
+	if err != nil && strings.Contains(err.Error(), "NOSCRIPT") {
+		_ = w.scripts.Load(ctx, w.client)
+	}
+}
+
+func (w *Worker) ack(ctx context.Context, e *entry) {
+	w.settle(e, "ack", func() error {
+		var acked *redis.IntCmd
+		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			acked = p.XAck(ctx, e.stream, w.cfg.Group, e.id)
+			p.XDel(ctx, e.stream, e.id)
+			return nil
+		})
+		if err == nil && acked.Val() == 0 {
+			e.log.Warn("ack answered 0: the entry was taken over while this consumer looked dead")
+		}
+		return err
+	})
+}
+
+// failure describes a dead-letter entry (docs/protocol.md section 7).
+type failure struct {
+	class, reason, exceptionType, traceback string
+	attempts                                int64
+	firstFailure, lastFailure               time.Time
+}
+
+// deadLetterFields are the failure fields of a dead-letter entry, in order;
+// dead_letter.lua appends the raw.* fields itself.
+func (w *Worker) deadLetterFields(e *entry, f failure) []any {
+	now := time.Now()
+	if f.firstFailure.IsZero() {
+		f.firstFailure = now
+	}
+	if f.lastFailure.IsZero() {
+		f.lastFailure = now
+	}
+	fields := []any{
+		"dlq", "1",
+		"failure_class", f.class,
+		"reason", f.reason,
+		"queue", w.cfg.Queue,
+		"dead_at", NewTimestamp(now.UTC()).String(),
+		"language", Language,
+		"host", w.host,
+		"pid", w.pid,
+		"consumer", w.cfg.Consumer,
+		"first_failure_at", NewTimestamp(f.firstFailure.UTC()).String(),
+		"last_failure_at", NewTimestamp(f.lastFailure.UTC()).String(),
+	}
+	if f.exceptionType != "" {
+		fields = append(fields, "exception_type", f.exceptionType)
+	}
+	if f.traceback != "" {
+		fields = append(fields, "traceback", f.traceback)
+	}
+	if f.attempts > 0 {
+		fields = append(fields, "attempts", strconv.FormatInt(f.attempts, 10))
+	}
+	if e.env != nil {
+		fields = append(fields, "task_id", e.env.TaskID, "task_type", e.env.TaskType)
+	}
+	return fields
+}
+
+func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
+	args := append([]any{w.cfg.Group, e.id}, w.deadLetterFields(e, f)...)
+	var deadID string
+	w.settle(e, "dead_letter.lua", func() error {
+		id, err := w.scripts.Get("dead_letter").Run(ctx, w.client,
+			[]string{e.stream, w.queue.Dead()}, args...).Text()
+		if errors.Is(err, redis.Nil) {
+			e.log.Warn("entry was no longer pending when dead-lettered (taken over?)")
+			return nil
+		}
+		deadID = id
+		return err
+	})
+	e.log.Error("entry dead-lettered", "outcome", "dead", "failure_class", f.class,
+		"reason", f.reason, "dead_id", deadID)
+}
+
+// settle runs a step that ends an entry's handling, retrying Redis errors for
+// a while: an entry is never dropped, at worst it stays pending until this
+// consumer stops and it is put back.
+func (w *Worker) settle(e *entry, what string, step func() error) {
+	delay := 100 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		err := step()
+		if err == nil {
+			return
+		}
+		if attempt == 10 {
+			e.log.Error("giving up on a step; the entry stays pending", "step", what, "error", err.Error())
+			return
+		}
+		e.log.Warn("step failed; retrying", "step", what, "error", err.Error())
+		time.Sleep(delay)
+		delay = min(2*delay, 3*time.Second)
+	}
+}

@@ -1,0 +1,93 @@
+// Every Redis key of the protocol (docs/protocol.md section 2).
+//
+// All keys of one queue carry the Redis Cluster hash tag {<queue>} so the Lua
+// scripts, which touch several keys of one queue, stay valid on a cluster.
+//
+//   <prefix>:{<queue>}:high | normal | low   task streams (priority >= 170 | >= 85 | below)
+//   <prefix>:{<queue>}:kombu                 Python kombu traffic (ignored here)
+//   <prefix>:{<queue>}:delayed               ZSET task_id -> due time (ms)
+//   <prefix>:{<queue>}:delayed:data          HASH task_id -> "<bucket>\n<enc>\n<body>"
+//   <prefix>:{<queue>}:dead                  dead-letter stream
+//   <prefix>:{<queue>}:cancelled             ZSET task_id -> cancel time (ms)
+//   <prefix>:queues                          SET of queues with delayed tasks
+//   <prefix>:dead-queues                     SET of queues with dead-letter entries (DLQ tools)
+//   <prefix>:consumer:<consumer>             liveness of one consumer (PX lease)
+//   <prefix>:idem:<task_type>:<key>          idempotency claim / done marker
+//   <prefix>:retrying:<task_type>            ZSET of running retries (retry_slot.lua)
+//   <prefix>:wakeup                          pub/sub channel of the promoters
+
+export const DEFAULT_PREFIX = 'envelope';
+export const DEFAULT_GROUP = 'workers';
+/** Buckets, most urgent first: the order consumers read them in. */
+export const BUCKETS = Object.freeze(['high', 'normal', 'low']);
+export const HIGH_PRIORITY_FROM = 170;
+export const NORMAL_PRIORITY_FROM = 85;
+
+/** The bucket of a priority (0-255, higher is more urgent). */
+export function bucketFor(priority) {
+  if (priority >= HIGH_PRIORITY_FROM) return 'high';
+  if (priority >= NORMAL_PRIORITY_FROM) return 'normal';
+  return 'low';
+}
+
+export class InvalidQueueName extends Error {
+  constructor(queue) {
+    super(`queue name ${JSON.stringify(queue)} must be non-empty and contain no '{' or '}' (it becomes a Redis Cluster hash tag)`);
+    this.name = 'InvalidQueueName';
+  }
+}
+
+export class QueueKeys {
+  constructor(prefix, queue) {
+    if (typeof queue !== 'string' || !queue || queue.includes('{') || queue.includes('}')) {
+      throw new InvalidQueueName(queue);
+    }
+    this.prefix = prefix;
+    this.queue = queue;
+    this.base = `${prefix}:{${queue}}`;
+    this.taskStreams = BUCKETS.map((bucket) => this.stream(bucket));
+    this.kombu = `${this.base}:kombu`;
+    this.delayed = `${this.base}:delayed`;
+    this.delayedData = `${this.base}:delayed:data`;
+    this.dead = `${this.base}:dead`;
+    this.cancelled = `${this.base}:cancelled`;
+    Object.freeze(this);
+  }
+
+  stream(bucket) {
+    if (!BUCKETS.includes(bucket)) throw new Error(`unknown bucket ${bucket}`);
+    return `${this.base}:${bucket}`;
+  }
+
+  /** The bucket name of one of this queue's task streams, or null. */
+  bucketOf(stream) {
+    return BUCKETS.find((bucket) => this.stream(bucket) === stream) ?? null;
+  }
+}
+
+export class KeySpace {
+  constructor(prefix = DEFAULT_PREFIX) {
+    if (typeof prefix !== 'string' || !prefix) throw new Error('the key prefix must be a non-empty string');
+    this.prefix = prefix;
+    this.queues = `${prefix}:queues`;
+    this.deadQueues = `${prefix}:dead-queues`;
+    this.wakeup = `${prefix}:wakeup`;
+    Object.freeze(this);
+  }
+
+  queue(name) {
+    return new QueueKeys(this.prefix, name);
+  }
+
+  consumer(name) {
+    return `${this.prefix}:consumer:${name}`;
+  }
+
+  idempotency(taskType, key) {
+    return `${this.prefix}:idem:${taskType}:${key}`;
+  }
+
+  retrying(taskType) {
+    return `${this.prefix}:retrying:${taskType}`;
+  }
+}

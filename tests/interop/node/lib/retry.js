@@ -1,0 +1,126 @@
+// Retry rules (docs/protocol.md section 8), as pure functions.
+//
+//   next = retry_count + 1; past max_retries (unless null) the task is dead:
+//     transient_exhausted (transient error), timeout (timeout), task_error (otherwise).
+//   Fast tier: a transient error (timeouts included) while headers["x-fast-retries"]
+//     is below fastRetries retries at once and increments the header.
+//   Backoff tier: min(backoff * 2^(next - f - 1), maxBackoff) * random [0.8, 1.2),
+//     f being the fast retries already taken.
+
+import { Timestamp } from './time.js';
+
+export const FAST_RETRIES_HEADER = 'x-fast-retries';
+/** When the first attempt failed, carried across attempts for the dead-letter entry. */
+export const FIRST_FAILURE_HEADER = 'x-first-failure-at';
+
+export const RETRY_DEFAULTS = Object.freeze({
+  fastRetries: 2,
+  backoffMs: 30_000,
+  maxBackoffMs: 3_600_000,
+});
+
+/** An error worth retrying at once: connection errors, lock conflicts, timeouts. */
+export class TransientError extends Error {
+  constructor(message, options) {
+    super(message, options);
+    this.name = 'TransientError';
+    this.transient = true;
+  }
+}
+
+/** The attempt ran longer than timeout_ms. */
+export class TaskTimeoutError extends Error {
+  constructor(timeoutMs) {
+    super(`the attempt ran longer than timeout_ms (${timeoutMs} ms)`);
+    this.name = 'TaskTimeoutError';
+    this.transient = true;
+    this.timeoutMs = timeoutMs;
+  }
+}
+
+/** The payload can never be processed: dead-lettered at once as invalid_payload. */
+export class InvalidPayloadError extends Error {
+  constructor(message, options) {
+    super(message, options);
+    this.name = 'InvalidPayloadError';
+  }
+}
+
+const TRANSIENT_CODES = new Set([
+  'ECONNRESET', 'ECONNREFUSED', 'ECONNABORTED', 'ETIMEDOUT', 'EPIPE', 'EHOSTUNREACH',
+  'ENETUNREACH', 'ENETDOWN', 'EAI_AGAIN', 'UND_ERR_CONNECT_TIMEOUT', 'UND_ERR_SOCKET',
+]);
+
+/** Default transient test; workers accept an extra predicate to mark more errors. */
+export function isTransientError(err) {
+  if (!err || typeof err !== 'object') return false;
+  if (err.transient === true) return true;
+  if (err.name === 'TimeoutError') return true; // AbortSignal.timeout(), fetch timeouts
+  if (typeof err.code === 'string' && TRANSIENT_CODES.has(err.code)) return true;
+  return err.cause !== undefined && err.cause !== err ? isTransientError(err.cause) : false;
+}
+
+/** Fast retries already taken, from the x-fast-retries header (absent or unreadable = 0). */
+export function fastRetriesTaken(headers) {
+  const raw = headers?.[FAST_RETRIES_HEADER];
+  return typeof raw === 'string' && /^[0-9]{1,9}$/.test(raw) ? Number(raw) : 0;
+}
+
+/** Backoff-tier delay in ms before attempt `next` (random() in [0, 1) gives the jitter). */
+export function backoffDelayMs(next, fastTaken, { backoffMs, maxBackoffMs }, random = Math.random) {
+  const exponent = Math.max(0, next - fastTaken - 1);
+  const base = Math.min(backoffMs * 2 ** Math.min(exponent, 1024), maxBackoffMs);
+  return Math.round(base * (0.8 + 0.4 * random()));
+}
+
+/** The dead-letter failure class of a failed attempt. */
+export function failureClassOf({ transient, timeout }) {
+  if (timeout) return 'timeout';
+  return transient ? 'transient_exhausted' : 'task_error';
+}
+
+/**
+ * What to do after a failed attempt of `env`:
+ *   { action: 'dead', failureClass, attempts }
+ *   { action: 'retry', tier: 'fast' | 'backoff', delayMs, retryCount, headers }
+ */
+export function decideFailure(env, { transient = false, timeout = false }, options = {}, random = Math.random) {
+  const opts = { ...RETRY_DEFAULTS, ...options };
+  const next = env.retry_count + 1;
+  if (env.max_retries !== null && next > env.max_retries) {
+    return { action: 'dead', failureClass: failureClassOf({ transient, timeout }), attempts: next };
+  }
+  const fastTaken = fastRetriesTaken(env.headers);
+  if ((transient || timeout) && fastTaken < opts.fastRetries) {
+    return {
+      action: 'retry', tier: 'fast', delayMs: 0, retryCount: next,
+      headers: { ...env.headers, [FAST_RETRIES_HEADER]: String(fastTaken + 1) },
+    };
+  }
+  return {
+    action: 'retry', tier: 'backoff', delayMs: backoffDelayMs(next, fastTaken, opts, random),
+    retryCount: next, headers: { ...env.headers },
+  };
+}
+
+/** Offset (minutes) to write new times of `env` in: its schedule_time's, else its created_at's. */
+export function offsetOf(env) {
+  try {
+    return Timestamp.parse(env.schedule_time ?? env.created_at).offsetMinutes;
+  } catch {
+    return 0;
+  }
+}
+
+/**
+ * The Envelope of the next attempt: same task_id, retry_count and headers as
+ * decided, schedule_time = now + delay (in the task's own offset).
+ */
+export function nextAttempt(env, { retryCount = env.retry_count, headers = env.headers, delayMs }, nowMs = Date.now()) {
+  return {
+    ...env,
+    retry_count: retryCount,
+    headers,
+    schedule_time: Timestamp.fromEpochMs(nowMs + delayMs, offsetOf(env)).toString(),
+  };
+}

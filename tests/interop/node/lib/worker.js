@@ -1,0 +1,704 @@
+// A worker shell that follows docs/protocol.md sections 5-10.
+//
+//   - joins consumer group `workers` on the queue's high/normal/low streams;
+//   - keeps <prefix>:consumer:<consumer> alive every lease/3 from a timer;
+//   - reads most urgent first (read.lua for an exact count without blocking,
+//     else XREADGROUP BLOCK on a dedicated connection);
+//   - decodes and validates every entry; a malformed one goes to the
+//     dead-letter stream with its raw bytes (never dropped, never left pending);
+//   - moves entries that are not due yet to the delayed set;
+//   - dead-letters unknown task types and unaccepted payload versions;
+//   - claims idempotency keys, runs the handler with a timeout, acknowledges
+//     only on success, and otherwise applies the retry rules;
+//   - takes over the entries of dead consumers with requeue.lua;
+//   - promotes delayed tasks (promote.lua), like every other worker;
+//   - on stop: prefetched, unstarted entries go back with requeue.lua, running
+//     tasks get a grace period, the liveness key is deleted.
+// Logs are JSON lines on stderr, each with trace_id and task_id.
+
+import crypto from 'node:crypto';
+import os from 'node:os';
+import { setTimeout as sleep } from 'node:timers/promises';
+import Redis from 'ioredis';
+import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js';
+import { DEFAULT_LIMITS, Timestamp, dueMs } from './envelope.js';
+import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
+import { createLogger } from './log.js';
+import { Promoter } from './promoter.js';
+import {
+  FIRST_FAILURE_HEADER, InvalidPayloadError, RETRY_DEFAULTS, TaskTimeoutError, backoffDelayMs,
+  decideFailure, fastRetriesTaken, isTransientError, nextAttempt,
+} from './retry.js';
+import { Scripts } from './scripts.js';
+
+export const WORKER_DEFAULTS = Object.freeze({
+  prefix: DEFAULT_PREFIX,
+  group: DEFAULT_GROUP,
+  leaseMs: 30_000,
+  blockMs: 1_000,
+  concurrency: 1,
+  // Entries held at most (running + read ahead); null: the concurrency.
+  prefetch: null,
+  ...RETRY_DEFAULTS,
+  retryConcurrency: 5,
+  maxRedeliveries: 10,
+  deferMs: 3_000,
+  idemDoneTtlMs: 24 * 3600 * 1000,
+  // Safety net of an idempotency claim when the task has no timeout_ms.
+  idemClaimMs: 3600 * 1000,
+  // How long a retry slot is held if never released, when the task has no timeout_ms.
+  retrySlotHoldMs: 300 * 1000,
+  // Bound on attempts of tasks without timeout_ms (null: unbounded).
+  defaultTimeoutMs: null,
+  shutdownGraceMs: 30_000,
+  takeoverBatch: 100,
+  gzipMinBytes: 8192,
+  limits: DEFAULT_LIMITS,
+  promoter: true,
+  promoterMaxIdleMs: 5_000,
+  isTransient: null,
+});
+
+const LANGUAGE = 'node';
+
+class ShutdownAbort extends Error {
+  constructor() {
+    super('the worker is shutting down');
+    this.name = 'ShutdownAbort';
+  }
+}
+
+const text = (value) => (Buffer.isBuffer(value) ? value.toString('utf8') : String(value));
+
+function positiveInt(name, value, { allowZero = false } = {}) {
+  if (!Number.isSafeInteger(value) || value < (allowZero ? 0 : 1)) {
+    throw new RangeError(`${name} must be an integer ${allowZero ? '>= 0' : '>= 1'}, not ${value}`);
+  }
+}
+
+export class Worker {
+  /**
+   * options: redis (URL or ioredis options), prefix, queue, group, leaseMs,
+   * blockMs, concurrency, prefetch, fastRetries, backoffMs, maxBackoffMs,
+   * retryConcurrency, maxRedeliveries, deferMs, shutdownGraceMs, limits,
+   * isTransient(err) (extra transient errors), logger, consumer, promoter.
+   */
+  constructor(options) {
+    const o = { ...WORKER_DEFAULTS, ...Object.fromEntries(Object.entries(options).filter(([, v]) => v !== undefined)) };
+    if (!o.queue) throw new Error('a queue is required');
+    for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch']) {
+      positiveInt(name, o[name]);
+    }
+    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs']) positiveInt(name, o[name], { allowZero: true });
+    if (o.prefetch !== null) positiveInt('prefetch', o.prefetch);
+    this.opts = o;
+    this.keys = new KeySpace(o.prefix);
+    this.queueKeys = this.keys.queue(o.queue);
+    this.host = os.hostname();
+    this.consumer = o.consumer ?? `${this.host}-${process.pid}-${crypto.randomBytes(4).toString('hex')}`;
+    this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queue: o.queue });
+    this.handlers = new Map();
+    this.inflight = new Map(); // "<stream> <id>" -> { entry, abort, promise }
+    this.waiting = []; // read, not started (most urgent first)
+    this.held = new Set(); // "<stream> <id>" of waiting and running entries
+    this.running = false;
+    this.recoverAt = null;
+    this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0 };
+  }
+
+  /**
+   * Register the handler of a task_type: fn(payload, ctx) returning a promise.
+   * ctx: { envelope, taskId, traceId, attempt, signal, log, redis, keys }.
+   * Options: payloadVersions (accepted payload_version values, default [1]),
+   * timeoutMs (bound for tasks that carry no timeout_ms).
+   */
+  register(taskType, fn, { payloadVersions = [1], timeoutMs = null } = {}) {
+    if (typeof fn !== 'function') throw new TypeError('a handler is a function');
+    this.handlers.set(taskType, { fn, payloadVersions: new Set(payloadVersions), timeoutMs });
+    return this;
+  }
+
+  client(role) {
+    const base = typeof this.opts.redis === 'string' ? { ...parseRedisUrl(this.opts.redis) } : { ...(this.opts.redis ?? {}) };
+    const client = new Redis({ ...base, connectionName: `envelope-node-${role}`, lazyConnect: false });
+    // Connection errors are logged as JSON lines (ioredis reconnects by itself).
+    let lastLogged = 0;
+    client.on('error', (err) => {
+      if (Date.now() - lastLogged < 5000) return;
+      lastLogged = Date.now();
+      this.log.warn('redis connection error', { role, err });
+    });
+    return client;
+  }
+
+  async start() {
+    if (this.running) return;
+    this.cmd = this.client('cmd');
+    this.reader = this.client('reader');
+    this.leaseClient = this.client('lease');
+    this.scripts = new Scripts(this.cmd);
+    await this.ensureGroups();
+    await this.renew();
+    this.running = true;
+    const tick = Math.max(1, Math.floor(this.opts.leaseMs / 3));
+    this.leaseTimer = setInterval(() => {
+      this.renew().catch((err) => this.log.warn('liveness renewal failed', { err }));
+    }, tick);
+    this.takeoverTimer = setInterval(() => this.takeoverTick(), tick);
+    if (this.opts.promoter) {
+      this.subscriber = this.client('promoter');
+      this.promoter = new Promoter({
+        client: this.cmd, subscriber: this.subscriber, prefix: this.opts.prefix,
+        maxIdleMs: this.opts.promoterMaxIdleMs, log: this.log, scripts: this.scripts,
+      });
+      await this.promoter.start();
+    }
+    this.loopDone = this.loop();
+    this.takeoverTick();
+    this.log.info('worker ready', {
+      group: this.opts.group, lease_ms: this.opts.leaseMs, concurrency: this.opts.concurrency,
+      task_types: [...this.handlers.keys()],
+    });
+  }
+
+  /** XGROUP CREATE ... MKSTREAM on every task stream, ignoring BUSYGROUP. */
+  async ensureGroups() {
+    for (const stream of this.queueKeys.taskStreams) {
+      try {
+        await this.cmd.xgroup('CREATE', stream, this.opts.group, '0', 'MKSTREAM');
+      } catch (err) {
+        if (!String(err.message).startsWith('BUSYGROUP')) throw err;
+      }
+    }
+  }
+
+  /** Mark this consumer alive for another lease. */
+  renew() {
+    return this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
+  }
+
+  // ---------------------------------------------------------------- reading
+
+  // Holds at most max(prefetch, concurrency) entries (running + waiting); tops up
+  // with read.lua (an exact count, most urgent first) and blocks on XREADGROUP
+  // only when nothing waits locally, so a freed slot never waits behind a read.
+  async loop() {
+    const maxHeld = Math.max(this.opts.prefetch ?? this.opts.concurrency, this.opts.concurrency);
+    while (this.running) {
+      try {
+        if (this.recoverAt !== null && Date.now() >= this.recoverAt) {
+          this.recoverAt = null;
+          await this.recoverOwnPending();
+        }
+        if (this.waiting.length && this.inflight.size < this.opts.concurrency) {
+          this.dispatch(this.waiting.shift());
+          continue;
+        }
+        const room = maxHeld - this.held.size;
+        if (room > 0) {
+          let entries = await this.readNow(room);
+          if (!entries.length && !this.waiting.length && this.running) entries = await this.readBlocking(room);
+          this.hold(entries);
+          if (entries.length) continue;
+        }
+        if (this.inflight.size) await Promise.race([...this.inflight.values()].map((t) => t.promise));
+      } catch (err) {
+        if (!this.running) break;
+        this.log.error('reading failed; retrying in 1 s', { err });
+        this.recoverAt = Date.now();
+        await sleep(1000);
+        if (String(err?.message).includes('NOGROUP')) {
+          // A stream or its group was deleted under us: create them again.
+          await this.ensureGroups().catch((e) => this.log.error('could not create the consumer groups', { err: e }));
+        }
+      }
+    }
+  }
+
+  hold(entries) {
+    for (const entry of entries) {
+      const tag = `${entry.stream} ${entry.id}`;
+      if (this.held.has(tag)) continue;
+      this.held.add(tag);
+      this.waiting.push(entry);
+    }
+  }
+
+  static entriesOf(reply) {
+    const entries = [];
+    for (const [stream, items] of reply ?? []) {
+      for (const [id, fields] of items ?? []) {
+        entries.push({ stream: text(stream), id: text(id), fields: fields ?? null });
+      }
+    }
+    return entries;
+  }
+
+  /** Exactly up to n new entries, most urgent stream first, without blocking. */
+  async readNow(n) {
+    const reply = await this.scripts.runBuffer('read', this.queueKeys.taskStreams, [this.opts.group, this.consumer, n]);
+    return Worker.entriesOf(reply);
+  }
+
+  /** Wait up to blockMs for new entries on the dedicated reading connection. */
+  async readBlocking(n) {
+    const streams = this.queueKeys.taskStreams;
+    const reply = await this.reader.xreadgroupBuffer(
+      'GROUP', this.opts.group, this.consumer, 'COUNT', n, 'BLOCK', this.opts.blockMs,
+      'STREAMS', ...streams, ...streams.map(() => '>'));
+    return Worker.entriesOf(reply);
+  }
+
+  /** After an error: entries this consumer read but did not settle are handled again. */
+  async recoverOwnPending() {
+    const streams = this.queueKeys.taskStreams;
+    const reply = await this.cmd.xreadgroupBuffer(
+      'GROUP', this.opts.group, this.consumer, 'COUNT', 1000, 'STREAMS', ...streams, ...streams.map(() => '0'));
+    const entries = Worker.entriesOf(reply).filter((e) => !this.held.has(`${e.stream} ${e.id}`));
+    if (entries.length) this.log.warn('handling again entries left pending by an error', { count: entries.length });
+    this.hold(entries);
+  }
+
+  dispatch(entry) {
+    const tag = `${entry.stream} ${entry.id}`;
+    const abort = new AbortController();
+    const task = { entry, abort };
+    task.promise = this.handle(entry, abort)
+      .catch((err) => {
+        this.log.error('could not settle the entry; it stays pending and is handled again', {
+          err, stream: entry.stream, entry_id: entry.id, task_id: entry.taskId ?? null, trace_id: entry.traceId ?? null,
+        });
+        this.recoverAt = Date.now() + 1000;
+      })
+      .finally(() => {
+        this.inflight.delete(tag);
+        this.held.delete(tag);
+      });
+    this.inflight.set(tag, task);
+  }
+
+  // ---------------------------------------------------------------- handling
+
+  async handle(entry, abort) {
+    if (entry.fields === null) {
+      // Deleted while pending (seen when re-reading this consumer's history).
+      await this.cmd.xack(entry.stream, this.opts.group, entry.id);
+      return;
+    }
+    const fields = entryFields(entry.fields);
+    let env;
+    try {
+      env = decodeEntry(fields, { limits: this.opts.limits });
+    } catch (err) {
+      if (!(err instanceof MalformedEntry)) throw err;
+      await this.malformed(entry, err);
+      return;
+    }
+    entry.taskId = env.task_id;
+    entry.traceId = env.trace_id;
+    const log = this.log.child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type, stream: entry.stream, entry_id: entry.id });
+
+    const nowMs = Date.now();
+    if (dueMs(env, nowMs) > nowMs) {
+      await this.scheduleEntry(entry, fields, env, log);
+      return;
+    }
+    if ((await this.cmd.zscore(this.queueKeys.cancelled, env.task_id)) !== null) {
+      // Cancelled after it left the delayed set: acknowledge without running, clear the mark.
+      const replies = await this.cmd.multi()
+        .xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id)
+        .zrem(this.queueKeys.cancelled, env.task_id).exec();
+      for (const [err] of replies) if (err) throw err;
+      this.stats.cancelled += 1;
+      log.info('task was cancelled; acknowledged without running it');
+      return;
+    }
+    const handler = this.handlers.get(env.task_type);
+    if (!handler) {
+      await this.deadLetter(entry, env, log, {
+        failure_class: 'unknown_task_type',
+        reason: `no handler is registered for task_type ${env.task_type} on this ${LANGUAGE} worker`,
+      });
+      return;
+    }
+    if (!handler.payloadVersions.has(env.payload_version)) {
+      await this.deadLetter(entry, env, log, {
+        failure_class: 'unsupported_payload_version',
+        reason: `payload_version ${env.payload_version} is not accepted by the handler of ${env.task_type} (accepts ${[...handler.payloadVersions].join(', ')})`,
+      });
+      return;
+    }
+    const timeoutMs = env.timeout_ms ?? handler.timeoutMs ?? this.opts.defaultTimeoutMs;
+    const slotKey = this.keys.retrying(env.task_type);
+    let slot = false;
+    if (env.retry_count > 0) {
+      const got = await this.scripts.run('retry_slot', [slotKey],
+        [env.task_id, this.opts.retryConcurrency, timeoutMs ?? this.opts.retrySlotHoldMs]);
+      if (Number(got) === 0) {
+        const delayMs = backoffDelayMs(env.retry_count, fastRetriesTaken(env.headers), this.opts);
+        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
+        this.stats.deferred += 1;
+        log.info('all retry slots of this task type are taken; attempt rescheduled', { delay_ms: delayMs });
+        return;
+      }
+      slot = true;
+    }
+    try {
+      await this.runClaimed(entry, env, handler, timeoutMs, abort, log);
+    } finally {
+      if (slot) {
+        await this.cmd.zrem(slotKey, env.task_id).catch((err) => log.warn('could not release the retry slot', { err }));
+      }
+    }
+  }
+
+  async runClaimed(entry, env, handler, timeoutMs, abort, log) {
+    let claim = null;
+    if (env.idempotency_key !== null) {
+      claim = await this.claim(env, timeoutMs, log);
+      if (claim.state === 'done') {
+        await this.ack(entry, log);
+        this.stats.duplicates += 1;
+        log.info('duplicate: the effect of this idempotency key already happened; acknowledged without running', {
+          idempotency_key: env.idempotency_key, marker: claim.value,
+        });
+        return;
+      }
+      if (claim.state === 'busy') {
+        const delayMs = this.opts.deferMs;
+        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
+        this.stats.deferred += 1;
+        log.info('another live consumer runs this idempotency key; deferred', { holder: claim.value, delay_ms: delayMs });
+        return;
+      }
+    }
+    const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
+    if (outcome.ok) {
+      if (claim) await this.finishClaim(claim, 'done', log);
+      await this.ack(entry, log);
+      this.stats.succeeded += 1;
+      log.info('task succeeded', { attempt: env.retry_count, duration_ms: outcome.durationMs });
+      return;
+    }
+    if (claim) await this.finishClaim(claim, 'release', log);
+    if (outcome.error instanceof ShutdownAbort) {
+      await this.requeueOwn(entry, 'stopped by shutdown before it finished');
+      return;
+    }
+    await this.failed(entry, env, outcome, log);
+  }
+
+  async runHandler(env, handler, timeoutMs, abort, log) {
+    const started = Date.now();
+    let timer = null;
+    const stopped = new Promise((_, reject) => {
+      if (abort.signal.aborted) reject(abort.signal.reason);
+      abort.signal.addEventListener('abort', () => reject(abort.signal.reason), { once: true });
+    });
+    if (timeoutMs !== null && timeoutMs !== undefined) {
+      timer = setTimeout(() => abort.abort(new TaskTimeoutError(timeoutMs)), timeoutMs);
+    }
+    const ctx = {
+      envelope: env, taskId: env.task_id, traceId: env.trace_id, attempt: env.retry_count,
+      signal: abort.signal, log, redis: this.cmd, keys: this.keys,
+    };
+    try {
+      await Promise.race([Promise.resolve().then(() => handler.fn(env.payload, ctx)), stopped]);
+      return { ok: true, durationMs: Date.now() - started };
+    } catch (error) {
+      return { ok: false, error, timeout: error instanceof TaskTimeoutError, durationMs: Date.now() - started };
+    } finally {
+      if (timer) clearTimeout(timer);
+    }
+  }
+
+  isTransient(err) {
+    if (isTransientError(err)) return true;
+    return typeof this.opts.isTransient === 'function' && Boolean(this.opts.isTransient(err));
+  }
+
+  async failed(entry, env, outcome, log) {
+    const { error } = outcome;
+    const now = Timestamp.now();
+    const firstFailureAt = env.headers[FIRST_FAILURE_HEADER] ?? now.toString();
+    const failure = {
+      exception_type: error?.name ?? typeof error,
+      traceback: error?.stack ?? String(error),
+      reason: error?.message ?? String(error),
+    };
+    if (error instanceof InvalidPayloadError) {
+      await this.deadLetter(entry, env, log, {
+        ...failure, failure_class: 'invalid_payload', attempts: env.retry_count + 1, first_failure_at: firstFailureAt,
+      });
+      return;
+    }
+    const transient = outcome.timeout || this.isTransient(error);
+    const decision = decideFailure(env, { transient, timeout: outcome.timeout }, this.opts);
+    if (decision.action === 'dead') {
+      await this.deadLetter(entry, env, log, {
+        ...failure, failure_class: decision.failureClass, attempts: decision.attempts, first_failure_at: firstFailureAt,
+      });
+      return;
+    }
+    const headers = { ...decision.headers, [FIRST_FAILURE_HEADER]: firstFailureAt };
+    const next = nextAttempt(env, { retryCount: decision.retryCount, headers, delayMs: decision.delayMs }, now.epochMs);
+    await this.replace(entry, next, decision.delayMs, log);
+    this.stats.retried += 1;
+    log.warn('attempt failed; retrying', {
+      attempt: env.retry_count, tier: decision.tier, delay_ms: decision.delayMs, transient,
+      error: failure.reason, error_type: failure.exception_type,
+    });
+  }
+
+  // ---------------------------------------------------------------- idempotency
+
+  async claim(env, timeoutMs, log) {
+    const key = this.keys.idempotency(env.task_type, env.idempotency_key);
+    const holder = `${this.consumer} ${env.task_id}`;
+    const claimMs = timeoutMs !== null && timeoutMs !== undefined ? timeoutMs + this.opts.leaseMs : this.opts.idemClaimMs;
+    let [state, value] = await this.scripts.run('idem_begin', [key], [holder, claimMs, '']);
+    if (state === 'busy') {
+      const owner = value.slice(0, value.lastIndexOf(' '));
+      if (!(await this.cmd.exists(this.keys.consumer(owner)))) {
+        log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
+        [state, value] = await this.scripts.run('idem_begin', [key], [holder, claimMs, value]);
+      }
+    }
+    return { state, value, key, holder };
+  }
+
+  async finishClaim(claim, how, log) {
+    const args = how === 'done'
+      ? [claim.holder, 'done', this.opts.idemDoneTtlMs, Timestamp.now().toString()]
+      : [claim.holder, 'release'];
+    const settled = await this.scripts.run('idem_finish', [claim.key], args);
+    if (Number(settled) === 0) {
+      log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
+    }
+  }
+
+  // ---------------------------------------------------------------- settling entries
+
+  async ack(entry, log) {
+    const replies = await this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id).exec();
+    for (const [err] of replies) if (err) throw err;
+    if (Number(replies[0][1]) === 0) {
+      log.warn('acknowledgement answered 0: the entry was taken over while this consumer looked dead');
+    }
+  }
+
+  /** SADD <prefix>:queues before every delayed store (rebuilds a registry lost with a restart). */
+  async registerDelayedQueue() {
+    await this.cmd.sadd(this.keys.queues, this.opts.queue);
+  }
+
+  /** An entry that is not due yet goes to the delayed set, bytes unchanged. */
+  async scheduleEntry(entry, fields, env, log) {
+    await this.registerDelayedQueue();
+    const qk = this.queueKeys;
+    await this.scripts.run('schedule', [qk.delayed, qk.delayedData],
+      [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'), this.keys.wakeup]);
+    await this.ack(entry, log);
+    this.stats.scheduled += 1;
+    log.info('entry not due yet; moved to the delayed set', { schedule_time: env.schedule_time });
+  }
+
+  /** Replace the pending entry by `next` (retry.lua), now or after delayMs. */
+  async replace(entry, next, delayMs, log) {
+    const qk = this.queueKeys;
+    const bucket = bucketFor(next.priority);
+    const { enc, body } = encodeBody(next, { gzipMinBytes: this.opts.gzipMinBytes, limits: this.opts.limits });
+    const due = delayMs > 0 ? Timestamp.parse(next.schedule_time).epochMs : 0;
+    if (due) await this.registerDelayedQueue();
+    const stored = await this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
+      [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup]);
+    if (!stored) log.warn('the entry was no longer pending (taken over); its next attempt was not stored by this consumer');
+  }
+
+  failureFields(failure, env) {
+    const now = Timestamp.now().toString();
+    const fields = {
+      dlq: '1',
+      failure_class: failure.failure_class,
+      reason: failure.reason,
+      queue: this.opts.queue,
+      dead_at: now,
+      language: LANGUAGE,
+      host: this.host,
+      pid: String(process.pid),
+      consumer: this.consumer,
+      first_failure_at: failure.first_failure_at ?? now,
+      last_failure_at: now,
+      exception_type: failure.exception_type,
+      traceback: failure.traceback,
+      attempts: failure.attempts === undefined ? undefined : String(failure.attempts),
+      task_id: env?.task_id,
+      task_type: env?.task_type,
+    };
+    return Object.entries(fields).filter(([, v]) => v !== undefined && v !== null);
+  }
+
+  async deadLetter(entry, env, log, failure) {
+    const args = [this.opts.group, entry.id];
+    for (const [name, value] of this.failureFields(failure, env)) args.push(name, typeof value === 'string' ? value : String(value));
+    const deadId = await this.scripts.run('dead_letter', [entry.stream, this.queueKeys.dead], args);
+    if (!deadId) {
+      log.warn('the entry was no longer pending (taken over); not dead-lettered by this consumer', { failure_class: failure.failure_class });
+      return;
+    }
+    await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
+    this.stats.dead += 1;
+    log.error('entry dead-lettered', {
+      failure_class: failure.failure_class, reason: failure.reason, dead_id: deadId, attempts: failure.attempts ?? null,
+    });
+  }
+
+  async malformed(entry, err) {
+    const partial = err.partial ?? {};
+    const str = (v) => (typeof v === 'string' && v.length <= 512 ? v : undefined);
+    const known = { task_id: str(partial.task_id), task_type: str(partial.task_type) };
+    const log = this.log.child({
+      task_id: known.task_id ?? null, trace_id: str(partial.trace_id) ?? null, stream: entry.stream, entry_id: entry.id,
+    });
+    await this.deadLetter(entry, known, log, {
+      failure_class: 'malformed_entry', reason: err.reason,
+      exception_type: err.violations.length ? `MalformedEntry(${err.kind}: ${err.violations.map((v) => `${v.field}/${v.rule}`).join(', ')})` : `MalformedEntry(${err.kind})`,
+    });
+  }
+
+  /** Put an entry this consumer holds back at the end of its stream (requeue.lua). */
+  async requeueOwn(entry, why) {
+    if (entry.taskId === undefined && entry.fields) {
+      try {
+        const env = decodeEntry(entryFields(entry.fields), { limits: this.opts.limits });
+        entry.taskId = env.task_id;
+        entry.traceId = env.trace_id;
+      } catch {
+        // malformed: its ids stay unknown; the next reader dead-letters it
+      }
+    }
+    const reply = await this.scripts.run('requeue', [entry.stream, entry.stream, this.queueKeys.dead],
+      [this.opts.group, entry.id, this.consumer, 0, 0, 0, Timestamp.now().toString()]);
+    if (reply) {
+      this.stats.requeued += 1;
+      this.log.info('entry put back in its stream', {
+        why, stream: entry.stream, entry_id: entry.id, new_id: reply, task_id: entry.taskId ?? null, trace_id: entry.traceId ?? null,
+      });
+    }
+  }
+
+  // ---------------------------------------------------------------- dead consumers
+
+  takeoverTick() {
+    if (this.takingOver || !this.running) return;
+    this.takingOver = this.takeOver()
+      .catch((err) => this.log.warn('takeover of dead consumers failed', { err }))
+      .finally(() => { this.takingOver = null; });
+  }
+
+  /** Requeue the entries held by consumers whose liveness key is gone. Returns how many. */
+  async takeOver() {
+    const { group, leaseMs, takeoverBatch, maxRedeliveries } = this.opts;
+    let moved = 0;
+    for (const stream of this.queueKeys.taskStreams) {
+      let summary;
+      try {
+        summary = await this.cmd.xpending(stream, group);
+      } catch {
+        continue; // no stream or group yet
+      }
+      for (const [owner] of summary?.[3] ?? []) {
+        if (owner === this.consumer || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
+        const items = await this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner);
+        for (const [id] of items) {
+          const reply = await this.scripts.run('requeue', [stream, stream, this.queueKeys.dead],
+            [group, id, owner, leaseMs, 1, maxRedeliveries, Timestamp.now().toString()]);
+          if (!reply) continue;
+          moved += 1;
+          if (String(reply).startsWith('dead:')) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
+          this.log.warn(String(reply).startsWith('dead:')
+            ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
+            : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
+        }
+        if (items.length < takeoverBatch) {
+          const left = await this.cmd.xpending(stream, group, '-', '+', 1, owner);
+          if (!left.length && !(await this.cmd.exists(this.keys.consumer(owner)))) {
+            const dropped = await this.cmd.xgroup('DELCONSUMER', stream, group, owner);
+            if (Number(dropped) > 0) {
+              this.log.error('a consumer read entries between the pending check and its removal', { stream, owner, dropped });
+            }
+          }
+        }
+      }
+    }
+    this.stats.taken_over += moved;
+    return moved;
+  }
+
+  // ---------------------------------------------------------------- stopping
+
+  /** Stop cleanly; safe to call more than once. */
+  stop({ graceMs = this.opts.shutdownGraceMs } = {}) {
+    if (!this.stopping) this.stopping = this.shutdown(graceMs);
+    return this.stopping;
+  }
+
+  async shutdown(graceMs) {
+    this.log.info('worker stopping', { running: this.inflight.size, prefetched: this.waiting.length });
+    this.running = false;
+    this.reader?.disconnect();
+    await this.loopDone?.catch(() => {});
+    for (const entry of this.waiting.splice(0)) {
+      await this.requeueOwn(entry, 'prefetched but not started before shutdown').catch((err) => this.log.error('requeue failed', { err }));
+      this.held.delete(`${entry.stream} ${entry.id}`);
+    }
+    if (this.inflight.size) {
+      const all = Promise.allSettled([...this.inflight.values()].map((t) => t.promise));
+      const late = await Promise.race([all.then(() => false), sleep(graceMs).then(() => true)]);
+      if (late) {
+        this.log.warn('tasks still running after the grace period; aborting them', { running: this.inflight.size });
+        for (const task of this.inflight.values()) task.abort.abort(new ShutdownAbort());
+        await Promise.race([all, sleep(5000)]);
+      }
+    }
+    await this.takingOver;
+    try {
+      // Entries of a read answered while the reading connection was closing.
+      for (const stream of this.queueKeys.taskStreams) {
+        const pending = await this.cmd.xpending(stream, this.opts.group, '-', '+', 10_000, this.consumer);
+        for (const [id] of pending) await this.requeueOwn({ stream, id }, 'read while shutting down');
+        const left = await this.cmd.xpending(stream, this.opts.group, '-', '+', 1, this.consumer);
+        if (!left.length) await this.cmd.xgroup('DELCONSUMER', stream, this.opts.group, this.consumer);
+      }
+    } catch (err) {
+      this.log.error('could not return every pending entry; they go back once the lease expires', { err });
+    }
+    clearInterval(this.leaseTimer);
+    clearInterval(this.takeoverTimer);
+    await this.promoter?.stop().catch(() => {});
+    try {
+      await this.leaseClient.del(this.keys.consumer(this.consumer));
+    } catch (err) {
+      this.log.warn('could not delete the liveness key; it expires after the lease', { err });
+    }
+    for (const client of [this.cmd, this.leaseClient, this.subscriber]) {
+      await client?.quit().catch(() => client.disconnect());
+    }
+    this.log.info('worker stopped', { stats: this.stats });
+  }
+}
+
+/** ioredis options from a redis:// or rediss:// URL (db in the path). */
+export function parseRedisUrl(url) {
+  const u = new URL(url);
+  if (!['redis:', 'rediss:'].includes(u.protocol)) throw new Error(`not a redis URL: ${url}`);
+  const options = {
+    host: u.hostname ? u.hostname.replace(/^\[(.*)\]$/, '$1') : '127.0.0.1',
+    port: u.port ? Number(u.port) : 6379,
+    db: u.pathname && u.pathname !== '/' ? Number(u.pathname.slice(1)) : 0,
+  };
+  if (u.username) options.username = decodeURIComponent(u.username);
+  if (u.password) options.password = decodeURIComponent(u.password);
+  if (u.protocol === 'rediss:') options.tls = {};
+  return options;
+}

@@ -1,0 +1,315 @@
+// The worker shell against a real Redis ($ENVELOPE_TEST_REDIS_URL, or a private
+// redis-server when one is on PATH; skipped otherwise).
+
+import assert from 'node:assert/strict';
+import crypto from 'node:crypto';
+import { Writable } from 'node:stream';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { after, before, describe, test } from 'node:test';
+import Redis from 'ioredis';
+import { registerBuiltinHandlers } from '../lib/builtin_handlers.js';
+import { decodeEntry, encodeEntry } from '../lib/codec.js';
+import { newEnvelope } from '../lib/envelope.js';
+import { KeySpace } from '../lib/keys.js';
+import { createLogger } from '../lib/log.js';
+import { Producer } from '../lib/producer.js';
+import { Scripts } from '../lib/scripts.js';
+import { Timestamp } from '../lib/time.js';
+import { Worker, parseRedisUrl } from '../lib/worker.js';
+import { testRedis, waitFor } from '../support/helpers.js';
+
+const server = await testRedis();
+const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const QUEUE = 'jobs';
+
+function logSink() {
+  const lines = [];
+  const stream = new Writable({
+    write(chunk, _enc, done) {
+      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
+      done();
+    },
+  });
+  return { lines, logger: createLogger({ stream, level: 'debug' }) };
+}
+
+describe('worker', { skip, concurrency: false }, () => {
+  let redis;
+  const workers = [];
+
+  before(() => {
+    redis = new Redis(parseRedisUrl(server.url));
+  });
+
+  after(async () => {
+    for (const w of workers) await w.stop({ graceMs: 0 }).catch(() => {});
+    redis?.disconnect();
+    await server?.close();
+  });
+
+  async function startWorker(prefix, options = {}) {
+    const sink = logSink();
+    const worker = new Worker({
+      redis: server.url, prefix, queue: QUEUE, leaseMs: 900, blockMs: 100, backoffMs: 50, maxBackoffMs: 200,
+      deferMs: 150, promoterMaxIdleMs: 200, logger: sink.logger, ...options,
+    });
+    registerBuiltinHandlers(worker);
+    workers.push(worker);
+    await worker.start();
+    return { worker, lines: sink.lines };
+  }
+
+  const prefixFor = () => `n-${crypto.randomBytes(5).toString('hex')}`;
+  const dead = async (prefix) => {
+    const entries = await redis.xrange(new KeySpace(prefix).queue(QUEUE).dead, '-', '+');
+    return entries.map(([id, flat]) => ({ id, ...Object.fromEntries(flat.reduce((acc, v, i) => (i % 2 ? acc : [...acc, [v, flat[i + 1]]]), [])) }));
+  };
+  const pendingOf = async (prefix) => {
+    let total = 0;
+    for (const stream of new KeySpace(prefix).queue(QUEUE).taskStreams) {
+      const [count] = await redis.xpending(stream, 'workers');
+      total += Number(count);
+    }
+    return total;
+  };
+  const effects = (prefix, order) => redis.get(`${prefix}:effects:order.close_timeout:${order}`);
+
+  test('every log line carries trace_id and task_id', async () => {
+    const prefix = prefixFor();
+    const { worker, lines } = await startWorker(prefix);
+    const producer = new Producer(redis, { prefix });
+    await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'L1' }, trace_id: 'trace-L1' });
+    await waitFor(() => lines.some((l) => l.msg === 'task succeeded'));
+    await worker.stop();
+    assert.ok(lines.length >= 4);
+    for (const line of lines) {
+      assert.ok('trace_id' in line && 'task_id' in line, JSON.stringify(line));
+    }
+    assert.equal(lines.find((l) => l.msg === 'task succeeded').trace_id, 'trace-L1');
+    assert.equal(await redis.exists(new KeySpace(prefix).consumer(worker.consumer)), 0);
+  });
+
+  test('a task XADDed before it is due goes to the delayed set, then runs once due', async () => {
+    const prefix = prefixFor();
+    const qk = new KeySpace(prefix).queue(QUEUE);
+    const env = newEnvelope({ task_type: 'order.close_timeout', payload: { order_id: 'D1' }, schedule_time: Timestamp.fromEpochMs(Date.now() + 700, 480) });
+    const fields = encodeEntry(env);
+    await startWorker(prefix);
+    await redis.xadd(qk.stream('normal'), '*', 'v', fields.v, 'enc', fields.enc, 'body', fields.body);
+    await waitFor(async () => (await redis.zscore(qk.delayed, env.task_id)) !== null);
+    assert.equal(await effects(prefix, 'D1'), null);
+    assert.deepEqual(await redis.smembers(new KeySpace(prefix).queues), [QUEUE]);
+    await waitFor(async () => (await effects(prefix, 'D1')) === '1', { timeoutMs: 5000 });
+    assert.equal(await pendingOf(prefix), 0);
+  });
+
+  test('unknown task types and unaccepted payload versions are dead-lettered', async () => {
+    const prefix = prefixFor();
+    await startWorker(prefix);
+    const producer = new Producer(redis, { prefix });
+    const a = await producer.publish(QUEUE, { task_type: 'nobody.handles_this' });
+    const b = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload_version: 2, payload: { order_id: 'V2' } });
+    const entries = await waitFor(async () => ((await dead(prefix)).length === 2 ? dead(prefix) : null));
+    const byTask = Object.fromEntries(entries.map((e) => [e.task_id, e]));
+    assert.equal(byTask[a.taskId].failure_class, 'unknown_task_type');
+    assert.equal(byTask[b.taskId].failure_class, 'unsupported_payload_version');
+    assert.equal(byTask[b.taskId].language, 'node');
+    assert.deepEqual(await redis.smembers(`${prefix}:dead-queues`), [QUEUE]);
+    assert.equal(await effects(prefix, 'V2'), null);
+  });
+
+  test('transient errors: fast retries, then backoff, then transient_exhausted', async () => {
+    const prefix = prefixFor();
+    const { lines } = await startWorker(prefix, { fastRetries: 2 });
+    const producer = new Producer(redis, { prefix });
+    const { taskId } = await producer.publish(QUEUE, { task_type: 'test.transient', max_retries: 3 });
+    const [entry] = await waitFor(() => dead(prefix).then((d) => (d.length ? d : null)), { timeoutMs: 8000 });
+    assert.equal(entry.failure_class, 'transient_exhausted');
+    assert.equal(entry.attempts, '4');
+    assert.equal(entry.exception_type, 'TransientError');
+    const last = decodeEntry({ v: entry['raw.v'], enc: entry['raw.enc'], body: entry['raw.body'] });
+    assert.equal(last.task_id, taskId);
+    assert.equal(last.retry_count, 3);
+    assert.equal(last.headers['x-fast-retries'], '2');
+    assert.ok(Timestamp.parse(entry.first_failure_at).compare(entry.last_failure_at) <= 0);
+    const tiers = lines.filter((l) => l.msg === 'attempt failed; retrying').map((l) => l.tier);
+    assert.deepEqual(tiers, ['fast', 'fast', 'backoff']);
+  });
+
+  test('an attempt past timeout_ms is stopped and dead-lettered as timeout', async () => {
+    const prefix = prefixFor();
+    await startWorker(prefix);
+    const producer = new Producer(redis, { prefix });
+    const started = Date.now();
+    await producer.publish(QUEUE, { task_type: 'test.sleep', payload: { ms: 5000 }, timeout_ms: 200, max_retries: 0 });
+    const [entry] = await waitFor(() => dead(prefix).then((d) => (d.length ? d : null)), { timeoutMs: 4000 });
+    assert.ok(Date.now() - started < 3000);
+    assert.equal(entry.failure_class, 'timeout');
+    assert.equal(entry.exception_type, 'TaskTimeoutError');
+  });
+
+  test('a handler can refuse a payload: invalid_payload, no retry', async () => {
+    const prefix = prefixFor();
+    await startWorker(prefix);
+    await new Producer(redis, { prefix }).publish(QUEUE, { task_type: 'order.close_timeout', payload: {} });
+    const [entry] = await waitFor(() => dead(prefix).then((d) => (d.length ? d : null)));
+    assert.equal(entry.failure_class, 'invalid_payload');
+    assert.equal(entry.attempts, '1');
+  });
+
+  test('idempotency: a live holder defers the entry; a dead holder is taken over', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const idemKey = ks.idempotency('order.close_timeout', 'K-1');
+    // A live consumer holds the claim: the entry is deferred, not run.
+    await redis.set(ks.consumer('other-consumer'), 'h 1 python', 'PX', 60_000);
+    await redis.set(idemKey, 'running other-consumer some-task', 'PX', 60_000);
+    const { lines } = await startWorker(prefix);
+    const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, {
+      task_type: 'order.close_timeout', payload: { order_id: 'I1' }, idempotency_key: 'K-1',
+    });
+    await waitFor(() => lines.some((l) => l.msg.includes('deferred')));
+    assert.equal(await effects(prefix, 'I1'), null);
+    const deferredBody = await redis.hget(ks.queue(QUEUE).delayedData, taskId);
+    assert.ok(deferredBody === null || deferredBody.includes('"retry_count":0'), 'a deferral keeps retry_count');
+    // The holder dies: its liveness key disappears, the claim is taken over and the task runs once.
+    await redis.del(ks.consumer('other-consumer'));
+    await waitFor(async () => (await effects(prefix, 'I1')) === '1', { timeoutMs: 5000 });
+    assert.match(await redis.get(idemKey), new RegExp(`^done ${taskId} `));
+    assert.ok(lines.some((l) => l.msg.includes('taking it over')));
+  });
+
+  test('idempotency: a done marker acknowledges duplicates without running them', async () => {
+    const prefix = prefixFor();
+    const { lines } = await startWorker(prefix);
+    const producer = new Producer(redis, { prefix });
+    for (let i = 0; i < 3; i += 1) {
+      await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'I2' }, idempotency_key: 'same' });
+    }
+    await waitFor(() => lines.filter((l) => l.msg.startsWith('duplicate')).length === 2);
+    assert.equal(await effects(prefix, 'I2'), '1');
+    assert.equal(await pendingOf(prefix), 0);
+  });
+
+  test('entries of a dead consumer are taken over after the lease and run', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    for (const stream of qk.taskStreams) await redis.xgroup('CREATE', stream, 'workers', '0', 'MKSTREAM');
+    const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'T1' } });
+    // A consumer reads it and dies (it never had, or no longer has, a liveness key).
+    const read = await redis.xreadgroup('GROUP', 'workers', 'ghost-1', 'COUNT', 1, 'STREAMS', qk.stream('normal'), '>');
+    assert.equal(read[0][1].length, 1);
+    const { lines } = await startWorker(prefix);
+    await waitFor(async () => (await effects(prefix, 'T1')) === '1', { timeoutMs: 6000 });
+    assert.ok(lines.some((l) => l.msg === 'took over an entry of a dead consumer'));
+    assert.deepEqual(await redis.lrange(`${prefix}:effects:log`, 0, -1), [`node:${taskId}`]);
+    await waitFor(async () => {
+      const consumers = await redis.xinfo('CONSUMERS', qk.stream('normal'), 'workers');
+      return !consumers.some((c) => c.includes('ghost-1'));
+    }, { message: 'the dead consumer is removed from the group' });
+  });
+
+  test('a retry waits for a free retry slot (retry_count unchanged)', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const slots = ks.retrying('order.close_timeout');
+    await redis.zadd(slots, Date.now() + 60_000, 'someone-else');
+    const { lines } = await startWorker(prefix, { retryConcurrency: 1 });
+    const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, {
+      task_type: 'order.close_timeout', payload: { order_id: 'S1' }, retry_count: 1,
+    });
+    await waitFor(() => lines.some((l) => l.msg.startsWith('all retry slots')));
+    assert.equal(await effects(prefix, 'S1'), null);
+    await redis.zrem(slots, 'someone-else');
+    await waitFor(async () => (await effects(prefix, 'S1')) === '1', { timeoutMs: 5000 });
+    assert.equal(await redis.zscore(slots, taskId), null, 'the slot is released when the attempt ends');
+  });
+
+  test('a task cancelled after promotion is acknowledged without running', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    const env = newEnvelope({ task_type: 'order.close_timeout', payload: { order_id: 'C1' } });
+    const scripts = new Scripts(redis);
+    assert.equal(await scripts.run('cancel', [qk.delayed, qk.delayedData, qk.cancelled], [env.task_id, Date.now(), 7 * 86_400_000]), 'marked');
+    const fields = encodeEntry(env);
+    await redis.xadd(qk.stream('normal'), '*', 'v', fields.v, 'enc', fields.enc, 'body', fields.body);
+    const { lines } = await startWorker(prefix);
+    await waitFor(() => lines.some((l) => l.msg.startsWith('task was cancelled')));
+    assert.equal(await effects(prefix, 'C1'), null);
+    assert.equal(await redis.zscore(qk.cancelled, env.task_id), null);
+    assert.equal(await pendingOf(prefix), 0);
+  });
+
+  test('stop: prefetched entries go back, the running one finishes, the liveness key goes', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    const { worker, lines } = await startWorker(prefix, { blockMs: 3000, prefetch: 3 });
+    await sleep(200); // parked in its blocking read
+    // One entry per bucket arrives together: one runs, two are read ahead.
+    const entries = [
+      ['high', newEnvelope({ task_type: 'test.sleep', payload: { ms: 400 }, priority: 200 })],
+      ['normal', newEnvelope({ task_type: 'order.close_timeout', payload: { order_id: 'P1' } })],
+      ['low', newEnvelope({ task_type: 'order.close_timeout', payload: { order_id: 'P2' }, priority: 1 })],
+    ];
+    const multi = redis.multi();
+    for (const [bucket, env] of entries) {
+      const f = encodeEntry(env);
+      multi.xadd(qk.stream(bucket), '*', 'v', f.v, 'enc', f.enc, 'body', f.body);
+    }
+    await multi.exec();
+    await waitFor(() => worker.inflight.size === 1 && worker.waiting.length === 2);
+    await worker.stop();
+    assert.ok(lines.some((l) => l.msg === 'task succeeded' && l.task_id === entries[0][1].task_id));
+    const requeued = lines.filter((l) => l.why === 'prefetched but not started before shutdown');
+    assert.deepEqual(requeued.map((l) => l.task_id).sort(), [entries[1][1].task_id, entries[2][1].task_id].sort());
+    assert.deepEqual(requeued.map((l) => l.trace_id).sort(), [entries[1][1].trace_id, entries[2][1].trace_id].sort());
+    assert.equal(await effects(prefix, 'P1'), null);
+    assert.equal(await redis.xlen(qk.stream('normal')), 1);
+    assert.equal(await redis.xlen(qk.stream('low')), 1);
+    assert.equal(await pendingOf(prefix), 0);
+    assert.equal(await redis.exists(ks.consumer(worker.consumer)), 0);
+    // Another worker runs them.
+    await startWorker(prefix);
+    await waitFor(async () => (await effects(prefix, 'P1')) === '1' && (await effects(prefix, 'P2')) === '1');
+  });
+
+  test('the most urgent bucket is served first', async () => {
+    const prefix = prefixFor();
+    const producer = new Producer(redis, { prefix });
+    const order = [];
+    for (const [id, priority] of [['low', 10], ['normal', 100], ['high', 250], ['low2', 0], ['high2', 170]]) {
+      const { taskId } = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: id }, priority });
+      order.push([priority, taskId]);
+    }
+    await startWorker(prefix);
+    const log = await waitFor(async () => {
+      const ran = await redis.lrange(`${prefix}:effects:log`, 0, -1);
+      return ran.length === 5 ? ran : null;
+    });
+    const byUrgency = [...order].sort((a, b) => (b[0] >= 170) - (a[0] >= 170) || (b[0] >= 85) - (a[0] >= 85));
+    assert.deepEqual(log, byUrgency.map(([, taskId]) => `node:${taskId}`));
+  });
+
+  test('a deleted stream and group are created again; reading goes on', async () => {
+    const prefix = prefixFor();
+    const qk = new KeySpace(prefix).queue(QUEUE);
+    const { lines } = await startWorker(prefix);
+    await redis.del(...qk.taskStreams);
+    await waitFor(() => lines.some((l) => l.msg === 'reading failed; retrying in 1 s'), { timeoutMs: 3000 });
+    await new Producer(redis, { prefix }).publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'G1' } });
+    await waitFor(async () => (await effects(prefix, 'G1')) === '1', { timeoutMs: 6000 });
+  });
+
+  test('concurrency: several tasks run at once', async () => {
+    const prefix = prefixFor();
+    const { lines } = await startWorker(prefix, { concurrency: 4 });
+    const producer = new Producer(redis, { prefix });
+    const started = Date.now();
+    for (let i = 0; i < 4; i += 1) await producer.publish(QUEUE, { task_type: 'test.sleep', payload: { ms: 300 } });
+    await waitFor(() => lines.filter((l) => l.msg === 'task succeeded').length === 4);
+    assert.ok(Date.now() - started < 1000, 'the four sleeps overlapped');
+  });
+});

@@ -1,0 +1,397 @@
+"""Go and Python on the same queues: the Go reference peer in ``tests/interop/go``.
+
+The peer is built once per session (``go build``) and run as real subprocesses
+(``produce``, ``produce-malformed``, ``worker``) against the session's private
+Redis; Python publishes, promotes and decodes with the library itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import redis
+from support import wait_for
+
+from kombu_envelope import Envelope, Publisher, Settings
+from kombu_envelope.codec import decode_entry
+from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
+from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.keys import KeySpace
+from kombu_envelope.scheduler import Promoter
+
+GO = shutil.which("go")
+#: A first (cold) build compiles go-redis and may take minutes.
+FIRST_BUILD_TIMEOUT_S = 180
+pytestmark = [
+    pytest.mark.skipif(GO is None, reason="the Go toolchain (`go`) is not on PATH"),
+    # Whichever test comes first also waits for the session's `go build`.
+    pytest.mark.timeout(FIRST_BUILD_TIMEOUT_S + 120),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+GO_DIR = ROOT / "tests" / "interop" / "go"
+LUA_DIR = ROOT / "kombu_envelope" / "lua"
+GROUP = "workers"
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def go_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def go_peer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The peer binary, built once per session."""
+    assert GO is not None
+    binary = tmp_path_factory.mktemp("go-peer") / "envelope-peer"
+    try:
+        built = subprocess.run(
+            [GO, "build", "-o", str(binary), "."], cwd=GO_DIR, env=go_env(),
+            capture_output=True, text=True, timeout=FIRST_BUILD_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"go build took longer than {FIRST_BUILD_TIMEOUT_S} s")
+    assert built.returncode == 0, f"go build failed:\n{built.stdout}\n{built.stderr}"
+    return binary
+
+
+@dataclass
+class GoWorker:
+    """A running ``envelope-peer worker``; its JSON log lines go to a file."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+    def log_lines(self) -> list[dict[str, Any]]:
+        lines = []
+        for raw in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                lines.append(json.loads(raw))
+            except ValueError:
+                lines.append({"msg": raw})
+        return lines
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+
+@dataclass
+class Peer:
+    """Runs the Go peer against one key prefix and queue; kills every worker at the end."""
+
+    binary: Path
+    redis_url: str
+    prefix: str
+    queue: str
+    tmp: Path
+    workers: list[GoWorker] = field(default_factory=list)
+
+    def common(self) -> list[str]:
+        return ["--redis", self.redis_url, "--prefix", self.prefix, "--queue", self.queue,
+                "--lua-dir", str(LUA_DIR)]
+
+    def run(self, command: str, *args: str) -> list[str]:
+        done = subprocess.run([str(self.binary), command, *self.common(), *args],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
+        return done.stdout.split()
+
+    def produce(self, *args: str) -> list[str]:
+        return self.run("produce", *args)
+
+    def worker(self, *args: str) -> GoWorker:
+        log_path = self.tmp / f"go-worker-{len(self.workers)}.log"
+        log_file = log_path.open("wb")
+        proc = subprocess.Popen(
+            [str(self.binary), "worker", *self.common(), "--lease-ms", "3000",
+             "--block-ms", "200", "--backoff-ms", "200", "--max-backoff-ms", "1000", *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file,
+        )
+        worker = GoWorker(proc, log_path, log_file)
+        self.workers.append(worker)
+        wait_for(lambda: any(line.get("msg") == "worker started" for line in worker.log_lines())
+                 or not worker.alive(), timeout=15, message=worker.log_tail)
+        assert worker.alive(), worker.log_tail()
+        return worker
+
+    def close(self) -> None:
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                worker.proc.kill()
+            worker.proc.wait()
+            worker.log_file.close()
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def peer(go_peer: Path, redis_url: str, key_prefix: str, tmp_path: Path) -> Iterator[Peer]:
+    p = Peer(go_peer, redis_url, key_prefix, f"orders-{uuid.uuid4().hex[:6]}", tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def publisher(client: redis.Redis, prefix: str) -> Publisher:
+    return Publisher(client, Settings(key_prefix=prefix))
+
+
+def queue_is_drained(client: redis.Redis, prefix: str, queue: str) -> bool:
+    """Every task stream empty with nothing pending, and nothing delayed."""
+    keys = KeySpace(prefix).queue(queue)
+    for stream in keys.task_streams:
+        if client.xlen(stream):
+            return False
+        if client.exists(stream) and client.xpending(stream, GROUP)["pending"]:
+            return False
+    return not client.zcard(keys.delayed) and not client.hlen(keys.delayed_data)
+
+
+def dead_entries(client: redis.Redis, prefix: str, queue: str) -> list[dict[str, bytes]]:
+    return [{k.decode(): v for k, v in fields.items()}
+            for _, fields in client.xrange(KeySpace(prefix).queue(queue).dead)]
+
+
+def raw_fields(dead: dict[str, bytes]) -> dict[bytes, bytes]:
+    return {k[len("raw."):].encode(): v for k, v in dead.items() if k.startswith("raw.")}
+
+
+def effect(client: redis.Redis, prefix: str, order_id: str) -> int:
+    return int(client.get(f"{prefix}:effects:order.close_timeout:{order_id}") or 0)
+
+
+# --- the Go test-suite: conformance vectors and unit tests --------------------------------
+
+
+def test_go_conformance_suite(go_peer: Path, redis_url: str) -> None:
+    done = subprocess.run(
+        [GO, "test", "-count=1", "./..."], cwd=GO_DIR, capture_output=True, text=True,
+        timeout=FIRST_BUILD_TIMEOUT_S, env=go_env(ENVELOPE_TEST_REDIS_URL=redis_url),
+    )
+    assert done.returncode == 0, f"go test failed:\n{done.stdout}\n{done.stderr}"
+
+
+# --- cross-language scenarios --------------------------------------------------------------
+
+
+def test_python_publishes_go_worker_runs_and_acks(peer: Peer, client: redis.Redis) -> None:
+    order_id = "202509110001"
+    env = Envelope.new(task_type="order.close_timeout",
+                       payload={"order_id": order_id, "store_id": 7})
+    publisher(client, peer.prefix).publish(peer.queue, env)
+
+    worker = peer.worker()
+    wait_for(lambda: effect(client, peer.prefix, order_id) == 1, timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: queue_is_drained(client, peer.prefix, peer.queue), timeout=10,
+             message=worker.log_tail)
+    assert client.lrange(f"{peer.prefix}:effects:log", 0, -1) == [f"go:{env.task_id}".encode()]
+    done = [line for line in worker.log_lines() if line.get("outcome") == "success"]
+    assert [(line["task_id"], line["trace_id"]) for line in done] == [(env.task_id, env.trace_id)]
+
+    assert worker.stop() == 0, worker.log_tail()
+    assert effect(client, peer.prefix, order_id) == 1
+    assert not client.keys(f"{peer.prefix}:consumer:*")  # liveness key deleted on SIGTERM
+    assert dead_entries(client, peer.prefix, peer.queue) == []
+
+
+def test_go_delayed_task_in_plus_0800_is_promoted_by_python(
+    peer: Peer, client: redis.Redis, redis_url: str
+) -> None:
+    due = (datetime.now(timezone(timedelta(hours=8))) + timedelta(seconds=1.5))
+    due_text = format_rfc3339(due)
+    assert due_text.endswith("+08:00")
+    trace_id = uuid.uuid4().hex
+    [task_id] = peer.produce("--task-type", "order.close_timeout",
+                             "--payload", '{"order_id": "b-1", "store_id": 3}',
+                             "--schedule-time", due_text, "--trace-id", trace_id)
+    keys = KeySpace(peer.prefix).queue(peer.queue)
+    due_ms = (parse_rfc3339(due_text) - EPOCH) // timedelta(milliseconds=1)
+    assert client.zscore(keys.delayed, task_id) == due_ms
+    assert client.sismember(f"{peer.prefix}:queues", peer.queue)
+    assert b'"schedule_time":"' + due_text.encode() + b'"' in client.hget(keys.delayed_data,
+                                                                           task_id)
+
+    promoter = Promoter(lambda: redis.Redis.from_url(redis_url), Settings(key_prefix=peer.prefix))
+    try:
+        moved, next_due = promoter.run_once()
+        assert (moved, next_due) == (0, due_ms)  # not due yet
+        wait_for(lambda: promoter.run_once()[0] == 1, timeout=10, interval=0.05)
+    finally:
+        promoter.client.close()
+    seconds, micros = client.time()
+    assert seconds * 1000 + micros // 1000 >= due_ms
+
+    entries = client.xrange(keys.task_streams[1])
+    assert len(entries) == 1
+    env = decode_entry(entries[0][1])
+    assert (env.task_id, env.trace_id, env.task_type) == (task_id, trace_id, "order.close_timeout")
+    assert env.payload == {"order_id": "b-1", "store_id": 3}
+    assert env.schedule_time == due  # the same instant...
+    assert env.schedule_time.utcoffset() == timedelta(hours=8)  # ...in the offset it was given
+    assert not client.zcard(keys.delayed)
+
+
+def test_same_idempotency_key_from_go_and_python_runs_once(
+    peer: Peer, client: redis.Redis
+) -> None:
+    order_id = f"c-{uuid.uuid4().hex[:8]}"
+    [go_task] = peer.produce("--task-type", "order.close_timeout",
+                             "--payload", json.dumps({"order_id": order_id, "store_id": 1}),
+                             "--idempotency-key", order_id)
+    py_env = Envelope.new(task_type="order.close_timeout",
+                          payload={"order_id": order_id, "store_id": 1},
+                          idempotency_key=order_id)
+    publisher(client, peer.prefix).publish(peer.queue, py_env)
+    assert py_env.task_id != go_task
+
+    worker = peer.worker("--concurrency", "2", "--defer-ms", "300")
+    duplicates = f"{peer.prefix}:effects:duplicates"
+    wait_for(lambda: client.llen(duplicates) == 1, timeout=15, message=worker.log_tail)
+    wait_for(lambda: queue_is_drained(client, peer.prefix, peer.queue), timeout=10,
+             message=worker.log_tail)
+    assert effect(client, peer.prefix, order_id) == 1
+    [ran] = client.lrange(f"{peer.prefix}:effects:log", 0, -1)
+    [dup] = client.lrange(duplicates, 0, -1)
+    assert {ran, dup} == {f"go:{go_task}".encode(), f"go:{py_env.task_id}".encode()}
+    marker = client.get(f"{peer.prefix}:idem:order.close_timeout:{order_id}")
+    assert marker.startswith(b"done " + ran.split(b":", 1)[1] + b" ")
+    assert [line["task_id"] for line in worker.log_lines()
+            if line.get("outcome") == "duplicate"] == [dup.decode().split(":", 1)[1]]
+    assert worker.stop() == 0, worker.log_tail()
+
+
+MALFORMED = {
+    "badjson": {"v": b"1", "enc": b"json", "body": b'{"task_type": "order.close_timeout",'},
+    "missingbody": {"v": b"1", "enc": b"json"},
+    "badversion": {"v": b"99", "enc": b"json"},
+    "badgzip": {"v": b"1", "enc": b"json+gzip"},
+    "invalid": {"v": b"1", "enc": b"json"},
+}
+
+
+def test_malformed_entries_are_dead_lettered_and_the_go_worker_goes_on(
+    peer: Peer, client: redis.Redis
+) -> None:
+    worker = peer.worker()
+    for kind in MALFORMED:
+        peer.run("produce-malformed", "--kind", kind)
+    wait_for(lambda: len(dead_entries(client, peer.prefix, peer.queue)) == len(MALFORMED),
+             timeout=10, message=worker.log_tail)
+    assert worker.alive()
+
+    for dead, (kind, expected) in zip(dead_entries(client, peer.prefix, peer.queue),
+                                      MALFORMED.items()):
+        assert dead["failure_class"] == b"malformed_entry", kind
+        assert dead["dlq"] == b"1" and dead["language"] == b"go" and dead["reason"], kind
+        assert dead["queue"] == peer.queue.encode()
+        raw = raw_fields(dead)
+        for name, value in expected.items():
+            assert raw[name.encode()] == value, (kind, name)
+        assert (b"body" in raw) == (kind != "missingbody")
+        with pytest.raises(MalformedEntry):  # Python agrees that it is malformed
+            decode_entry(raw)
+
+    order_id = f"d-{uuid.uuid4().hex[:8]}"
+    publisher(client, peer.prefix).publish(
+        peer.queue, Envelope.new(task_type="order.close_timeout",
+                                 payload={"order_id": order_id, "store_id": 2}))
+    wait_for(lambda: effect(client, peer.prefix, order_id) == 1, timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: queue_is_drained(client, peer.prefix, peer.queue), timeout=10,
+             message=worker.log_tail)
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def test_failing_task_exhausts_its_retries_into_the_dead_letter_stream(
+    peer: Peer, client: redis.Redis
+) -> None:
+    env = Envelope.new(task_type="test.fail", payload={"n": 1}, max_retries=2)
+    publisher(client, peer.prefix).publish(peer.queue, env)
+    worker = peer.worker("--backoff-ms", "200", "--fast-retries", "2")
+    wait_for(lambda: dead_entries(client, peer.prefix, peer.queue), timeout=15,
+             message=worker.log_tail)
+    [dead] = dead_entries(client, peer.prefix, peer.queue)
+    assert dead["failure_class"] == b"task_error"
+    assert dead["attempts"] == b"3"
+    assert dead["language"] == b"go"
+    assert dead["task_id"] == env.task_id.encode()
+    assert dead["task_type"] == b"test.fail"
+    assert dead["exception_type"] == b"TestFailure"
+    assert dead["queue"] == peer.queue.encode()
+    assert dead["pid"] == str(worker.proc.pid).encode()
+    first = parse_rfc3339(dead["first_failure_at"].decode())
+    last = parse_rfc3339(dead["last_failure_at"].decode())
+    dead_at = parse_rfc3339(dead["dead_at"].decode())
+    assert first <= last <= dead_at
+    assert last - first >= timedelta(milliseconds=400)  # two backoff delays: ~200 ms + ~400 ms
+
+    last_attempt = decode_entry(raw_fields(dead))
+    assert last_attempt.task_id == env.task_id and last_attempt.trace_id == env.trace_id
+    assert (last_attempt.retry_count, last_attempt.max_retries) == (2, 2)
+    assert last_attempt.payload == {"n": 1}
+    assert last_attempt.created_at == env.created_at
+    wait_for(lambda: queue_is_drained(client, peer.prefix, peer.queue), timeout=5)
+    assert not client.zcard(f"{peer.prefix}:retrying:test.fail")  # retry slots released
+    attempts = [line for line in worker.log_lines() if line.get("task_id") == env.task_id
+                and line.get("outcome") in ("retry", "dead")]
+    assert [line["outcome"] for line in attempts] == ["retry", "retry", "dead", "dead"]
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def test_sigterm_puts_prefetched_entries_back(peer: Peer, client: redis.Redis) -> None:
+    tasks = peer.produce("--task-type", "test.sleep", "--payload", '{"ms": 1500}',
+                         "--count", "3")
+    worker = peer.worker("--prefetch", "3")
+    stream = KeySpace(peer.prefix).queue(peer.queue).task_streams[1]
+    wait_for(lambda: client.xpending(stream, GROUP)["pending"] == 3, timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: any(line.get("msg") == "task started" for line in worker.log_lines()),
+             timeout=10, message=worker.log_tail)
+    assert worker.stop() == 0, worker.log_tail()
+
+    remaining = [decode_entry(fields).task_id for _, fields in client.xrange(stream)]
+    assert remaining == tasks[1:]  # the first one ran to completion, the others went back
+    assert client.xpending(stream, GROUP)["pending"] == 0
+    assert not client.keys(f"{peer.prefix}:consumer:*")
+    succeeded = [line["task_id"] for line in worker.log_lines()
+                 if line.get("outcome") == "success"]
+    assert succeeded == tasks[:1]
+

@@ -1,0 +1,452 @@
+"""Cross-language scenarios with the Node.js reference peer in ``tests/interop/node``.
+
+Real ``node`` subprocesses (the peer's CLI) share the session's private Redis with the
+Python implementation: the Node producer and worker against Python's Publisher,
+Promoter, codec and dead-letter tools. The module also runs the peer's own suite
+(``node --test``), whose worker tests use the same Redis.
+
+Skipped only when ``node`` is not on PATH, or when ``node_modules`` is missing and
+``npm ci`` cannot install it (CI runs ``npm ci`` beforehand).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import redis
+from support import wait_for
+
+from kombu_envelope import Envelope, Publisher, Settings
+from kombu_envelope.codec import decode_body, decode_entry, encode_entry
+from kombu_envelope.deadletter import DeadLetters
+from kombu_envelope.envelope import parse_rfc3339
+from kombu_envelope.keys import Bucket, KeySpace, bucket_for
+from kombu_envelope.scheduler import Promoter
+
+NODE_DIR = Path(__file__).resolve().parent / "interop" / "node"
+PEER = NODE_DIR / "peer.js"
+NODE = shutil.which("node")
+GROUP = "workers"
+
+
+def _node_unavailable() -> str | None:
+    """Why the Node peer cannot run here, or None when it can."""
+    if NODE is None:
+        return "node is not on PATH"
+    if (NODE_DIR / "node_modules" / "ioredis").is_dir():
+        return None
+    npm = shutil.which("npm")
+    if npm is None:
+        return "tests/interop/node/node_modules is missing and npm is not on PATH"
+    try:
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True,
+                       capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"tests/interop/node/node_modules is missing and `npm ci` failed: {exc}"
+    return None
+
+
+_UNAVAILABLE = _node_unavailable()
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
+
+
+class NodeWorker:
+    """A ``node peer.js worker`` subprocess logging JSON lines to a file."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path, log_file: IO[bytes]) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self._log_file = log_file
+
+    def lines(self) -> list[dict[str, Any]]:
+        """Log lines so far (every one must be JSON)."""
+        text = self.log_path.read_text(encoding="utf-8")
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(encoding="utf-8")[-4000:]
+
+    @property
+    def consumer(self) -> str:
+        ready = [line for line in self.lines() if line["msg"] == "worker ready"]
+        return str(ready[0]["consumer"])
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kill the process if it still runs and close the log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log_file.close()
+
+
+class NodePeer:
+    """Runs the peer's CLI against one Redis URL and key prefix; kills what it started."""
+
+    def __init__(self, redis_url: str, prefix: str, tmp_path: Path) -> None:
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.tmp_path = tmp_path
+        self.workers: list[NodeWorker] = []
+
+    def command(self, name: str, *args: str) -> list[str]:
+        assert NODE is not None
+        return [NODE, str(PEER), name, "--redis", self.redis_url, "--prefix", self.prefix, *args]
+
+    def run(self, name: str, *args: str, timeout: float = 20.0) -> str:
+        """Run a one-shot sub-command; return its stdout."""
+        done = subprocess.run(self.command(name, *args), capture_output=True, text=True,
+                              timeout=timeout, cwd=NODE_DIR, check=False)
+        assert done.returncode == 0, f"peer.js {name} failed ({done.returncode}): {done.stderr}"
+        return done.stdout
+
+    def worker(self, queue: str, *args: str) -> NodeWorker:
+        """Start a worker and wait until it is ready."""
+        log_path = self.tmp_path / f"node-worker-{len(self.workers)}.log"
+        log_file = log_path.open("wb")
+        proc = subprocess.Popen(
+            self.command("worker", "--queue", queue, *args),
+            stdout=subprocess.DEVNULL, stderr=log_file, stdin=subprocess.DEVNULL, cwd=NODE_DIR,
+        )
+        worker = NodeWorker(proc, log_path, log_file)
+        self.workers.append(worker)
+
+        def ready() -> bool:
+            assert proc.poll() is None, f"node worker exited early: {worker.log_tail()}"
+            return any(line["msg"] == "worker ready" for line in worker.lines())
+
+        wait_for(ready, timeout=15, message=worker.log_tail)
+        return worker
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    connection = redis.Redis.from_url(redis_url)
+    try:
+        yield connection
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def node(redis_url: str, key_prefix: str, tmp_path: Path) -> Iterator[NodePeer]:
+    peer = NodePeer(redis_url, key_prefix, tmp_path)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"q-{uuid.uuid4().hex[:8]}"
+
+
+def fields_of(flat: dict[Any, Any]) -> dict[str, bytes]:
+    return {(k.decode() if isinstance(k, bytes) else k): v for k, v in flat.items()}
+
+
+def dead_entries(
+    client: redis.Redis, prefix: str, queue: str
+) -> list[tuple[str, dict[str, bytes]]]:
+    return [(entry_id.decode(), fields_of(fields))
+            for entry_id, fields in client.xrange(KeySpace(prefix).queue(queue).dead)]
+
+
+def pending(client: redis.Redis, prefix: str, queue: str) -> int:
+    total = 0
+    for stream in KeySpace(prefix).queue(queue).task_streams:
+        if client.exists(stream):
+            total += int(client.xpending(stream, GROUP)["pending"])
+    return total
+
+
+def stream_lengths(client: redis.Redis, prefix: str, queue: str) -> int:
+    return sum(client.xlen(stream) for stream in KeySpace(prefix).queue(queue).task_streams)
+
+
+def redis_now_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def text(value: bytes) -> str:
+    return value.decode("utf-8")
+
+
+# --------------------------------------------------------------------------- the peer's suite
+
+
+def test_node_suite_passes(redis_url: str) -> None:
+    """``node --test``: conformance vectors, time, codec, retries, and the worker on Redis."""
+    assert NODE is not None
+    env = {**os.environ, "ENVELOPE_TEST_REDIS_URL": redis_url}
+    done = subprocess.run([NODE, "--test"], cwd=NODE_DIR, env=env, capture_output=True,
+                          text=True, timeout=110, check=False)
+    summary = [line for line in done.stdout.splitlines() if line.startswith("# ")]
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "# fail 0" in summary, summary
+    passed = [int(line.split()[2]) for line in summary if line.startswith("# pass ")]
+    assert passed and passed[0] >= 250, summary
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def test_node_delayed_task_promoted_by_python(
+    node: NodePeer, client: redis.Redis, redis_url: str, key_prefix: str, queue: str
+) -> None:
+    """(a) Node writes schedule_time in +08:00; Python promotes it when due, not before."""
+    trace_id = f"trace-{uuid.uuid4().hex}"
+    task_id = node.run("produce", "--queue", queue, "--task-type", "order.close_timeout",
+                       "--payload", '{"order_id": "202509110001"}', "--delay-ms", "2000",
+                       "--tz-offset", "+08:00", "--trace-id", trace_id).strip()
+    keys = KeySpace(key_prefix).queue(queue)
+    assert client.sismember(KeySpace(key_prefix).queues, queue)
+    due_ms = int(client.zscore(keys.delayed, task_id))
+    stored = client.hget(keys.delayed_data, task_id)
+    bucket, enc, body = stored.split(b"\n", 2)
+    assert bucket == b"normal"
+    written = json.loads(body)
+    assert written["schedule_time"].endswith("+08:00")
+    assert written["created_at"].endswith("+08:00")
+    delayed = decode_body(enc, body)
+    assert delayed.schedule_time is not None
+    assert delayed.schedule_time.utcoffset() == timedelta(hours=8)
+    assert delayed.due_ms() == due_ms  # Python reads the instant Node scored it with
+    assert stream_lengths(client, key_prefix, queue) == 0
+
+    promoter = Promoter(lambda: redis.Redis.from_url(redis_url), Settings(key_prefix=key_prefix),
+                        max_idle_s=0.5)
+    promoter.start()
+    try:
+        # Not in a stream before it is due (server clock, as promoters use).
+        while redis_now_ms(client) < due_ms - 100:
+            assert stream_lengths(client, key_prefix, queue) == 0
+            time.sleep(0.05)
+        entries = wait_for(lambda: client.xrange(keys.stream(Bucket.NORMAL)), timeout=5,
+                           message="the promoter did not move the task")
+        assert redis_now_ms(client) >= due_ms
+    finally:
+        promoter.stop()
+    assert len(entries) == 1
+    env = decode_entry(entries[0][1])
+    assert env.task_id == task_id
+    assert env.trace_id == trace_id
+    assert env.schedule_time == parse_rfc3339(written["schedule_time"])
+    assert env.schedule_time.utcoffset() == timedelta(hours=8)
+    assert env.created_at == parse_rfc3339(written["created_at"])
+    assert env.payload == {"order_id": "202509110001"}
+    assert client.zcard(keys.delayed) == 0
+
+
+def test_node_worker_dead_letters_exhausted_task(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """(b) test.fail with max_retries 2 and 200 ms backoff: three attempts, then the DLQ."""
+    worker = node.worker(queue, "--backoff-ms", "200", "--max-backoff-ms", "1000",
+                         "--lease-ms", "3000")
+    started = time.monotonic()
+    task_id = node.run("produce", "--queue", queue, "--task-type", "test.fail",
+                       "--max-retries", "2").strip()
+    dead = wait_for(lambda: dead_entries(client, key_prefix, queue), timeout=15,
+                    message=worker.log_tail)
+    elapsed = time.monotonic() - started
+    assert len(dead) == 1
+    dead_id, fields = dead[0]
+    assert text(fields["dlq"]) == "1"
+    assert text(fields["failure_class"]) == "task_error"
+    assert text(fields["attempts"]) == "3"
+    assert text(fields["language"]) == "node"
+    assert text(fields["queue"]) == queue
+    assert text(fields["task_id"]) == task_id
+    assert text(fields["task_type"]) == "test.fail"
+    assert text(fields["exception_type"]) == "TestFailure"
+    assert text(fields["reason"]) == "test.fail always fails"
+    assert text(fields["pid"]) == str(worker.proc.pid)
+    assert text(fields["consumer"]) == worker.consumer
+    assert fields["host"]
+    first, last = parse_rfc3339(text(fields["first_failure_at"])), parse_rfc3339(
+        text(fields["last_failure_at"]))
+    assert first <= last <= parse_rfc3339(text(fields["dead_at"]))
+    assert last - first >= timedelta(milliseconds=400)  # two backoffs of ~200 and ~400 ms
+    assert elapsed >= 0.45
+
+    # The raw entry is the last attempt, byte for byte, and Python decodes it.
+    raw = {name[4:]: value for name, value in fields.items() if name.startswith("raw.")}
+    assert set(raw) == {"v", "enc", "body"}
+    env = decode_entry(raw)
+    assert env.task_id == task_id
+    assert env.retry_count == 2
+    assert env.max_retries == 2
+
+    # Python's dead-letter tools see it.
+    tools = DeadLetters(client, Settings(key_prefix=key_prefix))
+    assert queue in tools.queues()
+    entry = tools.get(queue, dead_id)
+    assert entry is not None and entry.envelope is not None
+    assert entry.envelope.task_id == task_id
+    assert entry.failure_class == "task_error"
+
+    assert pending(client, key_prefix, queue) == 0
+    assert stream_lengths(client, key_prefix, queue) == 0
+    assert client.zcard(KeySpace(key_prefix).queue(queue).delayed) == 0
+    assert worker.stop() == 0
+
+
+def test_python_task_runs_once_on_node_worker(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """(c) Python publishes order.close_timeout (plain and gzip); the Node worker runs each once."""
+    worker = node.worker(queue)
+    publisher = Publisher(client, Settings(key_prefix=key_prefix))
+    plain = Envelope.new(task_type="order.close_timeout", payload={"order_id": "202509110001"})
+    large = Envelope.new(task_type="order.close_timeout",
+                         payload={"order_id": "202509110002", "notes": "x" * 20_000})
+    publisher.publish(queue, plain)
+    publisher.publish(queue, large)
+
+    effects = f"{key_prefix}:effects:order.close_timeout"
+    wait_for(lambda: client.llen(f"{key_prefix}:effects:log") == 2, timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: pending(client, key_prefix, queue) == 0
+             and stream_lengths(client, key_prefix, queue) == 0, timeout=5)
+    time.sleep(0.3)  # nothing runs a second time
+    assert client.get(f"{effects}:202509110001") == b"1"
+    assert client.get(f"{effects}:202509110002") == b"1"
+    assert client.lrange(f"{key_prefix}:effects:log", 0, -1) == [
+        f"node:{plain.task_id}".encode(), f"node:{large.task_id}".encode()]
+
+    succeeded = [line for line in worker.lines() if line["msg"] == "task succeeded"]
+    assert {(line["task_id"], line["trace_id"]) for line in succeeded} == {
+        (plain.task_id, plain.trace_id), (large.task_id, large.trace_id)}
+
+    consumer_key = KeySpace(key_prefix).consumer(worker.consumer)
+    assert client.get(consumer_key).endswith(b" node")
+    assert worker.stop() == 0
+    assert client.exists(consumer_key) == 0
+
+
+MALFORMED_KINDS = ("badjson", "missingbody", "badversion", "badgzip", "invalid")
+
+
+def test_malformed_entries_dead_lettered_and_worker_goes_on(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """(d) Malformed entries land in the DLQ with their raw bytes; the next task still runs."""
+    worker = node.worker(queue)
+    written = {}
+    for kind in MALFORMED_KINDS:
+        out = json.loads(node.run("produce-malformed", "--queue", queue, "--kind", kind))
+        written[out["entry_id"]] = (kind, {name: base64.b64decode(value)
+                                           for name, value in out["fields_base64"].items()})
+    task_id = node.run("produce", "--queue", queue, "--task-type", "order.close_timeout",
+                       "--payload", '{"order_id": "after-malformed"}').strip()
+
+    wait_for(lambda: client.get(f"{key_prefix}:effects:order.close_timeout:after-malformed"),
+             timeout=10, message=worker.log_tail)
+    dead = dead_entries(client, key_prefix, queue)
+    assert len(dead) == len(MALFORMED_KINDS)
+    seen = set()
+    for _dead_id, fields in dead:
+        raw = {name[4:]: value for name, value in fields.items() if name.startswith("raw.")}
+        matches = [kind for kind, original in written.values() if original == raw]
+        assert len(matches) == 1, f"raw fields not kept byte for byte: {raw!r}"
+        seen.add(matches[0])
+        assert text(fields["failure_class"]) == "malformed_entry"
+        assert text(fields["language"]) == "node"
+        assert fields["reason"]
+    assert seen == set(MALFORMED_KINDS)
+    assert worker.proc.poll() is None, "the worker must survive malformed input"
+    assert pending(client, key_prefix, queue) == 0
+    assert stream_lengths(client, key_prefix, queue) == 0
+    assert client.lrange(f"{key_prefix}:effects:log", 0, -1) == [f"node:{task_id}".encode()]
+    assert worker.stop() == 0
+    # Every log line was JSON (lines() parses them all) with trace_id and task_id.
+    assert all("trace_id" in line and "task_id" in line for line in worker.lines())
+
+
+def test_same_idempotency_key_from_node_and_python_runs_once(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """(e) One business action, published by Node and by Python with the same key: one effect."""
+    worker = node.worker(queue)
+    key = "202509110001"
+    node_task = node.run("produce", "--queue", queue, "--task-type", "order.close_timeout",
+                         "--payload", '{"order_id": "202509110001"}',
+                         "--idempotency-key", key).strip()
+    python_task = Envelope.new(task_type="order.close_timeout", payload={"order_id": key},
+                               idempotency_key=key)
+    Publisher(client, Settings(key_prefix=key_prefix)).publish(queue, python_task)
+
+    def settled() -> bool:
+        return (pending(client, key_prefix, queue) == 0
+                and stream_lengths(client, key_prefix, queue) == 0
+                and client.zcard(KeySpace(key_prefix).queue(queue).delayed) == 0
+                and any(line["msg"].startswith("duplicate") for line in worker.lines()))
+
+    wait_for(settled, timeout=15, message=worker.log_tail)
+    assert client.get(f"{key_prefix}:effects:order.close_timeout:{key}") == b"1"
+    assert client.lrange(f"{key_prefix}:effects:log", 0, -1) == [f"node:{node_task}".encode()]
+    marker = client.get(f"{key_prefix}:idem:order.close_timeout:{key}")
+    assert marker is not None and marker.startswith(f"done {node_task} ".encode())
+    duplicates = [line for line in worker.lines() if line["msg"].startswith("duplicate")]
+    assert [line["task_id"] for line in duplicates] == [python_task.task_id]
+    assert duplicates[0]["trace_id"] == python_task.trace_id
+    assert dead_entries(client, key_prefix, queue) == []
+    assert worker.stop() == 0
+
+
+def test_sigterm_returns_prefetched_entries(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """SIGTERM: the running task finishes, prefetched ones go back, the liveness key goes."""
+    keys = KeySpace(key_prefix).queue(queue)
+    worker = node.worker(queue, "--prefetch", "3", "--block-ms", "3000",
+                         "--shutdown-grace-ms", "5000")
+    time.sleep(0.3)  # the worker is now parked in its blocking read
+    # One entry per bucket in one transaction: the most urgent one runs, the two others
+    # are read ahead (--prefetch 3) and wait.
+    sleeper = Envelope.new(task_type="test.sleep", payload={"ms": 1500}, priority=200)
+    waiting = [Envelope.new(task_type="order.close_timeout", payload={"order_id": f"w{i}"},
+                            priority=priority) for i, priority in enumerate((100, 10))]
+    pipe = client.pipeline(transaction=True)
+    for env in (sleeper, *waiting):
+        pipe.xadd(keys.stream(bucket_for(env.priority)), encode_entry(env))
+    pipe.execute()
+    wait_for(lambda: pending(client, key_prefix, queue) == 3, timeout=3, message=worker.log_tail)
+    assert worker.stop() == 0
+    lines = worker.lines()
+    assert any(line["msg"] == "task succeeded" and line["task_id"] == sleeper.task_id
+               for line in lines)
+    requeued = {line["task_id"] for line in lines if line["msg"] == "entry put back in its stream"}
+    assert requeued == {env.task_id for env in waiting}
+    assert client.get(f"{key_prefix}:effects:order.close_timeout:w0") is None
+    assert pending(client, key_prefix, queue) == 0
+    assert client.xlen(keys.stream(Bucket.NORMAL)) == 1
+    assert client.xlen(keys.stream(Bucket.LOW)) == 1
+    assert client.exists(KeySpace(key_prefix).consumer(worker.consumer)) == 0
