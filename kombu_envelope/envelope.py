@@ -175,8 +175,52 @@ def _new_trace_id() -> str:
     return uuid.uuid4().hex
 
 
+_JSON_SCALARS = (str, int, float, type(None))
+
+
+def _quick_json_depth(value: Any, max_depth: int, level: int) -> int | None:
+    """Depth of a valid JSON value, or None if anything is wrong (no error paths built)."""
+    if isinstance(value, dict):
+        if level > max_depth:
+            return None
+        items: Any = value.values()
+        for key in value:
+            if not isinstance(key, str):
+                return None
+    elif isinstance(value, list):
+        if level > max_depth:
+            return None
+        items = value
+    elif isinstance(value, float):
+        return level - 1 if math.isfinite(value) else None
+    else:
+        return level - 1 if isinstance(value, _JSON_SCALARS) else None
+    depth = level
+    for item in items:
+        if isinstance(item, (dict, list)):
+            inner = _quick_json_depth(item, max_depth, level + 1)
+            if inner is None:
+                return None
+            if inner > depth:
+                depth = inner
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return None
+        elif not isinstance(item, _JSON_SCALARS):
+            return None
+    return depth
+
+
 def _json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
     """Check that ``value`` holds only JSON values; return its nesting depth."""
+    depth = _quick_json_depth(value, max_depth, level)
+    if depth is not None:
+        return depth
+    return _explained_json_depth(value, where, max_depth, level)  # raises, naming the place
+
+
+def _explained_json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
+    """:func:`_json_depth` that builds the path of each value, to name it in its error."""
     if isinstance(value, dict):
         if level > max_depth:
             raise PydanticCustomError(
@@ -188,7 +232,8 @@ def _json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise PydanticCustomError("json_value", "object keys must be strings")
-            depth = max(depth, _json_depth(item, f"{where}.{key}", max_depth, level + 1))
+            depth = max(depth, _explained_json_depth(item, f"{where}.{key}", max_depth,
+                                                    level + 1))
         return depth
     if isinstance(value, list):
         if level > max_depth:
@@ -199,7 +244,8 @@ def _json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
             )
         depth = level
         for index, item in enumerate(value):
-            depth = max(depth, _json_depth(item, f"{where}[{index}]", max_depth, level + 1))
+            depth = max(depth, _explained_json_depth(item, f"{where}[{index}]", max_depth,
+                                                    level + 1))
         return depth
     if isinstance(value, float) and not math.isfinite(value):
         raise PydanticCustomError("json_value", "NaN and infinity are not JSON ({where})",

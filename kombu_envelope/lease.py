@@ -19,7 +19,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from kombu_envelope.envelope import format_rfc3339, utcnow
+from kombu_envelope.deadletter import Failure, FailureClass, failure_fields
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 #: How many pending entries one takeover step examines per stream.
 RECLAIM_BATCH = 100
+#: A dead consumer holding nothing is removed from its group once idle this long (ms).
+FORGET_AFTER_MS = 3_600_000
 
 
 def _text(value: Any) -> str:
@@ -50,55 +52,63 @@ def reclaim_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
     were requeued (or dead-lettered after ``max_redeliveries``).
     """
     keys = settings.keys.queue(queue)
-    group = settings.consumer_group
-    requeue = script(client, "requeue")
     moved = 0
     for stream in keys.all_streams:
         try:
-            summary = client.xpending(stream, group)
+            summary = client.xpending(stream, settings.consumer_group)
         except RedisError:  # no stream or no group yet: nothing is pending
             continue
         owners = [_text(c["name"]) for c in summary.get("consumers") or []]
         if not owners:
             continue
-        alive = client.exists(*[settings.keys.consumer(o) for o in owners]) if owners else 0
-        if alive == len(owners):
-            continue
         pipe = client.pipeline(transaction=False)
         for owner in owners:
             pipe.exists(settings.keys.consumer(owner))
         for owner, is_alive in zip(owners, pipe.execute()):
-            if is_alive:
-                continue
-            moved += _requeue_owned_by(client, settings, requeue, stream, owner, keys.dead)
+            if not is_alive:
+                moved += _requeue_owned_by(client, settings, queue, stream, owner)
     return moved
 
 
-def _requeue_owned_by(client: Any, settings: Settings, requeue: Callable[..., Any],
-                      stream: str, owner: str, dead: str) -> int:
+def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
+                      owner: str) -> int:
     group = settings.consumer_group
     pending = client.xpending_range(
         stream, group, min="-", max="+", count=RECLAIM_BATCH, consumername=owner,
         idle=settings.lease_ms,
     )
+    requeue = script(client, "requeue")
+    dead_fields = failure_fields(
+        Failure(FailureClass.REDELIVERY_LIMIT, "its consumer kept dying while holding it"),
+        queue=queue, consumer=owner,
+    )
     moved = 0
-    now = format_rfc3339(utcnow())
     for item in pending:
         reply = requeue(
-            keys=[stream, stream, dead],
+            keys=[stream, stream, settings.keys.queue(queue).dead],
             args=[group, _text(item["message_id"]), owner, settings.lease_ms, 1,
-                  settings.max_redeliveries, now],
+                  settings.max_redeliveries, dead_fields["dead_at"],
+                  *_pairs(dead_fields, _REQUEUE_DEAD_FIELDS)],
         )
         if reply:
             moved += 1
+            if _text(reply).startswith("dead:"):
+                client.sadd(settings.keys.dead_queues, queue)
     if moved:
         logger.warning("took over %d entries of dead consumer %s on %s", moved, owner, stream)
     if len(pending) < RECLAIM_BATCH:
-        remaining = client.xpending_range(stream, group, min="-", max="+", count=1,
-                                          consumername=owner)
-        if not remaining:
-            client.xgroup_delconsumer(stream, group, owner)
+        script(client, "forget_consumer")(
+            keys=[stream], args=[group, owner, max(FORGET_AFTER_MS, settings.lease_ms)])
     return moved
+
+
+# Failure fields requeue.lua adds to a dead-letter entry (it writes the others itself).
+_REQUEUE_DEAD_FIELDS = ("queue", "language", "host", "pid", "consumer", "first_failure_at",
+                        "last_failure_at")
+
+
+def _pairs(fields: dict[str, str], names: tuple[str, ...]) -> list[str]:
+    return [item for name in names for item in (name, fields[name])]
 
 
 class LeaseKeeper:

@@ -15,7 +15,7 @@ from redis.commands.core import Script
 
 SCRIPT_NAMES = (
     "enqueue", "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
-    "idem_begin", "idem_finish", "retry_slot", "replay", "periodic",
+    "idem_begin", "idem_finish", "retry_slot", "replay", "periodic", "forget_consumer",
 )
 
 _registered: WeakKeyDictionary[Any, dict[str, Script]] = WeakKeyDictionary()

@@ -239,7 +239,10 @@ def test_task_whose_consumers_keep_dying_is_dead_lettered_after_max_redeliveries
     assert pending_count(redis_client, stream, settings.consumer_group) == 0
     (dead,) = dead_letters(redis_client, key_prefix, QUEUE)
     assert dead["failure_class"] == b"redelivery_limit"
-    assert dead["attempts"] == b"2"
+    assert dead["redeliveries"] == b"2"
+    assert dead["queue"] == QUEUE.encode()
+    assert dead["language"] == b"python"
+    assert redis_client.sismember(f"{key_prefix}:dead-queues", QUEUE)
     for field, value in original.items():
         assert dead[f"raw.{field}"] == value
     assert Envelope.parse(dead["raw.body"]).task_id == task_id
@@ -266,6 +269,6 @@ def test_task_killing_every_consumer_that_runs_it_ends_in_the_dead_letter_stream
 
     (dead,) = dead_letters(redis_client, key_prefix, QUEUE)
     assert dead["failure_class"] == b"redelivery_limit"
-    assert dead["attempts"] == b"2"
+    assert dead["redeliveries"] == b"2"
     assert Envelope.parse(dead["raw.body"]).task_id == task_id
     assert queue_is_empty(redis_client, settings)

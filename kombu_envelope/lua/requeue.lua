@@ -10,6 +10,8 @@
 -- ARGV[5]  1 to count this as a redelivery after a consumer died (field "n"), else 0
 -- ARGV[6]  redeliveries after which the entry is dead-lettered instead (0: no limit)
 -- ARGV[7]  dead_at timestamp (RFC 3339) for a dead-letter entry
+-- ARGV[8..] field, value pairs added to a dead-letter entry (queue, language,
+--           host, pid, consumer, ...; see docs/protocol.md section 7)
 --
 -- Used for reject(requeue=True), for returning prefetched entries on shutdown
 -- and for taking over the entries of a consumer whose liveness key expired.
@@ -44,7 +46,8 @@ if limit > 0 and redeliveries >= limit then
     local dead = {'dlq', '1', 'failure_class', 'redelivery_limit',
         'reason', 'its consumer died ' .. redeliveries .. ' times while holding it',
         'source_stream', KEYS[1], 'source_id', ARGV[2], 'dead_at', ARGV[7],
-        'attempts', tostring(redeliveries)}
+        'redeliveries', tostring(redeliveries)}
+    for i = 8, #ARGV do dead[#dead + 1] = ARGV[i] end
     for i = 1, #fields, 2 do
         dead[#dead + 1] = 'raw.' .. fields[i]
         dead[#dead + 1] = fields[i + 1]
