@@ -19,6 +19,7 @@ import redis
 from kombu import Queue
 from support import wait_for
 from support.envelope_streams import (
+    connect,
     dead_letters,
     envelope_url,
     pending_count,
@@ -63,8 +64,7 @@ def consumers(
 
 def publish(url: str, key_prefix: str, count: int, **options: Any) -> list[str]:
     """Publish ``count`` Envelope tasks to ``QUEUE``; return their task_ids."""
-    with kombu.Connection(envelope_url(url),
-                          transport_options={"key_prefix": key_prefix, **options}) as conn:
+    with connect(url, key_prefix, **options) as conn:
         producer = conn.Producer()
         ids = []
         for n in range(count):
@@ -191,8 +191,7 @@ def test_connection_closed_while_redis_is_down_lets_another_consumer_take_its_ta
     url = private_redis.url
     lease_ms = 1000
     (task_id,) = publish(url, key_prefix, 1)
-    holder = kombu.Connection(envelope_url(url),
-                              transport_options={"key_prefix": key_prefix, "lease_ms": lease_ms})
+    holder = connect(url, key_prefix, lease_ms=lease_ms)
     # Not the default channel: the transport closes it, as it does Celery's remote-control one.
     channel = holder.channel()
     got: list[Any] = []

@@ -28,7 +28,12 @@ def envelope_url(redis_url: str, scheme: str = "envelope") -> str:
 
 
 def connect(redis_url: str, key_prefix: str, **options: Any) -> kombu.Connection:
-    """A kombu Connection on ``envelope://`` whose keys all start with ``key_prefix``."""
+    """A plain-kombu Connection on ``envelope://`` whose keys all start with ``key_prefix``.
+
+    The base message adapter is named explicitly: once ``celery_ext`` is imported in
+    the same process, ``envelope://`` delivers every Envelope as a Celery task message.
+    """
+    options = {"message_adapter": "kombu_envelope.adapter:MessageAdapter", **options}
     return kombu.Connection(
         envelope_url(redis_url), transport_options={"key_prefix": key_prefix, **options}
     )

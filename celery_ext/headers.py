@@ -1,0 +1,94 @@
+"""Celery message headers <-> Envelope fields: eta, time limits and string headers.
+
+A header value kept under ``ext.celery.headers`` is written back on delivery
+only while it still agrees with the Envelope field it maps to; when another
+language changed the field, the field wins and the header is rebuilt from it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+#: W3C trace-context headers that, besides ``x-*`` headers, are Envelope headers.
+W3C_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
+
+#: Header names of Celery's protocol 2 and of this mapping: never Envelope headers.
+CELERY_HEADERS = frozenset({
+    "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
+    "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin",
+    "ignore_result", "replaced_task_nesting", "stamped_headers", "stamps", "compression",
+    "trace_id", "payload_version", "idempotency_key",
+})
+
+
+def is_envelope_header(name: Any, value: Any) -> bool:
+    """True when a Celery header becomes an Envelope header.
+
+    That is a header with a string value named ``x-*`` or ``traceparent``,
+    ``tracestate`` or ``baggage`` (names compared case-insensitively).
+    """
+    if not isinstance(name, str) or not isinstance(value, str):
+        return False
+    lowered = name.lower()
+    return lowered.startswith("x-") or lowered in W3C_HEADERS
+
+
+def celery_headers_of(envelope_headers: dict[str, str]) -> dict[str, str]:
+    """The Celery headers of an Envelope's headers: all but Celery's own names."""
+    return {name: value for name, value in envelope_headers.items()
+            if name not in CELERY_HEADERS}
+
+
+def schedule_time_of(eta: Any) -> Any:
+    """The ``schedule_time`` value of a Celery ``eta`` header.
+
+    An ISO 8601 string with an offset becomes an aware datetime (Envelope
+    validation normalises odd offsets such as ``+05:53:28``); anything else is
+    returned as it is so Envelope validation names the problem, e.g. an eta
+    without offset.
+    """
+    if isinstance(eta, str):
+        try:
+            parsed = datetime.fromisoformat(eta)
+        except ValueError:
+            return eta
+        if parsed.utcoffset() is not None:
+            return parsed
+    return eta
+
+
+def eta_header(original: Any, schedule_time: datetime | None) -> str | None:
+    """The ``eta`` header for ``schedule_time``: the original text when it still agrees."""
+    if schedule_time is None:
+        return None
+    if schedule_time_of(original) == schedule_time:
+        return str(original)
+    return schedule_time.isoformat()
+
+
+def _ms(seconds: Any) -> int | None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        return None
+    return max(1, round(seconds * 1000))
+
+
+def timeout_ms_of(timelimit: Any) -> int | None:
+    """``timeout_ms`` of Celery's ``timelimit`` header ``[hard, soft]`` (seconds).
+
+    The hard limit when set, else the soft one; None when neither is.
+    """
+    if not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2:
+        return None
+    hard, soft = timelimit
+    return _ms(hard) or _ms(soft)
+
+
+def timelimit_header(original: Any, timeout_ms: int | None) -> Any:
+    """The ``timelimit`` header for ``timeout_ms``: the original when it still agrees."""
+    if timeout_ms_of(original) == timeout_ms:
+        return original
+    if timeout_ms is None:
+        return [None, None]
+    seconds = timeout_ms // 1000 if timeout_ms % 1000 == 0 else timeout_ms / 1000
+    return [seconds, None]
