@@ -216,7 +216,7 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     }
     if "trace_id" in headers:
         fields["trace_id"] = headers["trace_id"]
-    return Envelope.parse(fields, limits)
+    return Envelope.new(limits, **fields)
 
 
 def _is_int(value: Any) -> bool:

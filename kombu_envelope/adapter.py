@@ -48,7 +48,13 @@ class MessageAdapter:
         """
         if message.get("content-type") != ENVELOPE_CONTENT_TYPE:
             return None
-        return Envelope.parse(body, limits)
+        try:
+            fields = json.loads(body)
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            return Envelope.parse(body, limits)  # raises, naming what is wrong
+        return Envelope.new(limits, **fields)  # a new task: identity filled in if missing
 
     def to_message(self, envelope: Envelope, queue: str) -> dict[str, Any]:
         """The kombu message dict delivered to consumers of ``queue``.

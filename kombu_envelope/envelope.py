@@ -281,9 +281,7 @@ class Envelope(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
-    task_id: Annotated[str, Field(min_length=1, max_length=255, pattern=TOKEN_PATTERN)] = Field(
-        default_factory=_new_task_id
-    )
+    task_id: Annotated[str, Field(min_length=1, max_length=255, pattern=TOKEN_PATTERN)]
     task_type: Annotated[str, Field(min_length=1, max_length=255, pattern=TASK_TYPE_PATTERN)]
     payload_version: Annotated[StrictInt, Field(ge=1, le=MAX_SAFE_INTEGER)] = 1
     payload: dict[str, Any] = Field(default_factory=dict)
@@ -292,10 +290,8 @@ class Envelope(BaseModel):
     max_retries: Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INTEGER)] | None = MAX_RETRIES_DEFAULT
     retry_count: Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INTEGER)] = 0
     priority: Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = PRIORITY_DEFAULT
-    trace_id: Annotated[str, Field(min_length=1, max_length=128, pattern=TOKEN_PATTERN)] = Field(
-        default_factory=_new_trace_id
-    )
-    created_at: Timestamp = Field(default_factory=utcnow)
+    trace_id: Annotated[str, Field(min_length=1, max_length=128, pattern=TOKEN_PATTERN)]
+    created_at: Timestamp
     idempotency_key: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     ext: dict[
@@ -345,7 +341,11 @@ class Envelope(BaseModel):
 
     @classmethod
     def parse(cls, data: Any, limits: Limits | None = None) -> Envelope:
-        """Validate ``data`` (a dict or JSON text/bytes); raise :class:`InvalidEnvelope`."""
+        """Validate ``data`` (a dict or JSON text/bytes); raise :class:`InvalidEnvelope`.
+
+        This is how an Envelope is read: ``task_id``, ``trace_id`` and
+        ``created_at`` must be there. Use :meth:`new` to create one.
+        """
         context = {"limits": limits or DEFAULT_LIMITS}
         try:
             if isinstance(data, (str, bytes, bytearray)):
@@ -356,7 +356,15 @@ class Envelope(BaseModel):
 
     @classmethod
     def new(cls, limits: Limits | None = None, **fields: Any) -> Envelope:
-        """Build an Envelope from keyword fields; raise :class:`InvalidEnvelope`."""
+        """Create an Envelope from keyword fields; raise :class:`InvalidEnvelope`.
+
+        A new ``task_id`` (UUID), ``trace_id`` and ``created_at`` (now) are
+        filled in when not given: every task carries them on the wire, so that
+        each reader of one entry sees the same identity.
+        """
+        fields.setdefault("task_id", _new_task_id())
+        fields.setdefault("trace_id", _new_trace_id())
+        fields.setdefault("created_at", utcnow())
         return cls.parse(fields, limits)
 
     def to_json(self) -> bytes:

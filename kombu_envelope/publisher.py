@@ -57,6 +57,14 @@ class Publisher:
         delayed_queues = sorted(
             {keys.queue for keys, envelope, _, _ in prepared if not envelope.is_due(now)}
         )
+        enqueue = script(self.client, "enqueue")
+        if len(prepared) == 1 and not delayed_queues:
+            # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
+            # sends SCRIPT EXISTS, a second round trip on every single publish.
+            keys, envelope, enc, body = prepared[0]
+            reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
+                                  keys.delayed_data], args=[envelope.task_id, enc, body])
+            return [reply.decode() if isinstance(reply, bytes) else reply]
         pipe = self.client.pipeline(transaction=False)
         if delayed_queues:
             # Registered on every delayed publish, in the same round trip and before
@@ -64,7 +72,6 @@ class Publisher:
             # is rebuilt by the next publish.
             pipe.sadd(settings.keys.queues, *delayed_queues)
         schedule = script(self.client, "schedule")
-        enqueue = script(self.client, "enqueue")
         for keys, envelope, enc, body in prepared:
             bucket = bucket_for(envelope.priority)
             if envelope.is_due(now):

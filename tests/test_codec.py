@@ -217,7 +217,8 @@ def test_a_gzip_bomb_is_malformed() -> None:
 
 def test_a_gzip_bomb_is_measured_against_the_readers_limits() -> None:
     limits = Limits(max_payload_bytes=1000)
-    body = gzip.compress(b'{"task_type":"t","payload":{"x":"' + b"y" * 300_000 + b'"}}')
+    body = gzip.compress(b'{"task_id":"i","trace_id":"t","created_at":"2025-09-11T04:40:00Z",'
+                         b'"task_type":"t","payload":{"x":"' + b"y" * 300_000 + b'"}}')
     assert "too large" in malformed(entry(ENC_JSON_GZIP, body), limits).reason
     assert decode_entry(entry(ENC_JSON_GZIP, body)).payload == {"x": "y" * 300_000}
 

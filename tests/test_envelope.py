@@ -31,6 +31,9 @@ from kombu_envelope.envelope import (
 )
 from kombu_envelope.errors import InvalidEnvelope, Violation
 
+#: The identity fields every Envelope on the wire carries, as JSON members.
+IDENTITY_JSON = '"task_id": "i", "trace_id": "t", "created_at": "2025-09-11T04:40:00Z", '
+
 NOW = datetime(2025, 9, 11, 4, 45, tzinfo=timezone.utc)
 PLUS_8 = timezone(timedelta(hours=8))
 
@@ -334,7 +337,7 @@ def test_a_payload_that_is_not_an_object_is_refused() -> None:
 
 def test_nan_in_json_text_is_refused() -> None:
     with pytest.raises(InvalidEnvelope) as caught:
-        Envelope.parse('{"task_type": "t", "payload": {"x": NaN}}')
+        Envelope.parse("{" + IDENTITY_JSON + '"task_type": "t", "payload": {"x": NaN}}')
     assert caught.value.rules == ["json_value"]
 
 
@@ -401,7 +404,7 @@ def test_zero_payload_version_and_timeout_are_refused() -> None:
 
 def test_an_integral_float_in_json_text_is_refused() -> None:
     with pytest.raises(InvalidEnvelope) as caught:
-        Envelope.parse('{"task_type": "t", "priority": 1e2}')
+        Envelope.parse("{" + IDENTITY_JSON + '"task_type": "t", "priority": 1e2}')
     assert (caught.value.fields, caught.value.rules) == (["priority"], ["type"])
 
 
@@ -487,7 +490,7 @@ def test_an_ext_namespace_holds_a_json_object() -> None:
 def test_every_violation_is_reported_with_field_and_rule() -> None:
     with pytest.raises(InvalidEnvelope) as caught:
         Envelope.parse({"task_type": "1x", "priority": 300, "color": "blue",
-                        "created_at": 1757565900})
+                        "created_at": 1757565900, "task_id": "i", "trace_id": "t"})
     found = set(zip(caught.value.fields, caught.value.rules))
     assert found == {("task_type", "pattern"), ("priority", "range"),
                      ("created_at", "type"), ("color", "unknown_field")}

@@ -84,7 +84,7 @@ def test_the_schema_is_a_valid_draft_2020_12_schema_with_identity() -> None:
     assert schema["title"] == "Envelope"
     assert schema["description"]
     assert schema["additionalProperties"] is False
-    assert schema["required"] == ["task_type"]
+    assert sorted(schema["required"]) == ["created_at", "task_id", "task_type", "trace_id"]
 
 
 def test_timestamps_are_strings_with_an_offset_pattern() -> None:
