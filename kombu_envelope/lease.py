@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 RECLAIM_BATCH = 100
 #: A dead consumer holding nothing is removed from its group once idle this long (ms).
 FORGET_AFTER_MS = 3_600_000
+#: How often a live consumer looks for such consumers (seconds).
+FORGET_CHECK_S = 60.0
 
 
 def _text(value: Any) -> str:
@@ -96,10 +98,35 @@ def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
                 client.sadd(settings.keys.dead_queues, queue)
     if moved:
         logger.warning("took over %d entries of dead consumer %s on %s", moved, owner, stream)
-    if len(pending) < RECLAIM_BATCH:
-        script(client, "forget_consumer")(
-            keys=[stream], args=[group, owner, max(FORGET_AFTER_MS, settings.lease_ms)])
     return moved
+
+
+def forget_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
+    """Remove from ``queue``'s groups the dead consumers that hold nothing.
+
+    Only consumers without a liveness key, idle for :data:`FORGET_AFTER_MS`,
+    go, each with forget_consumer.lua, which re-checks in the same step that
+    they hold nothing. Returns how many were removed.
+    """
+    forget = script(client, "forget_consumer")
+    idle_ms = max(FORGET_AFTER_MS, settings.lease_ms)
+    removed = 0
+    for stream in settings.keys.queue(queue).all_streams:
+        try:
+            consumers = client.xinfo_consumers(stream, settings.consumer_group)
+        except RedisError:  # no stream or no group yet
+            continue
+        idle = [_text(c["name"]) for c in consumers
+                if c["pending"] == 0 and c["idle"] >= idle_ms]
+        if not idle:
+            continue
+        pipe = client.pipeline(transaction=False)
+        for name in idle:
+            pipe.exists(settings.keys.consumer(name))
+        for name, is_alive in zip(idle, pipe.execute()):
+            if not is_alive:
+                removed += forget(keys=[stream], args=[settings.consumer_group, name, idle_ms])
+    return removed
 
 
 # Failure fields requeue.lua adds to a dead-letter entry (it writes the others itself).
@@ -163,15 +190,20 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         interval_s = self.settings.lease_ms / 3000
+        forget_every = max(1, int(FORGET_CHECK_S / interval_s))
+        rounds = 0
         while not self._stop.wait(interval_s):
             with self._lock:
                 consumers = dict(self._consumers)
             if not consumers:
                 continue
+            rounds += 1
             try:
                 renew(self.client, self.settings, consumers)
                 for queue in set().union(*consumers.values()):
                     reclaim_dead_consumers(self.client, self.settings, queue)
+                    if rounds % forget_every == 0:
+                        forget_dead_consumers(self.client, self.settings, queue)
             except RedisError:
                 logger.warning("lease renewal failed; retrying in %.1f s", interval_s,
                                exc_info=True)

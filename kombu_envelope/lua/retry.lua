@@ -10,7 +10,8 @@
 -- ARGV[4]  due time of the next attempt, ms since the Unix epoch (0: now)
 -- ARGV[5]  bucket of the next attempt: "high", "normal" or "low"
 -- ARGV[6]  enc of the new body
--- ARGV[7]  new body: the Envelope with retry_count + 1 and schedule_time set
+-- ARGV[7]  new body: the next attempt (retry_count + 1 for a retry, unchanged for a
+--          deferral; schedule_time = now + delay, absent when the delay is 0)
 -- ARGV[8]  pub/sub channel that wakes promoters (<prefix>:wakeup)
 --
 -- The next attempt is stored and the failed one acknowledged and deleted in
