@@ -24,7 +24,9 @@ import redis
 from support import wait_for
 
 from kombu_envelope import Envelope, Publisher, Settings
-from kombu_envelope.codec import decode_entry
+from kombu_envelope.codec import decode_entry, encode_entry
+from kombu_envelope.deadletter import DeadLetters
+from kombu_envelope.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import KeySpace
@@ -373,6 +375,93 @@ def test_failing_task_exhausts_its_retries_into_the_dead_letter_stream(
     attempts = [line for line in worker.log_lines() if line.get("task_id") == env.task_id
                 and line.get("outcome") in ("retry", "dead")]
     assert [line["outcome"] for line in attempts] == ["retry", "retry", "dead", "dead"]
+    # The retries carried the first failure's time: it is the dead-letter's first_failure_at.
+    assert last_attempt.headers["x-first-failure-at"] == dead["first_failure_at"].decode()
+    # Python's dead-letter tools list the queue (SADD <prefix>:dead-queues).
+    assert peer.queue in DeadLetters(client, Settings(key_prefix=peer.prefix)).queues()
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def test_task_cancelled_by_python_after_promotion_is_skipped_by_go(
+    peer: Peer, client: redis.Redis
+) -> None:
+    keys = KeySpace(peer.prefix).queue(peer.queue)
+    pub = publisher(client, peer.prefix)
+    cancelled = Envelope.new(task_type="order.close_timeout",
+                             payload={"order_id": "x-cancelled", "store_id": 1})
+    kept = Envelope.new(task_type="order.close_timeout",
+                        payload={"order_id": "x-kept", "store_id": 1})
+    pub.publish(peer.queue, cancelled)
+    pub.publish(peer.queue, kept)
+    outcome = DelayedTasks(client, Settings(key_prefix=peer.prefix)).cancel(cancelled.task_id,
+                                                                            peer.queue)
+    assert outcome == CancelOutcome.MARKED  # already in its stream: a mark in the ZSET
+    assert client.zscore(keys.cancelled, cancelled.task_id) is not None
+
+    worker = peer.worker()
+    wait_for(lambda: effect(client, peer.prefix, "x-kept") == 1, timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: queue_is_drained(client, peer.prefix, peer.queue), timeout=10,
+             message=worker.log_tail)
+    assert effect(client, peer.prefix, "x-cancelled") == 0
+    assert client.zscore(keys.cancelled, cancelled.task_id) is None  # the mark is removed
+    assert [line["task_id"] for line in worker.log_lines()
+            if line.get("outcome") == "cancelled"] == [cancelled.task_id]
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def test_go_publishing_now_replaces_a_task_python_scheduled(
+    peer: Peer, client: redis.Redis
+) -> None:
+    keys = KeySpace(peer.prefix).queue(peer.queue)
+    later = Envelope.new(task_type="order.close_timeout",
+                         payload={"order_id": "y-1", "store_id": 1},
+                         schedule_time=datetime.now(timezone.utc) + timedelta(hours=1))
+    assert publisher(client, peer.prefix).publish(peer.queue, later) is None
+    assert client.zscore(keys.delayed, later.task_id) is not None
+
+    [task_id] = peer.produce("--task-type", "order.close_timeout",
+                             "--payload", '{"order_id": "y-1", "store_id": 1}',
+                             "--task-id", later.task_id)
+    assert task_id == later.task_id
+    assert client.zcard(keys.delayed) == 0 and client.hlen(keys.delayed_data) == 0
+    worker = peer.worker()
+    wait_for(lambda: effect(client, peer.prefix, "y-1") == 1, timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: queue_is_drained(client, peer.prefix, peer.queue), timeout=10,
+             message=worker.log_tail)
+    assert effect(client, peer.prefix, "y-1") == 1
+    assert worker.stop() == 0, worker.log_tail()
+
+
+def test_go_dead_letters_an_entry_whose_consumers_keep_dying(
+    peer: Peer, client: redis.Redis
+) -> None:
+    keys = KeySpace(peer.prefix).queue(peer.queue)
+    env = Envelope.new(task_type="order.close_timeout",
+                       payload={"order_id": "z-1", "store_id": 1})
+    stream = keys.task_streams[1]
+    for name in keys.task_streams:
+        client.xgroup_create(name, GROUP, id="0", mkstream=True)
+    written: dict[Any, Any] = {**encode_entry(env), "n": b"2"}  # its consumer died twice already
+    client.xadd(stream, written)
+    client.xreadgroup(GROUP, "ghost-z", {stream: ">"}, count=1)  # and dies again
+
+    worker = peer.worker("--lease-ms", "600", "--max-redeliveries", "3")
+    wait_for(lambda: dead_entries(client, peer.prefix, peer.queue), timeout=10,
+             message=worker.log_tail)
+    [dead] = dead_entries(client, peer.prefix, peer.queue)
+    assert dead["failure_class"] == b"redelivery_limit"
+    assert dead["redeliveries"] == b"3" and "attempts" not in dead
+    assert dead["queue"] == peer.queue.encode()
+    assert dead["language"] == b"go"
+    assert dead["consumer"] == b"ghost-z"  # who died holding it
+    assert dead["pid"] == str(worker.proc.pid).encode()
+    assert dead["source_stream"] == stream.encode()
+    assert decode_entry(raw_fields(dead)).task_id == env.task_id
+    tools = DeadLetters(client, Settings(key_prefix=peer.prefix))
+    assert peer.queue in tools.queues()
+    assert effect(client, peer.prefix, "z-1") == 0
     assert worker.stop() == 0, worker.log_tail()
 
 

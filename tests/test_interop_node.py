@@ -31,7 +31,8 @@ from support import wait_for
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_body, decode_entry, encode_entry
 from kombu_envelope.deadletter import DeadLetters
-from kombu_envelope.envelope import parse_rfc3339
+from kombu_envelope.delayed import CancelOutcome, DelayedTasks
+from kombu_envelope.envelope import parse_rfc3339, utcnow
 from kombu_envelope.keys import Bucket, KeySpace, bucket_for
 from kombu_envelope.scheduler import Promoter
 
@@ -304,6 +305,9 @@ def test_node_worker_dead_letters_exhausted_task(
     assert env.retry_count == 2
     assert env.max_retries == 2
 
+    # The retries carried the first failure's time: it is the dead-letter's first_failure_at.
+    assert env.headers["x-first-failure-at"] == text(fields["first_failure_at"])
+
     # Python's dead-letter tools see it.
     tools = DeadLetters(client, Settings(key_prefix=key_prefix))
     assert queue in tools.queues()
@@ -450,3 +454,79 @@ def test_sigterm_returns_prefetched_entries(
     assert client.xlen(keys.stream(Bucket.NORMAL)) == 1
     assert client.xlen(keys.stream(Bucket.LOW)) == 1
     assert client.exists(KeySpace(key_prefix).consumer(worker.consumer)) == 0
+
+
+def test_task_cancelled_by_python_after_promotion_is_skipped_by_node(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """Python marks a task already in its stream cancelled (ZSET); the Node worker skips it."""
+    keys = KeySpace(key_prefix).queue(queue)
+    publisher = Publisher(client, Settings(key_prefix=key_prefix))
+    cancelled = Envelope.new(task_type="order.close_timeout", payload={"order_id": "x-cancelled"})
+    kept = Envelope.new(task_type="order.close_timeout", payload={"order_id": "x-kept"})
+    publisher.publish(queue, cancelled)
+    publisher.publish(queue, kept)
+    outcome = DelayedTasks(client, Settings(key_prefix=key_prefix)).cancel(cancelled.task_id, queue)
+    assert outcome == CancelOutcome.MARKED
+    assert client.zscore(keys.cancelled, cancelled.task_id) is not None
+
+    worker = node.worker(queue)
+    wait_for(lambda: client.get(f"{key_prefix}:effects:order.close_timeout:x-kept"), timeout=10,
+             message=worker.log_tail)
+    wait_for(lambda: pending(client, key_prefix, queue) == 0
+             and stream_lengths(client, key_prefix, queue) == 0, timeout=5)
+    assert client.get(f"{key_prefix}:effects:order.close_timeout:x-cancelled") is None
+    assert client.zscore(keys.cancelled, cancelled.task_id) is None  # the mark is removed
+    skipped = [line["task_id"] for line in worker.lines()
+               if line["msg"].startswith("task was cancelled")]
+    assert skipped == [cancelled.task_id]
+    assert worker.stop() == 0
+
+
+def test_node_publishing_now_replaces_a_task_python_scheduled(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """enqueue.lua: a task Python scheduled and Node then publishes to run now is delivered once."""
+    keys = KeySpace(key_prefix).queue(queue)
+    later = Envelope.new(task_type="order.close_timeout", payload={"order_id": "y-1"},
+                         schedule_time=utcnow() + timedelta(hours=1))
+    assert Publisher(client, Settings(key_prefix=key_prefix)).publish(queue, later) is None
+    assert client.zscore(keys.delayed, later.task_id) is not None
+    task_id = node.run("produce", "--queue", queue, "--task-type", "order.close_timeout",
+                       "--payload", '{"order_id": "y-1"}', "--task-id", later.task_id).strip()
+    assert task_id == later.task_id
+    assert client.zcard(keys.delayed) == 0 and client.hlen(keys.delayed_data) == 0
+    assert stream_lengths(client, key_prefix, queue) == 1
+
+
+def test_node_dead_letters_an_entry_whose_consumers_keep_dying(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """requeue.lua past max_redeliveries: a redelivery_limit entry that says who, seen by Python."""
+    keys = KeySpace(key_prefix).queue(queue)
+    env = Envelope.new(task_type="order.close_timeout", payload={"order_id": "z-1"})
+    stream = keys.stream(Bucket.NORMAL)
+    for name in keys.task_streams:
+        client.xgroup_create(name, GROUP, id="0", mkstream=True)
+    written: dict[Any, Any] = {**encode_entry(env), "n": b"2"}  # its consumer died twice already
+    client.xadd(stream, written)
+    client.xreadgroup(GROUP, "ghost-z", {stream: ">"}, count=1)  # and dies again
+
+    worker = node.worker(queue, "--lease-ms", "600", "--max-redeliveries", "3")
+    dead = wait_for(lambda: dead_entries(client, key_prefix, queue), timeout=10,
+                    message=worker.log_tail)
+    [(dead_id, fields)] = dead
+    assert text(fields["failure_class"]) == "redelivery_limit"
+    assert text(fields["redeliveries"]) == "3" and "attempts" not in fields
+    assert text(fields["queue"]) == queue
+    assert text(fields["language"]) == "node"
+    assert text(fields["consumer"]) == "ghost-z"  # who died holding it
+    assert text(fields["pid"]) == str(worker.proc.pid)
+    assert text(fields["source_stream"]) == stream
+    tools = DeadLetters(client, Settings(key_prefix=key_prefix))
+    assert queue in tools.queues()
+    entry = tools.get(queue, dead_id)
+    assert entry is not None and entry.envelope is not None
+    assert entry.envelope.task_id == env.task_id
+    assert client.get(f"{key_prefix}:effects:order.close_timeout:z-1") is None
+    assert worker.stop() == 0

@@ -215,7 +215,8 @@ func produceMalformed(args []string) error {
 		fields = []string{"v", "1", "enc", "json+gzip", "body", valid}
 	case "invalid":
 		fields = []string{"v", "1", "enc", "json", "body",
-			`{"task_type":"order.close_timeout","created_at":"2025-09-11T12:45:00","priority":300}`}
+			`{"task_id":"malformed-invalid","trace_id":"trace-malformed","task_type":"order.close_timeout",` +
+				`"created_at":"2025-09-11T12:45:00","priority":300}`}
 	default:
 		return fmt.Errorf("unknown --kind %q", *kind)
 	}
@@ -242,8 +243,8 @@ func worker(args []string) error {
 	group := fs.String("group", envelope.DefaultGroup, "consumer group")
 	consumer := fs.String("consumer", "", "consumer name (default <host>-<pid>-<random>; only with --concurrency 1)")
 	leaseMS := fs.Int64("lease-ms", 30000, "liveness lease")
-	blockMS := fs.Int64("block-ms", 1000, "longest blocking read")
-	prefetch := fs.Int("prefetch", 1, "entries read at once per stream")
+	blockMS := fs.Int64("block-ms", 1000, "longest wait for new entries")
+	prefetch := fs.Int("prefetch", 1, "entries taken per read (read.lua: at most exactly this many)")
 	backoffMS := fs.Int64("backoff-ms", 30000, "first backoff delay")
 	maxBackoffMS := fs.Int64("max-backoff-ms", 3600000, "longest backoff delay")
 	fastRetries := fs.Int("fast-retries", 2, "transient failures retried at once")

@@ -123,7 +123,7 @@ const MALFORMED = {
   // A gzip header followed by bytes that are neither deflate data nor UTF-8.
   badgzip: () => ({ v: '1', enc: 'json+gzip', body: Buffer.from([0x1f, 0x8b, 0x08, 0x00, 0, 0, 0, 0, 0x00, 0x03, 0xff, 0xfe, 0x00, 0x80, 0xc3, 0x28, 0x0a]) }),
   // Valid JSON, invalid Envelope: an epoch in milliseconds as schedule_time.
-  invalid: () => ({ v: '1', enc: 'json', body: Buffer.from('{"task_id":"malformed-invalid","task_type":"order.close_timeout","payload":{"order_id":"x"},"schedule_time":1757565900000}', 'utf8') }),
+  invalid: () => ({ v: '1', enc: 'json', body: Buffer.from('{"task_id":"malformed-invalid","trace_id":"trace-malformed","created_at":"2025-09-11T12:45:00+08:00","task_type":"order.close_timeout","payload":{"order_id":"x"},"schedule_time":1757565900000}', 'utf8') }),
 };
 
 async function produceMalformed(args) {

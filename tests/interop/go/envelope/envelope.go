@@ -103,8 +103,10 @@ func (e *ValidationError) Error() string {
 }
 
 // New returns a valid-looking Envelope with every default set: a fresh task_id
-// and trace_id, created_at now, payload {} unless given. Call Validate (or
-// publish, which validates) after changing fields.
+// and trace_id, created_at now, payload {} unless given. This is the producer
+// filling in the identity fields, which are required on the wire; readers
+// (Parse, DecodeEntry) never invent them. Call Validate (or publish, which
+// validates) after changing fields.
 func New(taskType string, payload []byte) *Envelope {
 	if len(payload) == 0 {
 		payload = []byte("{}")
@@ -293,9 +295,15 @@ func FromValue(root *Value, limits Limits) (*Envelope, error) {
 		c.add("envelope", "type", "an Envelope is a JSON object, not %s", root.Kind)
 		return nil, &ValidationError{c.violations}
 	}
-	e := New("", nil)
+	// Defaults of the optional fields; task_id, trace_id and created_at are
+	// required on the wire: a reader never invents an identity.
+	maxRetries := int64(MaxRetriesDefault)
+	e := &Envelope{PayloadVersion: 1, Payload: []byte("{}"), MaxRetries: &maxRetries,
+		Priority: PriorityDefault, Headers: map[string]string{}}
 
-	if v := root.Get("task_id"); v != nil {
+	if v := root.Get("task_id"); v == nil {
+		c.add("task_id", "required", "field required (producers fill it in; readers never invent it)")
+	} else {
 		e.TaskID = c.token(v, "task_id", maxTaskIDChars)
 	}
 	if v := root.Get("task_type"); v == nil {
@@ -357,10 +365,14 @@ func FromValue(root *Value, limits Limits) (*Envelope, error) {
 			e.Priority = int(n)
 		}
 	}
-	if v := root.Get("trace_id"); v != nil {
+	if v := root.Get("trace_id"); v == nil {
+		c.add("trace_id", "required", "field required (producers fill it in; readers never invent it)")
+	} else {
 		e.TraceID = c.token(v, "trace_id", maxTraceIDChars)
 	}
-	if v := root.Get("created_at"); v != nil {
+	if v := root.Get("created_at"); v == nil {
+		c.add("created_at", "required", "field required (producers fill it in; readers never invent it)")
+	} else {
 		if t, ok := c.timestamp(v, "created_at"); ok {
 			e.CreatedAt = t
 		}

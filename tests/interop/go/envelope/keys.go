@@ -62,6 +62,9 @@ func (k KeySpace) Queue(queue string) QueueKeys { return QueueKeys{k.Prefix, que
 // Queues is the set of queues that have delayed tasks.
 func (k KeySpace) Queues() string { return k.Prefix + ":queues" }
 
+// DeadQueues is the set of queues that have dead-letter entries (the tools list it).
+func (k KeySpace) DeadQueues() string { return k.Prefix + ":dead-queues" }
+
 // Consumer is the liveness key of a consumer.
 func (k KeySpace) Consumer(name string) string { return k.Prefix + ":consumer:" + name }
 
@@ -96,7 +99,8 @@ func (q QueueKeys) DelayedData() string { return q.Base() + ":delayed:data" }
 // Dead is the dead-letter stream.
 func (q QueueKeys) Dead() string { return q.Base() + ":dead" }
 
-// Cancelled is the hash of task ids cancelled after they reached a stream.
+// Cancelled is the sorted set of task ids cancelled after they left the
+// delayed set, scored by cancel time (ms).
 func (q QueueKeys) Cancelled() string { return q.Base() + ":cancelled" }
 
 // BucketOfStream returns the bucket of one of this queue's task streams.

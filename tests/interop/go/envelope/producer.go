@@ -3,7 +3,6 @@ package envelope
 import (
 	"context"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -31,9 +30,6 @@ type Producer struct {
 	Scripts Scripts
 	Limits  Limits
 	GzipMin int // bodies of at least this many bytes are compressed; <= 0 never
-
-	mu         sync.Mutex
-	registered map[string]bool
 }
 
 // NewProducer returns a Producer with the default limits and gzip threshold.
@@ -42,9 +38,13 @@ func NewProducer(client redis.UniversalClient, prefix string, scripts Scripts) *
 		Limits: DefaultLimits, GzipMin: GzipMinBytes}
 }
 
-// Publish validates e (including max_delay) and stores it: XADD to its
-// priority stream when due, schedule.lua into the delayed set otherwise.
+// Publish validates e (including max_delay) and stores it: enqueue.lua into
+// its priority stream when due (removing a delayed copy of the same task_id),
+// SADD <prefix>:queues and schedule.lua into the delayed set otherwise.
 // It returns the stream entry id, or "" when the task was delayed.
+//
+// e must carry its identity (task_id, trace_id, created_at): build it with
+// New, which fills them in.
 func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (string, error) {
 	if err := CheckQueueName(queue); err != nil {
 		return "", err
@@ -63,37 +63,25 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	keys := p.Keys.Queue(queue)
 	bucket := BucketFor(e.Priority)
 	if e.IsDue(now) {
-		return p.Client.XAdd(ctx, &redis.XAddArgs{
-			Stream: keys.Stream(bucket),
-			Values: []string{FieldVersion, WireVersion, FieldEncoding, enc, FieldBody, string(body)},
-		}).Result()
+		return p.Scripts.Get("enqueue").Run(ctx, p.Client,
+			[]string{keys.Stream(bucket), keys.Delayed(), keys.DelayedData()},
+			e.TaskID, enc, string(body)).Text()
 	}
-	if err := p.RegisterDelayedQueue(ctx, queue); err != nil {
-		return "", err
-	}
-	err = p.Scripts.Get("schedule").Run(ctx, p.Client,
-		[]string{keys.Delayed(), keys.DelayedData()},
-		e.TaskID, strconv.FormatInt(e.DueMS(now), 10), string(bucket), enc, string(body),
-		p.Keys.Wakeup()).Err()
+	_, err = p.Client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+		StoreDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body)
+		return nil
+	})
 	return "", err
 }
 
-// RegisterDelayedQueue adds queue to <prefix>:queues, once per Producer.
-func (p *Producer) RegisterDelayedQueue(ctx context.Context, queue string) error {
-	p.mu.Lock()
-	done := p.registered[queue]
-	p.mu.Unlock()
-	if done {
-		return nil
-	}
-	if err := p.Client.SAdd(ctx, p.Keys.Queues(), queue).Err(); err != nil {
-		return err
-	}
-	p.mu.Lock()
-	if p.registered == nil {
-		p.registered = map[string]bool{}
-	}
-	p.registered[queue] = true
-	p.mu.Unlock()
-	return nil
+// StoreDelayed queues, on pipe, what every delayed store sends in one round
+// trip: SADD <prefix>:queues <queue> (so a registry lost with a Redis restart
+// is rebuilt) and schedule.lua. The script is sent with EVAL, which never
+// answers NOSCRIPT, so the pipeline may be a MULTI transaction.
+func StoreDelayed(ctx context.Context, pipe redis.Pipeliner, scripts Scripts, ks KeySpace, queue,
+	taskID string, dueMS int64, bucket Bucket, enc string, body []byte) {
+	q := ks.Queue(queue)
+	pipe.SAdd(ctx, ks.Queues(), queue)
+	scripts.Get("schedule").Eval(ctx, pipe, []string{q.Delayed(), q.DelayedData()},
+		taskID, strconv.FormatInt(dueMS, 10), string(bucket), enc, string(body), ks.Wakeup())
 }

@@ -172,7 +172,7 @@ func (e *env) hold(w *Worker, consumer string) string {
 func TestWorkerTakesOverDeadConsumersOnly(t *testing.T) {
 	e := newEnv(t)
 	var ran sync.Map
-	w := e.worker(nil)
+	w := e.worker(func(c *Config) { c.ForgetAfter = c.Lease })
 	w.Handle("jobs.run", func(ctx context.Context, task *Task) error {
 		ran.Store(task.TaskID, task.Redelivered)
 		return nil
@@ -189,7 +189,7 @@ func TestWorkerTakesOverDeadConsumersOnly(t *testing.T) {
 	if n, _ := ran.Load(dead.TaskID); n != 1 {
 		t.Fatalf("redelivery count %v, want 1", n)
 	}
-	e.waitFor("the dead consumer to be removed", func() bool {
+	e.waitFor("the dead consumer to be forgotten once idle for ForgetAfter", func() bool {
 		consumers, _ := e.client.XInfoConsumers(context.Background(), e.q.Stream(Normal), DefaultGroup).Result()
 		for _, c := range consumers {
 			if c.Name == "ghost-dead" {
@@ -220,9 +220,128 @@ func TestEntryOfAConsumerThatDiedTooOftenIsDeadLettered(t *testing.T) {
 	e.start(w)
 	e.waitFor("a dead-letter entry", func() bool { return len(e.dead()) == 1 })
 	d := e.dead()[0]
-	if d["failure_class"] != ClassRedeliveryLimit || d["attempts"] != "3" || d["raw.body"] != string(task.JSON()) {
+	if d["failure_class"] != ClassRedeliveryLimit || d["redeliveries"] != "3" || d["raw.body"] != string(task.JSON()) {
 		t.Fatalf("dead-letter entry %v", d)
 	}
+	// requeue.lua wrote who and where (the consumer is the one that died holding it).
+	if _, ok := d["attempts"]; ok {
+		t.Fatalf("redelivery_limit entries count redeliveries, not attempts: %v", d)
+	}
+	if d["queue"] != e.queue || d["language"] != Language || d["consumer"] != "ghost" ||
+		d["pid"] != w.pid || d["host"] != w.host || d["source_stream"] != e.q.Stream(Normal) {
+		t.Fatalf("dead-letter entry %v", d)
+	}
+	for _, name := range []string{"first_failure_at", "last_failure_at", "dead_at"} {
+		if _, err := ParseTimestamp(fmt.Sprint(d[name])); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+	e.waitFor("the queue to be listed in dead-queues", func() bool {
+		ok, _ := e.client.SIsMember(context.Background(), e.keys.DeadQueues(), e.queue).Result()
+		return ok
+	})
+}
+
+func TestDeadConsumersAreForgottenOnlyAfterForgetAfter(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	w := e.worker(nil) // ForgetAfter: one hour
+	if err := w.ensureGroups(ctx); err != nil {
+		t.Fatal(err)
+	}
+	stream := e.q.Stream(Normal)
+	for _, name := range []string{"ghost-idle", "alive-idle"} {
+		if err := e.client.XGroupCreateConsumer(ctx, stream, DefaultGroup, name).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.client.Set(ctx, e.keys.Consumer("alive-idle"), "h 1 go", time.Minute)
+	time.Sleep(w.cfg.Lease + 100*time.Millisecond)
+	consumers := func() []string {
+		list, _ := e.client.XInfoConsumers(ctx, stream, DefaultGroup).Result()
+		var names []string
+		for _, c := range list {
+			names = append(names, c.Name)
+		}
+		return names
+	}
+	if _, err := w.TakeOverDeadConsumers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := consumers(); len(got) != 2 {
+		t.Fatalf("forgotten before an hour idle: %v", got)
+	}
+	short := e.worker(func(c *Config) { c.ForgetAfter = time.Millisecond }) // max(ForgetAfter, lease) applies
+	if _, err := short.TakeOverDeadConsumers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := consumers(); len(got) != 1 || got[0] != "alive-idle" {
+		t.Fatalf("consumers left %v, want only the live one", got)
+	}
+}
+
+func TestPublishReplacesADelayedCopyAndRegistersEveryDelayedStore(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	p := NewProducer(e.client, e.prefix, e.scripts)
+	task := New("jobs.run", nil)
+	later := NewTimestamp(time.Now().Add(time.Hour).UTC())
+	task.ScheduleTime = &later
+	for i := 0; i < 2; i++ { // the registry is rebuilt by the next delayed store
+		e.client.Del(ctx, e.keys.Queues())
+		if _, err := p.Publish(ctx, e.queue, task); err != nil {
+			t.Fatal(err)
+		}
+		if ok, _ := e.client.SIsMember(ctx, e.keys.Queues(), e.queue).Result(); !ok {
+			t.Fatal("delayed store without SADD <prefix>:queues")
+		}
+	}
+	now := task.Clone()
+	now.ScheduleTime = nil
+	id, err := p.Publish(ctx, e.queue, now)
+	if err != nil || id == "" {
+		t.Fatalf("publish now: %q %v", id, err)
+	}
+	if n, _ := e.client.ZCard(ctx, e.q.Delayed()).Result(); n != 0 {
+		t.Fatal("the delayed copy was left behind: the task would run twice")
+	}
+	if n, _ := e.client.HLen(ctx, e.q.DelayedData()).Result(); n != 0 {
+		t.Fatal("the delayed copy's data was left behind")
+	}
+	if n, _ := e.client.XLen(ctx, e.q.Stream(Normal)).Result(); n != 1 {
+		t.Fatalf("%d entries in the stream, want 1", n)
+	}
+}
+
+func TestReadTakesExactlyPrefetchEntries(t *testing.T) {
+	e := newEnv(t)
+	release := make(chan struct{})
+	var runs atomic.Int32
+	w := e.worker(nil) // Prefetch 1
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error {
+		if runs.Add(1) == 1 {
+			<-release
+		}
+		return nil
+	})
+	for _, p := range []int{255, 100, 0} {
+		task := New("jobs.run", nil)
+		task.Priority = p
+		e.publish(task)
+	}
+	e.start(w)
+	e.waitFor("the first run", func() bool { return runs.Load() == 1 })
+	time.Sleep(300 * time.Millisecond)
+	total := int64(0)
+	for _, s := range e.q.TaskStreams() {
+		p, _ := e.client.XPending(context.Background(), s, DefaultGroup).Result()
+		total += p.Count
+	}
+	close(release)
+	if total != 1 {
+		t.Fatalf("%d entries pending while one runs with Prefetch 1, want 1", total)
+	}
+	e.waitFor("the queue to drain", e.drained)
 }
 
 func TestBusyIdempotencyKeyIsDeferredThenTakenOverFromADeadHolder(t *testing.T) {
@@ -280,15 +399,77 @@ func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
 	e.waitFor("its slot to be released", func() bool { n, _ := e.client.ZCard(ctx, slots).Result(); return n == 0 })
 }
 
+func TestIdempotencyIsCheckedBeforeTheRetrySlot(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	ctx := context.Background()
+	slots := e.keys.Retrying("jobs.run")
+	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
+	k1, k2 := "done-key", "free-key"
+	e.client.Set(ctx, e.keys.Idempotency("jobs.run", k1), "done earlier 2025-09-11T04:40:00Z", time.Minute)
+	dup, waiting := New("jobs.run", nil), New("jobs.run", nil)
+	dup.RetryCount, dup.IdempotencyKey = 1, &k1
+	waiting.RetryCount, waiting.IdempotencyKey = 1, &k2
+	e.publish(dup)
+	e.publish(waiting)
+	e.start(w)
+	// The duplicate is acknowledged at once although every retry slot is taken.
+	e.waitFor("the duplicate to be acknowledged and the other retry deferred", func() bool {
+		n, _ := e.client.XLen(ctx, e.q.Stream(Normal)).Result()
+		delayed, _ := e.client.ZScore(ctx, e.q.Delayed(), waiting.TaskID).Result()
+		return n == 0 && delayed > 0
+	})
+	if _, err := e.client.ZScore(ctx, e.q.Delayed(), dup.TaskID).Result(); !errors.Is(err, redis.Nil) {
+		t.Fatal("a duplicate waited for a retry slot")
+	}
+	// The deferred retry did not keep its idempotency claim.
+	if n, _ := e.client.Exists(ctx, e.keys.Idempotency("jobs.run", k2)).Result(); n != 0 {
+		t.Fatal("the claim of a retry without a slot was kept")
+	}
+	if runs.Load() != 0 {
+		t.Fatal("ran")
+	}
+}
+
+func TestCancelledTasksAreSkippedBeforeTheirTypeIsChecked(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	w := e.worker(nil)
+	unknown := New("nobody.handles", nil)
+	e.client.ZAdd(ctx, e.q.Cancelled(), redis.Z{Score: float64(time.Now().UnixMilli()), Member: unknown.TaskID})
+	e.publish(unknown)
+	other := New("nobody.handles", nil)
+	other.RetryCount = 1
+	e.publish(other)
+	e.start(w)
+	e.waitFor("the other one to be dead-lettered", func() bool { return len(e.dead()) == 1 })
+	e.waitFor("the queue to drain", e.drained)
+	d := e.dead()[0]
+	if d["task_id"] != other.TaskID || d["failure_class"] != ClassUnknownTaskType || d["attempts"] != "2" {
+		t.Fatalf("dead-letter entry %v", d)
+	}
+	if n, _ := e.client.ZCard(ctx, e.q.Cancelled()).Result(); n != 0 {
+		t.Fatal("the cancel mark was kept")
+	}
+	if ok, _ := e.client.SIsMember(ctx, e.keys.DeadQueues(), e.queue).Result(); !ok {
+		t.Fatal("the queue is not listed in dead-queues")
+	}
+}
+
 func TestTransientErrorsTakeTheFastTierThenBackoff(t *testing.T) {
 	e := newEnv(t)
-	var seen []string
+	var seen, firsts []string
+	var scheduled []bool
 	var mu sync.Mutex
 	w := e.worker(nil)
 	w.Handle("jobs.flaky", func(ctx context.Context, task *Task) error {
 		mu.Lock()
 		defer mu.Unlock()
 		seen = append(seen, task.Headers[HeaderFastRetries])
+		firsts = append(firsts, task.Headers[HeaderFirstFailureAt])
+		scheduled = append(scheduled, task.ScheduleTime != nil)
 		if len(seen) < 4 {
 			return Transient(errors.New("connection reset"))
 		}
@@ -301,6 +482,17 @@ func TestTransientErrorsTakeTheFastTierThenBackoff(t *testing.T) {
 	e.waitFor("the queue to drain", e.drained)
 	if strings.Join(seen, ",") != ",1,2,2" {
 		t.Fatalf("x-fast-retries per attempt: %q", seen)
+	}
+	// Fast retries (delay 0) leave schedule_time out; the backoff retry has one.
+	if fmt.Sprint(scheduled) != "[false false false true]" {
+		t.Fatalf("schedule_time per attempt: %v", scheduled)
+	}
+	// x-first-failure-at is set on the first failure and kept.
+	if firsts[0] != "" || firsts[1] == "" || firsts[2] != firsts[1] || firsts[3] != firsts[1] {
+		t.Fatalf("x-first-failure-at per attempt: %q", firsts)
+	}
+	if _, err := ParseTimestamp(firsts[1]); err != nil {
+		t.Fatal(err)
 	}
 	if len(e.dead()) != 0 {
 		t.Fatal("dead-lettered")
@@ -317,30 +509,48 @@ func TestTimeoutsAndPermanentErrors(t *testing.T) {
 	w.Handle("jobs.bad", func(ctx context.Context, task *Task) error {
 		return InvalidPayload(errors.New("order_id is missing"))
 	})
-	zero, timeout := int64(0), int64(100)
+	w.Handle("jobs.refused", func(ctx context.Context, task *Task) error {
+		return Reject(errors.New("not for this tenant"))
+	})
+	zero, one, timeout := int64(0), int64(1), int64(100)
 	slow := New("jobs.slow", nil)
 	slow.MaxRetries, slow.TimeoutMS = &zero, &timeout
+	slower := New("jobs.slow", nil) // one retry: a timeout skips the fast tier
+	slower.MaxRetries, slower.TimeoutMS = &one, &timeout
 	bad := New("jobs.bad", nil)
+	refused := New("jobs.refused", nil)
 	old := New("jobs.bad", nil)
 	old.PayloadVersion = 2
-	e.publish(slow)
-	e.publish(bad)
-	e.publish(old)
+	for _, task := range []*Envelope{slow, slower, bad, refused, old} {
+		e.publish(task)
+	}
 	started := time.Now()
 	e.start(w)
-	e.waitFor("three dead-letter entries", func() bool { return len(e.dead()) == 3 })
-	if time.Since(started) > 3*time.Second {
+	e.waitFor("five dead-letter entries", func() bool { return len(e.dead()) == 5 })
+	if time.Since(started) > 4*time.Second {
 		t.Fatal("a timed-out attempt was waited for")
 	}
 	classes := map[string]string{}
 	for _, d := range e.dead() {
 		classes[fmt.Sprint(d["task_id"])] = fmt.Sprint(d["failure_class"]) + "/" + fmt.Sprint(d["attempts"])
+		if fmt.Sprint(d["task_id"]) == slower.TaskID {
+			last, err := DecodeEntry(map[string]string{"v": fmt.Sprint(d["raw.v"]), "enc": fmt.Sprint(d["raw.enc"]),
+				"body": fmt.Sprint(d["raw.body"])}, DefaultLimits)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, fast := last.Headers[HeaderFastRetries]; fast || last.RetryCount != 1 || last.ScheduleTime == nil {
+				t.Fatalf("the retry of a timeout took the fast tier: %s", last.JSON())
+			}
+		}
 	}
-	if classes[slow.TaskID] != "timeout/1" || classes[bad.TaskID] != "invalid_payload/1" {
-		t.Fatalf("classes %v", classes)
-	}
-	if !strings.HasPrefix(classes[old.TaskID], ClassUnsupportedPayloadVersion) {
-		t.Fatalf("classes %v", classes)
+	want := map[string]string{slow.TaskID: "timeout/1", slower.TaskID: "timeout/2",
+		bad.TaskID: "invalid_payload/1", refused.TaskID: "rejected/1",
+		old.TaskID: ClassUnsupportedPayloadVersion + "/1"}
+	for id, class := range want {
+		if classes[id] != class {
+			t.Fatalf("classes %v, want %v", classes, want)
+		}
 	}
 }
 
@@ -351,7 +561,12 @@ func TestCancelledAndNotYetDueEntries(t *testing.T) {
 	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
 	ctx := context.Background()
 	cancelled := New("jobs.run", nil)
-	e.client.HSet(ctx, e.q.Cancelled(), cancelled.TaskID, Now().String())
+	cancel := e.scripts.Get("cancel").Run(ctx, e.client,
+		[]string{e.q.Delayed(), e.q.DelayedData(), e.q.Cancelled()},
+		cancelled.TaskID, time.Now().UnixMilli(), (7 * 24 * time.Hour).Milliseconds())
+	if got, err := cancel.Text(); err != nil || got != "marked" {
+		t.Fatalf("cancel.lua: %q %v", got, err)
+	}
 	e.publish(cancelled)
 	later := New("jobs.run", nil)
 	at, _ := ParseTimestamp(NewTimestamp(time.Now().Add(time.Hour)).String())
@@ -367,8 +582,8 @@ func TestCancelledAndNotYetDueEntries(t *testing.T) {
 	})
 	e.waitFor("the cancelled entry to be acknowledged", func() bool {
 		n, _ := e.client.XLen(ctx, e.q.Stream(Normal)).Result()
-		marked, _ := e.client.HExists(ctx, e.q.Cancelled(), cancelled.TaskID).Result()
-		return n == 0 && !marked
+		_, err := e.client.ZScore(ctx, e.q.Cancelled(), cancelled.TaskID).Result()
+		return n == 0 && errors.Is(err, redis.Nil)
 	})
 	if due, _ := e.client.ZScore(ctx, e.q.Delayed(), later.TaskID).Result(); int64(due) != at.UnixMilli() {
 		t.Fatalf("due %v, want %d", due, at.UnixMilli())

@@ -102,22 +102,24 @@ type RetryPolicy struct {
 // DefaultRetryPolicy is the protocol's default.
 var DefaultRetryPolicy = RetryPolicy{FastRetries: 2, Backoff: 30 * time.Second, MaxBackoff: time.Hour}
 
-// BackoffDelay is min(backoff × 2^(next − fast − 1), max_backoff) × jitter for
-// attempt number next (the retry_count it will carry) after fast fast-tier retries.
+// BackoffDelay is min(backoff × 2^(next − fast − 1) × jitter, max_backoff) for
+// attempt number next (the retry_count it will carry) after fast fast-tier
+// retries: the jitter factor is applied before the cap, so a capped delay is
+// exactly max_backoff.
 func (p RetryPolicy) BackoffDelay(next int64, fast int) time.Duration {
 	exp := next - int64(fast) - 1
 	if exp < 0 {
 		exp = 0
 	}
-	delay := float64(p.MaxBackoff)
-	if exp < 62 {
-		delay = math.Min(float64(p.Backoff)*math.Exp2(float64(exp)), float64(p.MaxBackoff))
-	}
 	factor := 0.8 + 0.4*rand.Float64()
 	if p.Jitter != nil {
 		factor = p.Jitter()
 	}
-	return time.Duration(delay * factor)
+	delay := float64(p.MaxBackoff)
+	if exp < 62 {
+		delay = math.Min(float64(p.Backoff)*math.Exp2(float64(exp))*factor, float64(p.MaxBackoff))
+	}
+	return time.Duration(delay)
 }
 
 // Action is what happens to a failed attempt.
@@ -164,23 +166,33 @@ func (p RetryPolicy) Decide(e *Envelope, kind ErrorKind) Decision {
 		return Decision{Action: DeadLetter, Class: class, Next: next, FastRetries: fast,
 			ExhaustedMsg: fmt.Sprintf("gave up after %d attempts (max_retries %d)", next, *e.MaxRetries)}
 	}
-	if kind != KindTaskError && fast < p.FastRetries {
+	// Only transient errors take the fast tier: a timeout is retried with backoff.
+	if kind == KindTransient && fast < p.FastRetries {
 		return Decision{Action: RetryNow, Next: next, FastRetries: fast + 1}
 	}
 	return Decision{Action: RetryLater, Next: next, FastRetries: fast, Delay: p.BackoffDelay(next, fast)}
 }
 
 // NextAttempt is the Envelope of the next attempt: same task_id, retry_count
-// and x-fast-retries from d, schedule_time now + delay.
+// and x-fast-retries from d, schedule_time now + delay (left out when the
+// delay is 0: the attempt is due at once).
 func NextAttempt(e *Envelope, d Decision, now time.Time) *Envelope {
 	n := e.Clone()
 	n.RetryCount = d.Next
 	if d.FastRetries > 0 {
 		n.Headers[HeaderFastRetries] = strconv.Itoa(d.FastRetries)
 	}
-	at := NewTimestamp(now.Add(d.Delay).UTC())
-	n.ScheduleTime = &at
+	n.ScheduleTime = scheduleAfter(now, d.Delay)
 	return n
+}
+
+// scheduleAfter is now + delay as a schedule_time, or nil for a delay <= 0.
+func scheduleAfter(now time.Time, delay time.Duration) *Timestamp {
+	if delay <= 0 {
+		return nil
+	}
+	at := NewTimestamp(now.Add(delay).UTC())
+	return &at
 }
 
 // isTimeout reports whether an attempt ended because its deadline passed.

@@ -17,8 +17,8 @@ const DefaultScriptDir = "../../../kombu_envelope/lua"
 
 // ScriptNames are the Lua files every language loads as they are.
 var ScriptNames = []string{
-	"schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
-	"idem_begin", "idem_finish", "retry_slot",
+	"enqueue", "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
+	"idem_begin", "idem_finish", "retry_slot", "forget_consumer",
 }
 
 // Scripts are the protocol's Lua scripts, read from disk, never re-implemented.

@@ -78,18 +78,54 @@ func TestParseTimestampRefusesNaiveAndNonRFC3339(t *testing.T) {
 	}
 }
 
+// identity is the part of a test body every Envelope must carry on the wire.
+const identity = `"task_id":"t-1","trace_id":"tr-1"`
+
 func TestTimeFieldsRefuseNumbers(t *testing.T) {
 	for _, body := range []string{
-		`{"task_type":"a","schedule_time":1757565900}`,
-		`{"task_type":"a","schedule_time":1757565900000}`,
-		`{"task_type":"a","schedule_time":1757565900.25}`,
-		`{"task_type":"a","created_at":true}`,
+		`{` + identity + `,"created_at":"2025-09-11T04:40:00Z","task_type":"a","schedule_time":1757565900}`,
+		`{` + identity + `,"created_at":"2025-09-11T04:40:00Z","task_type":"a","schedule_time":1757565900000}`,
+		`{` + identity + `,"created_at":"2025-09-11T04:40:00Z","task_type":"a","schedule_time":1757565900.25}`,
+		`{` + identity + `,"task_type":"a","created_at":true}`,
 	} {
 		_, err := Parse([]byte(body), DefaultLimits)
 		v := violationsOf(err)
 		if len(v) != 1 || v[0].Rule != "type" {
 			t.Errorf("%s: got %v, want rule type", body, err)
 		}
+	}
+}
+
+func TestReadersNeverInventTheIdentity(t *testing.T) {
+	full := map[string]string{
+		"task_id": `"t-1"`, "trace_id": `"tr-1"`, "created_at": `"2025-09-11T04:40:00Z"`,
+	}
+	for missing := range full {
+		body := `{"task_type":"a"`
+		for name, value := range full {
+			if name != missing {
+				body += `,"` + name + `":` + value
+			}
+		}
+		body += "}"
+		_, err := Parse([]byte(body), DefaultLimits)
+		v := violationsOf(err)
+		if len(v) != 1 || v[0].Field != missing || v[0].Rule != "required" {
+			t.Errorf("%s: got %v, want %s [required]", body, err, missing)
+		}
+		_, err = DecodeEntry(map[string]string{"v": "1", "enc": "json", "body": body}, DefaultLimits)
+		var me *MalformedEntry
+		if !errors.As(err, &me) || me.Kind != ErrEnvelope {
+			t.Errorf("%s: entry decoded (%v), want malformed", body, err)
+		}
+	}
+	// The producer fills them in.
+	e := New("a", nil)
+	if e.TaskID == "" || e.TraceID == "" || e.CreatedAt.IsZero() {
+		t.Fatalf("New left the identity out: %s", e.JSON())
+	}
+	if _, err := Parse(e.JSON(), DefaultLimits); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -157,8 +193,21 @@ func TestBackoffDelay(t *testing.T) {
 			t.Errorf("BackoffDelay(%d, %d) = %v, want %v", c.next, c.fast, got, c.want)
 		}
 	}
+	// The jitter factor is applied before the cap: a capped delay is exactly
+	// max_backoff, and a delay just above the cap may be jittered below it.
+	p.Jitter = func() float64 { return 1.2 }
+	if got := p.BackoffDelay(20, 0); got != time.Hour {
+		t.Errorf("capped delay with jitter 1.2: %v, want exactly 1 h", got)
+	}
+	p.Jitter = func() float64 { return 0.8 }
+	if got := p.BackoffDelay(8, 0); got != 3072*time.Second { // 30 s × 2^7 × 0.8 = 51.2 min
+		t.Errorf("BackoffDelay(8, 0) with jitter 0.8: %v, want 51m12s", got)
+	}
 	p.Jitter = nil
 	for i := 0; i < 1000; i++ {
+		if d := p.BackoffDelay(30, 0); d > time.Hour {
+			t.Fatalf("jittered delay %v above the cap", d)
+		}
 		d := p.BackoffDelay(2, 0)
 		if d < 48*time.Second || d > 72*time.Second {
 			t.Fatalf("jittered delay %v outside [0.8, 1.2] × 60 s", d)
@@ -182,7 +231,14 @@ func TestRetryDecisions(t *testing.T) {
 	if e.Headers[HeaderFastRetries] != "1" || e.RetryCount != 1 {
 		t.Fatalf("next attempt: %s", e.JSON())
 	}
-	d = p.Decide(e, KindTimeout)
+	if e.ScheduleTime != nil {
+		t.Fatalf("a delay-0 retry carries schedule_time: %s", e.JSON())
+	}
+	// A timeout skips the fast tier.
+	if d := p.Decide(e, KindTimeout); d.Action != RetryLater || d.FastRetries != 1 || d.Delay != 200*time.Millisecond {
+		t.Fatalf("timeout: %+v", d)
+	}
+	d = p.Decide(e, KindTransient)
 	if d.Action != RetryNow || d.FastRetries != 2 {
 		t.Fatalf("second transient failure: %+v", d)
 	}

@@ -53,13 +53,14 @@ type Config struct {
 	Consumer string // unique per process and connection; default <host>-<pid>-<random>
 
 	Lease    time.Duration // liveness lease (30 s)
-	Block    time.Duration // longest blocking read (1 s)
-	Prefetch int           // entries per read and stream (1)
+	Block    time.Duration // longest wait for new entries (1 s)
+	Prefetch int           // entries taken per read, at most exactly (1)
 
 	Retry            RetryPolicy
 	RetryConcurrency int           // concurrent retries per task type (5)
 	SlotHold         time.Duration // retry slot expiry when timeout_ms is absent (15 min)
 	MaxRedeliveries  int           // taken-over entries dead-lettered after this many (10)
+	ForgetAfter      time.Duration // dead consumers holding nothing are forgotten once idle this long (1 h)
 
 	IdemClaim   time.Duration // safety-net expiry of an idempotency claim (1 h, or timeout + lease)
 	IdemDoneTTL time.Duration // how long the done marker is kept (24 h)
@@ -113,6 +114,9 @@ func (c *Config) defaults() {
 	if c.MaxRedeliveries < 0 {
 		c.MaxRedeliveries = 0
 	}
+	if c.ForgetAfter <= 0 {
+		c.ForgetAfter = time.Hour
+	}
 	if c.IdemClaim <= 0 {
 		c.IdemClaim = time.Hour
 	}
@@ -136,7 +140,8 @@ func (c *Config) defaults() {
 	}
 }
 
-// NewConsumerName returns "<host>-<pid>-<random>".
+// NewConsumerName returns "<host>-<pid>-<random>" (never with a space: the
+// idempotency holder "<consumer> <task_id>" relies on it).
 func NewConsumerName() string {
 	var b [4]byte
 	_, _ = rand.Read(b[:])
@@ -159,7 +164,6 @@ type Worker struct {
 	keys     KeySpace
 	queue    QueueKeys
 	handlers map[string]handler
-	producer *Producer
 	log      *slog.Logger
 	host     string
 	pid      string
@@ -170,15 +174,16 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 	if err := CheckQueueName(cfg.Queue); err != nil {
 		return nil, err
 	}
+	if strings.ContainsAny(cfg.Consumer, " \t\r\n") {
+		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
+	}
 	cfg.defaults()
 	keys := KeySpace{cfg.Prefix}
-	p := NewProducer(client, cfg.Prefix, scripts)
-	p.Limits, p.GzipMin = cfg.Limits, cfg.GzipMin
 	return &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, queue: keys.Queue(cfg.Queue),
-		handlers: map[string]handler{}, producer: p,
-		log:  cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
-		host: hostname(), pid: strconv.Itoa(os.Getpid()),
+		handlers: map[string]handler{},
+		log:      cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
+		host:     hostname(), pid: strconv.Itoa(os.Getpid()),
 	}, nil
 }
 
@@ -224,25 +229,27 @@ func (w *Worker) Run(ctx context.Context) error {
 			break
 		}
 		streams, err := w.read(bg)
+		if err == nil && len(streams) == 0 {
+			err = w.wait(ctx)
+		}
 		if err != nil {
-			if strings.HasPrefix(err.Error(), "NOGROUP") {
-				_ = w.ensureGroups(bg)
+			if strings.Contains(err.Error(), "NOGROUP") || strings.Contains(err.Error(), "no such key") {
+				if err := w.ensureGroups(bg); err != nil {
+					w.log.Warn("creating the consumer groups failed; retrying", "error", err.Error())
+					sleep(ctx, time.Second)
+				}
 				continue
+			}
+			if ctx.Err() != nil {
+				break
 			}
 			w.log.Warn("read failed; retrying", "error", err.Error())
 			sleep(ctx, time.Second)
 			continue
 		}
-		for _, s := range streams {
-			for _, m := range s.Messages {
-				if ctx.Err() != nil {
-					break // left pending: put back below
-				}
-				lastWork = time.Now()
-				w.process(s.Stream, m)
-			}
-		}
 		if len(streams) > 0 {
+			lastWork = time.Now()
+			w.processBatch(ctx, streams) // entries left when ctx ends stay pending: put back below
 			lastWork = time.Now()
 		}
 	}
@@ -275,25 +282,94 @@ func (w *Worker) ensureGroups(ctx context.Context) error {
 	return nil
 }
 
-// read is XREADGROUP over high, normal, low (most urgent first).
+// read takes at most exactly Prefetch new entries with read.lua, most urgent
+// stream first, without blocking.
 func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
-	streams := w.queue.TaskStreams()
-	args := append(slices.Clone(streams), ">", ">", ">")
-	res, err := w.client.XReadGroup(ctx, &redis.XReadGroupArgs{
-		Group: w.cfg.Group, Consumer: w.cfg.Consumer, Streams: args,
-		Count: int64(w.cfg.Prefetch), Block: w.cfg.Block,
-	}).Result()
+	res, err := w.scripts.Get("read").Run(ctx, w.client, w.queue.TaskStreams(),
+		w.cfg.Group, w.cfg.Consumer, w.cfg.Prefetch).Result()
 	if errors.Is(err, redis.Nil) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
 	}
-	// Deliver in urgency order whatever order the reply has.
-	slices.SortStableFunc(res, func(a, b redis.XStream) int {
-		return slices.Index(streams, a.Stream) - slices.Index(streams, b.Stream)
+	return parseStreams(res)
+}
+
+// wait blocks up to Block until one of the task streams has entries the group
+// has not delivered yet. It takes none (XREAD from the group's last-delivered
+// ids, not XREADGROUP), so the next read.lua takes exactly Prefetch entries
+// whatever the Redis version and however many streams have entries.
+func (w *Worker) wait(ctx context.Context) error {
+	streams := w.queue.TaskStreams()
+	cmds := make([]*redis.XInfoGroupsCmd, len(streams))
+	_, err := w.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		for i, s := range streams {
+			cmds[i] = p.XInfoGroups(ctx, s)
+		}
+		return nil
 	})
-	return res, nil
+	if err != nil {
+		return err
+	}
+	args := slices.Clone(streams)
+	for i, cmd := range cmds {
+		last := ""
+		for _, g := range cmd.Val() {
+			if g.Name == w.cfg.Group {
+				last = g.LastDeliveredID
+			}
+		}
+		if last == "" {
+			return fmt.Errorf("NOGROUP: group %s is missing on %s", w.cfg.Group, streams[i])
+		}
+		args = append(args, last)
+	}
+	err = w.client.XRead(ctx, &redis.XReadArgs{Streams: args, Count: 1, Block: w.cfg.Block}).Err()
+	if errors.Is(err, redis.Nil) || (err != nil && ctx.Err() != nil) {
+		return nil
+	}
+	return err
+}
+
+// parseStreams reads the XREADGROUP-shaped reply of read.lua.
+func parseStreams(reply any) ([]redis.XStream, error) {
+	bad := func() ([]redis.XStream, error) { return nil, fmt.Errorf("read.lua: unexpected reply %v", reply) }
+	list, ok := reply.([]any)
+	if !ok {
+		return bad()
+	}
+	var out []redis.XStream
+	for _, item := range list {
+		pair, ok := item.([]any)
+		if !ok || len(pair) != 2 {
+			return bad()
+		}
+		name, ok := pair[0].(string)
+		entries, ok2 := pair[1].([]any)
+		if !ok || !ok2 {
+			return bad()
+		}
+		s := redis.XStream{Stream: name}
+		for _, raw := range entries {
+			entry, ok := raw.([]any)
+			if !ok || len(entry) != 2 {
+				return bad()
+			}
+			id, _ := entry[0].(string)
+			values := map[string]any{}
+			if flat, ok := entry[1].([]any); ok {
+				for i := 0; i+1 < len(flat); i += 2 {
+					if k, ok := flat[i].(string); ok {
+						values[k] = flat[i+1]
+					}
+				}
+			}
+			s.Messages = append(s.Messages, redis.XMessage{ID: id, Values: values})
+		}
+		out = append(out, s)
+	}
+	return out, nil
 }
 
 // --- liveness and takeover -------------------------------------------------------
@@ -327,13 +403,15 @@ func (w *Worker) keepAlive(ctx context.Context) {
 }
 
 // TakeOverDeadConsumers puts back the entries held by consumers whose liveness
-// key is gone and that were idle for a lease; it returns how many it moved.
+// key is gone and that were idle for a lease, and forgets dead consumers that
+// hold nothing and were idle for ForgetAfter; it returns how many entries it
+// moved (requeued or dead-lettered).
 func (w *Worker) TakeOverDeadConsumers(ctx context.Context) (int, error) {
 	moved := 0
 	for _, stream := range w.queue.TaskStreams() {
 		summary, err := w.client.XPending(ctx, stream, w.cfg.Group).Result()
 		if err != nil {
-			if strings.HasPrefix(err.Error(), "NOGROUP") || errors.Is(err, redis.Nil) {
+			if strings.Contains(err.Error(), "NOGROUP") || errors.Is(err, redis.Nil) {
 				continue
 			}
 			return moved, err
@@ -355,8 +433,20 @@ func (w *Worker) TakeOverDeadConsumers(ctx context.Context) (int, error) {
 				return moved, err
 			}
 		}
+		if err := w.forgetDeadConsumers(ctx, stream); err != nil {
+			return moved, err
+		}
 	}
 	return moved, nil
+}
+
+// deadLetterWho are the failure fields requeue.lua adds to a redelivery_limit
+// dead-letter entry (docs/protocol.md sections 5 and 7); consumer is the one
+// that died holding the entry.
+func (w *Worker) deadLetterWho(owner string) []any {
+	now := Now().String()
+	return []any{"queue", w.cfg.Queue, "language", Language, "host", w.host, "pid", w.pid,
+		"consumer", owner, "first_failure_at", now, "last_failure_at", now}
 }
 
 func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error) {
@@ -370,10 +460,10 @@ func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error
 	}
 	moved := 0
 	for _, p := range pending {
+		args := append([]any{w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1,
+			w.cfg.MaxRedeliveries, Now().String()}, w.deadLetterWho(owner)...)
 		res, err := w.scripts.Get("requeue").Run(ctx, w.client,
-			[]string{stream, stream, w.queue.Dead()},
-			w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1, w.cfg.MaxRedeliveries,
-			Now().String()).Result()
+			[]string{stream, stream, w.queue.Dead()}, args...).Text()
 		if errors.Is(err, redis.Nil) {
 			continue
 		}
@@ -381,18 +471,57 @@ func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error
 			return moved, err
 		}
 		moved++
-		w.log.Warn("took over entry of dead consumer", "owner", owner, "stream", stream,
-			"entry_id", p.ID, "result", fmt.Sprint(res))
-	}
-	if len(pending) < batch {
-		left, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
-			Stream: stream, Group: w.cfg.Group, Start: "-", End: "+", Count: 1, Consumer: owner,
-		}).Result()
-		if err == nil && len(left) == 0 {
-			w.client.XGroupDelConsumer(ctx, stream, w.cfg.Group, owner)
+		if strings.HasPrefix(res, "dead:") {
+			if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
+				return moved, err
+			}
+			w.log.Error("entry of a dead consumer dead-lettered: redelivery limit reached",
+				"outcome", "dead", "failure_class", ClassRedeliveryLimit, "owner", owner,
+				"stream", stream, "entry_id", p.ID, "dead_id", strings.TrimPrefix(res, "dead:"))
+			continue
 		}
+		w.log.Warn("took over entry of dead consumer", "owner", owner, "stream", stream,
+			"entry_id", p.ID, "new_id", res)
 	}
 	return moved, nil
+}
+
+// forgetDeadConsumers removes from the group, with forget_consumer.lua (which
+// re-checks atomically that the consumer holds nothing and is idle long
+// enough), the consumers of stream without a liveness key that were idle for
+// ForgetAfter. Never a bare XGROUP DELCONSUMER: it would drop entries such a
+// consumer read in the meantime.
+func (w *Worker) forgetDeadConsumers(ctx context.Context, stream string) error {
+	idle := max(w.cfg.ForgetAfter, w.cfg.Lease)
+	consumers, err := w.client.XInfoConsumers(ctx, stream, w.cfg.Group).Result()
+	if err != nil {
+		if strings.Contains(err.Error(), "NOGROUP") || strings.Contains(err.Error(), "no such key") {
+			return nil
+		}
+		return err
+	}
+	for _, c := range consumers {
+		if c.Name == w.cfg.Consumer || c.Pending > 0 || c.Idle < idle {
+			continue
+		}
+		alive, err := w.client.Exists(ctx, w.keys.Consumer(c.Name)).Result()
+		if err != nil {
+			return err
+		}
+		if alive == 1 {
+			continue
+		}
+		forgotten, err := w.scripts.Get("forget_consumer").Run(ctx, w.client, []string{stream},
+			w.cfg.Group, c.Name, idle.Milliseconds()).Int()
+		if err != nil {
+			return err
+		}
+		if forgotten == 1 {
+			w.log.Info("forgot a dead consumer that held nothing", "stream", stream, "owner", c.Name,
+				"idle_ms", c.Idle.Milliseconds())
+		}
+	}
+	return nil
 }
 
 // requeueOwnPending puts back every entry this consumer read but did not settle.
@@ -447,58 +576,138 @@ type entry struct {
 	log        *slog.Logger
 }
 
-func (w *Worker) process(stream string, m redis.XMessage) {
+// safely runs one entry's step; a panic is logged and the entry stays pending
+// (it goes back to its stream when this consumer stops).
+func (w *Worker) safely(entryID string, step func()) {
 	defer func() {
-		if r := recover(); r != nil { // never crash on one entry; it stays pending
-			w.log.Error("internal error handling an entry", "entry_id", m.ID, "panic", fmt.Sprint(r),
+		if r := recover(); r != nil {
+			w.log.Error("internal error handling an entry", "entry_id", entryID, "panic", fmt.Sprint(r),
 				"stack", string(debug.Stack()))
 		}
 	}()
-	ctx := context.Background()
+	step()
+}
+
+// processBatch applies docs/protocol.md section 5.1 to the entries of one read:
+// decode and validate (malformed entries are dead-lettered), move entries not
+// due yet to the delayed set, look the task ids up in the cancel marks in one
+// ZMSCORE, then handle each remaining entry in turn. It stops when ctx ends;
+// entries not started stay pending.
+func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
+	bg := context.Background()
+	var due []*entry
+	for _, s := range streams {
+		for _, m := range s.Messages {
+			if ctx.Err() != nil {
+				return
+			}
+			w.safely(m.ID, func() {
+				if e := w.admit(bg, s.Stream, m); e != nil {
+					due = append(due, e)
+				}
+			})
+		}
+	}
+	cancelled := w.cancelledAmong(bg, due)
+	for _, e := range due {
+		if ctx.Err() != nil {
+			return
+		}
+		w.safely(e.id, func() {
+			if cancelled[e.env.TaskID] {
+				w.skipCancelled(bg, e)
+				return
+			}
+			w.handle(bg, e)
+		})
+	}
+}
+
+// admit decodes one entry (steps 1 and 2 of section 5.1). It returns the entry
+// when it is due, nil when it was dead-lettered or moved to the delayed set.
+func (w *Worker) admit(ctx context.Context, stream string, m redis.XMessage) *entry {
 	fields := textFields(m.Values)
 	env, err := DecodeEntry(fields, w.cfg.Limits)
 	if err != nil {
 		w.log.Error("malformed entry", "stream", stream, "entry_id", m.ID, "reason", err.Error())
 		w.deadLetter(ctx, &entry{stream: stream, id: m.ID, fields: fields, log: w.log},
 			failure{class: ClassMalformedEntry, reason: err.Error(), exceptionType: "MalformedEntry"})
-		return
+		return nil
 	}
 	e := &entry{stream: stream, id: m.ID, fields: fields, env: env,
 		log: w.log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType,
 			"entry_id", m.ID)}
-	now := time.Now()
-	if !env.IsDue(now) {
+	if now := time.Now(); !env.IsDue(now) {
 		w.reschedule(ctx, e, now)
-		return
+		return nil
 	}
-	if cancelled, err := w.client.HExists(ctx, w.queue.Cancelled(), env.TaskID).Result(); err != nil {
-		e.log.Warn("cancel check failed; going on", "error", err.Error())
-	} else if cancelled {
-		w.settle(e, "acknowledge cancelled", func() error {
-			_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
-				p.XAck(ctx, stream, w.cfg.Group, m.ID)
-				p.XDel(ctx, stream, m.ID)
-				p.HDel(ctx, w.queue.Cancelled(), env.TaskID)
-				return nil
-			})
-			return err
+	return e
+}
+
+// cancelledAmong looks the task ids of entries up in the queue's cancel marks
+// with one ZMSCORE (section 10). On an error nothing counts as cancelled.
+func (w *Worker) cancelledAmong(ctx context.Context, entries []*entry) map[string]bool {
+	if len(entries) == 0 {
+		return nil
+	}
+	args := []any{"ZMSCORE", w.queue.Cancelled()}
+	for _, e := range entries {
+		args = append(args, e.env.TaskID)
+	}
+	res, err := w.client.Do(ctx, args...).Slice()
+	if err != nil {
+		w.log.Warn("cancel check failed; going on", "error", err.Error())
+		return nil
+	}
+	marked := map[string]bool{}
+	for i, score := range res {
+		if score != nil && i < len(entries) {
+			marked[entries[i].env.TaskID] = true
+		}
+	}
+	return marked
+}
+
+// skipCancelled acknowledges a cancelled task without running it and removes its mark.
+func (w *Worker) skipCancelled(ctx context.Context, e *entry) {
+	w.settle(e, "acknowledge cancelled", func() error {
+		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			p.XAck(ctx, e.stream, w.cfg.Group, e.id)
+			p.XDel(ctx, e.stream, e.id)
+			p.ZRem(ctx, w.queue.Cancelled(), e.env.TaskID)
+			return nil
 		})
-		e.log.Info("cancelled task acknowledged without running it", "outcome", "cancelled")
-		return
-	}
+		return err
+	})
+	e.log.Info("cancelled task acknowledged without running it", "outcome", "cancelled")
+}
+
+// handle applies steps 4 to 6 of section 5.1 to a due entry that is not
+// cancelled: handler and payload_version, idempotency claim, retry slot, run.
+func (w *Worker) handle(ctx context.Context, e *entry) {
+	env := e.env
 	h, ok := w.handlers[env.TaskType]
 	if !ok {
-		w.deadLetter(ctx, e, failure{class: ClassUnknownTaskType,
-			reason: fmt.Sprintf("no handler for task_type %q in this worker", env.TaskType)})
+		w.deadLetter(ctx, e, w.notRun(e, ClassUnknownTaskType,
+			fmt.Sprintf("no handler for task_type %q in this worker", env.TaskType)))
 		return
 	}
 	if !slices.Contains(h.versions, env.PayloadVersion) {
-		w.deadLetter(ctx, e, failure{class: ClassUnsupportedPayloadVersion,
-			reason: fmt.Sprintf("payload_version %d is not accepted (accepted: %v)", env.PayloadVersion, h.versions)})
+		w.deadLetter(ctx, e, w.notRun(e, ClassUnsupportedPayloadVersion,
+			fmt.Sprintf("payload_version %d is not accepted (accepted: %v)", env.PayloadVersion, h.versions)))
 		return
 	}
-	task := &Task{Envelope: env, Queue: w.cfg.Queue, Stream: stream, EntryID: m.ID, Log: e.log}
-	task.Redelivered, _ = strconv.Atoi(fields[FieldRedeliver])
+	task := &Task{Envelope: env, Queue: w.cfg.Queue, Stream: e.stream, EntryID: e.id, Log: e.log}
+	task.Redelivered, _ = strconv.Atoi(e.fields[FieldRedeliver])
+
+	holder := ""
+	if env.IdempotencyKey != nil {
+		var proceed bool
+		holder, proceed = w.claim(ctx, e, task)
+		if !proceed {
+			return
+		}
+	}
 
 	if env.RetryCount > 0 {
 		slot := w.keys.Retrying(env.TaskType)
@@ -511,6 +720,10 @@ func (w *Worker) process(stream string, m redis.XMessage) {
 		if err != nil {
 			e.log.Warn("retry slot check failed; running anyway", "error", err.Error())
 		} else if got == 0 {
+			if holder != "" {
+				w.finishIdem(ctx, e, holder, "release")
+			}
+			// The backoff tier with next = retry_count: the count does not change.
 			delay := w.cfg.Retry.BackoffDelay(env.RetryCount, FastRetriesTaken(env))
 			e.log.Info("retry slots of this task type are all taken; rescheduled",
 				"delay_ms", delay.Milliseconds())
@@ -525,18 +738,9 @@ func (w *Worker) process(stream string, m redis.XMessage) {
 		}
 	}
 
-	holder := ""
-	if env.IdempotencyKey != nil {
-		var proceed bool
-		holder, proceed = w.claim(ctx, e, task)
-		if !proceed {
-			return
-		}
-	}
-
 	e.log.Info("task started", "retry_count", env.RetryCount, "redelivered", task.Redelivered)
 	started := time.Now()
-	err = w.run(h.run, task)
+	err := w.run(h.run, task)
 	elapsed := time.Since(started)
 	if err == nil {
 		if holder != "" {
@@ -551,6 +755,22 @@ func (w *Worker) process(stream string, m redis.XMessage) {
 		w.finishIdem(ctx, e, holder, "release")
 	}
 	w.fail(ctx, e, err, elapsed)
+}
+
+// firstFailure is when the task first failed: the x-first-failure-at header
+// carried by retries, else now.
+func firstFailure(env *Envelope, now time.Time) time.Time {
+	if t, err := ParseTimestamp(env.Headers[HeaderFirstFailureAt]); err == nil {
+		return t.Time
+	}
+	return now
+}
+
+// notRun describes a task dead-lettered before its handler ran.
+func (w *Worker) notRun(e *entry, class, reason string) failure {
+	now := time.Now()
+	return failure{class: class, reason: reason, attempts: e.env.RetryCount + 1,
+		firstFailure: firstFailure(e.env, now), lastFailure: now}
 }
 
 // claim applies docs/protocol.md section 9; it answers the holder and whether to run.
@@ -686,10 +906,7 @@ func ExceptionType(err error) string {
 func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Duration) {
 	env := e.env
 	now := time.Now()
-	first := now
-	if t, perr := ParseTimestamp(env.Headers[HeaderFirstFailureAt]); perr == nil {
-		first = t.Time
-	}
+	first := firstFailure(env, now)
 	f := failure{reason: err.Error(), exceptionType: ExceptionType(err),
 		attempts: env.RetryCount + 1, firstFailure: first, lastFailure: now}
 	var panicErr *PanicError
@@ -721,7 +938,8 @@ func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Dur
 		return
 	}
 	next := NextAttempt(env, d, now)
-	if _, ok := next.Headers[HeaderFirstFailureAt]; !ok {
+	// The first failure's time travels with the retries (set on the first failure).
+	if _, err := ParseTimestamp(next.Headers[HeaderFirstFailureAt]); err != nil {
 		next.Headers[HeaderFirstFailureAt] = NewTimestamp(first.UTC()).String()
 	}
 	e.log.Warn("task failed; retrying", "outcome", "retry", "error", err.Error(),
@@ -733,66 +951,62 @@ func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Dur
 // deferred is env pushed back by delay, retry_count unchanged.
 func (w *Worker) deferred(env *Envelope, delay time.Duration) *Envelope {
 	n := env.Clone()
-	at := NewTimestamp(time.Now().Add(delay).UTC())
-	n.ScheduleTime = &at
+	n.ScheduleTime = scheduleAfter(time.Now(), delay)
 	return n
 }
 
-// replace swaps the pending entry for next atomically with retry.lua.
+// replace swaps the pending entry for next atomically with retry.lua. A
+// delayed next attempt also registers the queue (SADD <prefix>:queues) in the
+// same round trip.
 func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration) {
 	enc, body, err := EncodeBody(next, w.cfg.GzipMin, w.cfg.Limits)
 	if err != nil {
-		w.deadLetter(ctx, e, failure{class: ClassTaskError, reason: "cannot write the next attempt: " + err.Error()})
+		w.deadLetter(ctx, e, failure{class: ClassTaskError, reason: "cannot write the next attempt: " + err.Error(),
+			attempts: e.env.RetryCount + 1})
 		return
 	}
 	due := int64(0)
-	if delay > 0 {
+	if next.ScheduleTime != nil && delay > 0 {
 		due = next.ScheduleTime.UnixMilli()
-		w.settle(e, "register delayed queue", func() error {
-			return w.producer.RegisterDelayedQueue(ctx, w.cfg.Queue)
-		})
 	}
 	bucket := BucketFor(next.Priority)
 	w.settle(e, "retry.lua", func() error {
-		err := w.scripts.Get("retry").Run(ctx, w.client,
-			[]string{e.stream, w.queue.Stream(bucket), w.queue.Delayed(), w.queue.DelayedData()},
-			w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body),
-			w.keys.Wakeup()).Err()
-		if errors.Is(err, redis.Nil) {
-			e.log.Warn("entry was no longer pending when replaced (taken over?)")
+		var stored *redis.Cmd
+		_, err := w.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			if due > 0 {
+				p.SAdd(ctx, w.keys.Queues(), w.cfg.Queue)
+			}
+			stored = w.scripts.Get("retry").Eval(ctx, p,
+				[]string{e.stream, w.queue.Stream(bucket), w.queue.Delayed(), w.queue.DelayedData()},
+				w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup())
 			return nil
+		})
+		if err != nil && !errors.Is(err, redis.Nil) {
+			return err
 		}
-		return err
+		if errors.Is(stored.Err(), redis.Nil) {
+			e.log.Warn("entry was no longer pending when replaced (taken over?)")
+		}
+		return nil
 	})
 }
 
-// reschedule moves an entry that is not due yet to the delayed set, byte for byte.
+// reschedule moves an entry that is not due yet to the delayed set, byte for
+// byte, registering the queue for promotion in the same transaction.
 func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
-	w.settle(e, "register delayed queue", func() error {
-		return w.producer.RegisterDelayedQueue(ctx, w.cfg.Queue)
-	})
 	bucket := BucketFor(e.env.Priority)
 	w.settle(e, "reschedule", func() error {
 		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
-			s := w.scripts.Get("schedule")
-			p.EvalSha(ctx, s.Hash(), []string{w.queue.Delayed(), w.queue.DelayedData()},
-				e.env.TaskID, e.env.DueMS(now), string(bucket), e.fields[FieldEncoding],
-				e.fields[FieldBody], w.keys.Wakeup())
+			StoreDelayed(ctx, p, w.scripts, w.keys, w.cfg.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
+				e.fields[FieldEncoding], []byte(e.fields[FieldBody]))
 			p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 			p.XDel(ctx, e.stream, e.id)
 			return nil
 		})
-		w.reloadOnNoScript(ctx, err)
 		return err
 	})
 	e.log.Info("task not due yet; moved to the delayed set", "outcome", "scheduled",
 		"schedule_time", e.env.ScheduleTime.String())
-}
-
-func (w *Worker) reloadOnNoScript(ctx context.Context, err error) {
-	if err != nil && strings.Contains(err.Error(), "NOSCRIPT") {
-		_ = w.scripts.Load(ctx, w.client)
-	}
 }
 
 func (w *Worker) ack(ctx context.Context, e *entry) {
@@ -865,8 +1079,11 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 			e.log.Warn("entry was no longer pending when dead-lettered (taken over?)")
 			return nil
 		}
+		if err != nil {
+			return err
+		}
 		deadID = id
-		return err
+		return w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err()
 	})
 	e.log.Error("entry dead-lettered", "outcome", "dead", "failure_class", f.class,
 		"reason", f.reason, "dead_id", deadID)

@@ -42,6 +42,7 @@ export const FIELDS = Object.freeze([
 // Optional fields whose default is null: left out of the JSON when null.
 const NULL_BY_DEFAULT = new Set(['schedule_time', 'timeout_ms', 'idempotency_key']);
 const KNOWN = new Set(FIELDS);
+const REQUIRED_IDENTITY = 'the field is required (producers fill it in; readers never invent it)';
 
 export class InvalidEnvelope extends Error {
   constructor(violations) {
@@ -157,8 +158,9 @@ function checkJsonTree(check, field, root, maxDepth) {
 
 /**
  * Validate an Envelope given as JSON text (string or UTF-8 Buffer) or as an
- * already-decoded object. Returns { ok: true, envelope } with every default
- * filled in and times in canonical form, or { ok: false, violations }.
+ * already-decoded object, as a reader: task_id, trace_id and created_at must be
+ * there. Returns { ok: true, envelope } with every other default filled in and
+ * times in canonical form, or { ok: false, violations }.
  * Options: limits, publish (also apply the publish-time rules), now (ms).
  */
 export function validateEnvelope(input, options = {}) {
@@ -190,9 +192,12 @@ export function validateEnvelope(input, options = {}) {
   const has = (name) => Object.hasOwn(data, name) && data[name] !== undefined;
   const env = {};
 
-  env.task_id = has('task_id')
-    ? checkString(check, 'task_id', data.task_id, { min: 1, max: 255, pattern: TOKEN_PATTERN, patternText: 'printable ASCII without spaces' })
-    : crypto.randomUUID();
+  // task_id, trace_id and created_at are required on the wire: producers fill
+  // them in (newEnvelope), a reader never invents them.
+  if (!has('task_id')) check.add('task_id', 'required', REQUIRED_IDENTITY);
+  else {
+    env.task_id = checkString(check, 'task_id', data.task_id, { min: 1, max: 255, pattern: TOKEN_PATTERN, patternText: 'printable ASCII without spaces' });
+  }
   if (!has('task_type')) check.add('task_type', 'required', 'the field is required');
   else {
     env.task_type = checkString(check, 'task_type', data.task_type, {
@@ -231,10 +236,12 @@ export function validateEnvelope(input, options = {}) {
   env.priority = has('priority')
     ? checkInteger(check, 'priority', data.priority, rawOf('priority'), { min: PRIORITY_MIN, max: PRIORITY_MAX })
     : PRIORITY_DEFAULT;
-  env.trace_id = has('trace_id')
-    ? checkString(check, 'trace_id', data.trace_id, { min: 1, max: 128, pattern: TOKEN_PATTERN, patternText: 'printable ASCII without spaces' })
-    : crypto.randomUUID().replaceAll('-', '');
-  env.created_at = has('created_at') ? checkTime(check, 'created_at', data.created_at) : Timestamp.now().toString();
+  if (!has('trace_id')) check.add('trace_id', 'required', REQUIRED_IDENTITY);
+  else {
+    env.trace_id = checkString(check, 'trace_id', data.trace_id, { min: 1, max: 128, pattern: TOKEN_PATTERN, patternText: 'printable ASCII without spaces' });
+  }
+  if (!has('created_at')) check.add('created_at', 'required', REQUIRED_IDENTITY);
+  else env.created_at = checkTime(check, 'created_at', data.created_at);
   env.idempotency_key = has('idempotency_key') && data.idempotency_key !== null
     ? checkString(check, 'idempotency_key', data.idempotency_key, { min: 1, max: 512 })
     : null;
@@ -293,9 +300,28 @@ export function parseEnvelope(input, options = {}) {
   return result.envelope;
 }
 
-/** Build a new Envelope from fields (defaults filled in); throws InvalidEnvelope. */
+/** A new task_id: a random UUID. */
+export function newTaskId() {
+  return crypto.randomUUID();
+}
+
+/** A new trace_id: 32 random hex digits (use the trace id of the request being served when there is one). */
+export function newTraceId() {
+  return crypto.randomUUID().replaceAll('-', '');
+}
+
+/**
+ * Build a new Envelope from fields, as a producer: task_id, trace_id and
+ * created_at are filled in when absent (they are required on the wire), every
+ * other default too. Throws InvalidEnvelope.
+ */
 export function newEnvelope(fields, options = {}) {
-  return parseEnvelope(fields, options);
+  const given = (name) => Object.hasOwn(fields, name) && fields[name] !== undefined;
+  const filled = { ...fields };
+  if (!given('task_id')) filled.task_id = newTaskId();
+  if (!given('trace_id')) filled.trace_id = newTraceId();
+  if (!given('created_at')) filled.created_at = Timestamp.now().toString();
+  return parseEnvelope(filled, options);
 }
 
 /** Canonical compact JSON (fields in protocol order, null optional fields left out). */

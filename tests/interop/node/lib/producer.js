@@ -1,9 +1,11 @@
-// Publishing (docs/protocol.md section 4): validate (publish rules included),
-// encode, then XADD to the priority bucket's stream when due, or store in the
-// delayed set with schedule.lua (after SADD <prefix>:queues) when ahead.
+// Publishing (docs/protocol.md section 4): fill in the identity (task_id,
+// trace_id, created_at) when absent, validate (publish rules included), encode,
+// then enqueue.lua into the priority bucket's stream when due (it removes a
+// delayed copy of the same task_id), or SADD <prefix>:queues + schedule.lua
+// into the delayed set, in one round trip, when ahead.
 
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
-import { DEFAULT_LIMITS, dueMs, isDue, parseEnvelope } from './envelope.js';
+import { DEFAULT_LIMITS, dueMs, isDue, newEnvelope } from './envelope.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { Scripts } from './scripts.js';
 
@@ -18,17 +20,21 @@ export class Producer {
 
   /**
    * Publish one task. `fields` are Envelope fields (task_type required; times
-   * as RFC 3339 strings with offset, or Timestamp objects). Throws
-   * InvalidEnvelope before anything reaches Redis when a rule is broken.
+   * as RFC 3339 strings with offset, or Timestamp objects; task_id, trace_id
+   * and created_at are filled in when absent). Throws InvalidEnvelope before
+   * anything reaches Redis when a rule is broken.
    * Returns { taskId, envelope, entryId (null when delayed), delayed, dueMs }.
    */
   async publish(queue, fields, { nowMs = Date.now() } = {}) {
-    const envelope = parseEnvelope(fields, { limits: this.limits, publish: true, now: nowMs });
+    const envelope = newEnvelope(fields, { limits: this.limits, publish: true, now: nowMs });
     const qk = this.keys.queue(queue);
     const { enc, body } = encodeBody(envelope, { gzipMinBytes: this.gzipMinBytes, limits: this.limits });
     const bucket = bucketFor(envelope.priority);
     if (isDue(envelope, nowMs)) {
-      const entryId = await this.client.xadd(qk.stream(bucket), '*', 'v', '1', 'enc', enc, 'body', body);
+      // enqueue.lua: an XADD that also removes a delayed copy of the same task_id,
+      // so a task first scheduled and then published to run now is delivered once.
+      const entryId = await this.scripts.run('enqueue', [qk.stream(bucket), qk.delayed, qk.delayedData],
+        [envelope.task_id, enc, body]);
       return { taskId: envelope.task_id, envelope, entryId, delayed: false, dueMs: nowMs };
     }
     // Register the queue on every delayed publish, in the same round trip and

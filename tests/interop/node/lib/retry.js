@@ -1,11 +1,15 @@
 // Retry rules (docs/protocol.md section 8), as pure functions.
 //
+//   InvalidPayloadError / RejectedError: dead-lettered at once (invalid_payload /
+//     rejected), never retried (the worker checks them before deciding).
 //   next = retry_count + 1; past max_retries (unless null) the task is dead:
 //     transient_exhausted (transient error), timeout (timeout), task_error (otherwise).
-//   Fast tier: a transient error (timeouts included) while headers["x-fast-retries"]
+//   Fast tier: a transient error (not a timeout) while headers["x-fast-retries"]
 //     is below fastRetries retries at once and increments the header.
-//   Backoff tier: min(backoff * 2^(next - f - 1), maxBackoff) * random [0.8, 1.2),
-//     f being the fast retries already taken.
+//   Backoff tier: min(backoff * 2^(next - f - 1) * j, maxBackoff) with j random in
+//     [0.8, 1.2] (applied before the cap), f being the fast retries already taken.
+//   The next attempt carries schedule_time = now + delay (left out for a delay of 0)
+//     and x-first-failure-at, set on the first failure.
 
 import { Timestamp } from './time.js';
 
@@ -19,7 +23,7 @@ export const RETRY_DEFAULTS = Object.freeze({
   maxBackoffMs: 3_600_000,
 });
 
-/** An error worth retrying at once: connection errors, lock conflicts, timeouts. */
+/** An error worth retrying at once: connection errors, lock conflicts. */
 export class TransientError extends Error {
   constructor(message, options) {
     super(message, options);
@@ -28,12 +32,11 @@ export class TransientError extends Error {
   }
 }
 
-/** The attempt ran longer than timeout_ms. */
+/** The attempt ran longer than timeout_ms: retried on the backoff tier, class timeout. */
 export class TaskTimeoutError extends Error {
   constructor(timeoutMs) {
     super(`the attempt ran longer than timeout_ms (${timeoutMs} ms)`);
     this.name = 'TaskTimeoutError';
-    this.transient = true;
     this.timeoutMs = timeoutMs;
   }
 }
@@ -46,6 +49,21 @@ export class InvalidPayloadError extends Error {
   }
 }
 
+/** The handler refuses the task: dead-lettered at once as rejected. */
+export class RejectedError extends Error {
+  constructor(message, options) {
+    super(message, options);
+    this.name = 'RejectedError';
+  }
+}
+
+/** The failure class of an error that is never retried, or null. */
+export function permanentClassOf(err) {
+  if (err instanceof InvalidPayloadError) return 'invalid_payload';
+  if (err instanceof RejectedError) return 'rejected';
+  return null;
+}
+
 const TRANSIENT_CODES = new Set([
   'ECONNRESET', 'ECONNREFUSED', 'ECONNABORTED', 'ETIMEDOUT', 'EPIPE', 'EHOSTUNREACH',
   'ENETUNREACH', 'ENETDOWN', 'EAI_AGAIN', 'UND_ERR_CONNECT_TIMEOUT', 'UND_ERR_SOCKET',
@@ -54,8 +72,9 @@ const TRANSIENT_CODES = new Set([
 /** Default transient test; workers accept an extra predicate to mark more errors. */
 export function isTransientError(err) {
   if (!err || typeof err !== 'object') return false;
+  if (err instanceof TaskTimeoutError) return false; // its own class: backoff tier only
   if (err.transient === true) return true;
-  if (err.name === 'TimeoutError') return true; // AbortSignal.timeout(), fetch timeouts
+  if (err.name === 'TimeoutError') return true; // AbortSignal.timeout(), fetch timeouts: I/O the task waited on
   if (typeof err.code === 'string' && TRANSIENT_CODES.has(err.code)) return true;
   return err.cause !== undefined && err.cause !== err ? isTransientError(err.cause) : false;
 }
@@ -66,11 +85,14 @@ export function fastRetriesTaken(headers) {
   return typeof raw === 'string' && /^[0-9]{1,9}$/.test(raw) ? Number(raw) : 0;
 }
 
-/** Backoff-tier delay in ms before attempt `next` (random() in [0, 1) gives the jitter). */
+/**
+ * Backoff-tier delay in ms before attempt `next`: min(backoff * 2^(next - f - 1) * j,
+ * maxBackoff), the jitter j = 0.8 + 0.4 * random() applied before the cap.
+ */
 export function backoffDelayMs(next, fastTaken, { backoffMs, maxBackoffMs }, random = Math.random) {
   const exponent = Math.max(0, next - fastTaken - 1);
-  const base = Math.min(backoffMs * 2 ** Math.min(exponent, 1024), maxBackoffMs);
-  return Math.round(base * (0.8 + 0.4 * random()));
+  const jitter = 0.8 + 0.4 * random();
+  return Math.round(Math.min(backoffMs * 2 ** Math.min(exponent, 1024) * jitter, maxBackoffMs));
 }
 
 /** The dead-letter failure class of a failed attempt. */
@@ -91,7 +113,7 @@ export function decideFailure(env, { transient = false, timeout = false }, optio
     return { action: 'dead', failureClass: failureClassOf({ transient, timeout }), attempts: next };
   }
   const fastTaken = fastRetriesTaken(env.headers);
-  if ((transient || timeout) && fastTaken < opts.fastRetries) {
+  if (transient && !timeout && fastTaken < opts.fastRetries) {
     return {
       action: 'retry', tier: 'fast', delayMs: 0, retryCount: next,
       headers: { ...env.headers, [FAST_RETRIES_HEADER]: String(fastTaken + 1) },
@@ -114,13 +136,14 @@ export function offsetOf(env) {
 
 /**
  * The Envelope of the next attempt: same task_id, retry_count and headers as
- * decided, schedule_time = now + delay (in the task's own offset).
+ * decided, schedule_time = now + delay (in the task's own offset), or no
+ * schedule_time at all when the delay is 0.
  */
 export function nextAttempt(env, { retryCount = env.retry_count, headers = env.headers, delayMs }, nowMs = Date.now()) {
   return {
     ...env,
     retry_count: retryCount,
     headers,
-    schedule_time: Timestamp.fromEpochMs(nowMs + delayMs, offsetOf(env)).toString(),
+    schedule_time: delayMs > 0 ? Timestamp.fromEpochMs(nowMs + delayMs, offsetOf(env)).toString() : null,
   };
 }

@@ -14,8 +14,8 @@ export const LUA_DIR = fileURLToPath(new URL('../../../../kombu_envelope/lua/', 
 
 /** The scripts this peer runs; every other *.lua file of the folder is loaded too. */
 export const SCRIPT_NAMES = Object.freeze([
-  'schedule', 'promote', 'read', 'requeue', 'dead_letter', 'retry', 'cancel',
-  'idem_begin', 'idem_finish', 'retry_slot',
+  'enqueue', 'schedule', 'promote', 'read', 'requeue', 'dead_letter', 'retry', 'cancel',
+  'idem_begin', 'idem_finish', 'retry_slot', 'forget_consumer',
 ]);
 
 /** Number of KEYS a script takes according to its header, or null when variable. */

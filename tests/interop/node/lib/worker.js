@@ -2,18 +2,24 @@
 //
 //   - joins consumer group `workers` on the queue's high/normal/low streams;
 //   - keeps <prefix>:consumer:<consumer> alive every lease/3 from a timer;
-//   - reads most urgent first (read.lua for an exact count without blocking,
-//     else XREADGROUP BLOCK on a dedicated connection);
-//   - decodes and validates every entry; a malformed one goes to the
-//     dead-letter stream with its raw bytes (never dropped, never left pending);
-//   - moves entries that are not due yet to the delayed set;
-//   - dead-letters unknown task types and unaccepted payload versions;
-//   - claims idempotency keys, runs the handler with a timeout, acknowledges
-//     only on success, and otherwise applies the retry rules;
-//   - takes over the entries of dead consumers with requeue.lua;
+//   - reads most urgent first with read.lua (an exact count, never blocking);
+//     when nothing is there it waits with XREAD BLOCK from the group's
+//     last-delivered ids on a dedicated connection, which takes nothing;
+//   - per read (section 5.1): decodes and validates every entry, a malformed
+//     one goes to the dead-letter stream with its raw bytes (never dropped,
+//     never left pending); moves entries that are not due yet to the delayed
+//     set; looks the rest up in the cancel marks (one ZMSCORE) and acknowledges
+//     cancelled ones without running them;
+//   - then, per entry: dead-letters unknown task types and unaccepted payload
+//     versions, claims the idempotency key, takes a retry slot for retries,
+//     runs the handler with a timeout, acknowledges only on success, and
+//     otherwise applies the retry rules;
+//   - takes over the entries of dead consumers with requeue.lua and forgets
+//     dead consumers that hold nothing with forget_consumer.lua;
 //   - promotes delayed tasks (promote.lua), like every other worker;
 //   - on stop: prefetched, unstarted entries go back with requeue.lua, running
 //     tasks get a grace period, the liveness key is deleted.
+// Every dead-letter write is followed by SADD <prefix>:dead-queues <queue>.
 // Logs are JSON lines on stderr, each with trace_id and task_id.
 
 import crypto from 'node:crypto';
@@ -26,8 +32,8 @@ import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
 import { Promoter } from './promoter.js';
 import {
-  FIRST_FAILURE_HEADER, InvalidPayloadError, RETRY_DEFAULTS, TaskTimeoutError, backoffDelayMs,
-  decideFailure, fastRetriesTaken, isTransientError, nextAttempt,
+  FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, backoffDelayMs,
+  decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
 import { Scripts } from './scripts.js';
 
@@ -44,10 +50,12 @@ export const WORKER_DEFAULTS = Object.freeze({
   maxRedeliveries: 10,
   deferMs: 3_000,
   idemDoneTtlMs: 24 * 3600 * 1000,
-  // Safety net of an idempotency claim when the task has no timeout_ms.
+  // Safety net of an idempotency claim when the task has no timeout_ms (else timeout_ms + leaseMs).
   idemClaimMs: 3600 * 1000,
   // How long a retry slot is held if never released, when the task has no timeout_ms.
-  retrySlotHoldMs: 300 * 1000,
+  retrySlotHoldMs: 15 * 60 * 1000,
+  // Dead consumers that hold nothing are forgotten once idle this long (at least leaseMs).
+  forgetAfterMs: 3600 * 1000,
   // Bound on attempts of tasks without timeout_ms (null: unbounded).
   defaultTimeoutMs: null,
   shutdownGraceMs: 30_000,
@@ -69,6 +77,21 @@ class ShutdownAbort extends Error {
 }
 
 const text = (value) => (Buffer.isBuffer(value) ? value.toString('utf8') : String(value));
+/** The x-first-failure-at header of env when it holds an RFC 3339 time, else undefined. */
+function firstFailureOf(env) {
+  try {
+    return Timestamp.parse(env.headers[FIRST_FAILURE_HEADER]).toString();
+  } catch {
+    return undefined;
+  }
+}
+
+/** An object from a flat [name, value, ...] reply (XINFO). */
+const pairsOf = (flat) => {
+  const out = {};
+  for (let i = 0; i + 1 < flat.length; i += 2) out[text(flat[i])] = flat[i + 1];
+  return out;
+};
 
 function positiveInt(name, value, { allowZero = false } = {}) {
   if (!Number.isSafeInteger(value) || value < (allowZero ? 0 : 1)) {
@@ -86,7 +109,7 @@ export class Worker {
   constructor(options) {
     const o = { ...WORKER_DEFAULTS, ...Object.fromEntries(Object.entries(options).filter(([, v]) => v !== undefined)) };
     if (!o.queue) throw new Error('a queue is required');
-    for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch']) {
+    for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs']) {
       positiveInt(name, o[name]);
     }
     for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs']) positiveInt(name, o[name], { allowZero: true });
@@ -95,7 +118,9 @@ export class Worker {
     this.keys = new KeySpace(o.prefix);
     this.queueKeys = this.keys.queue(o.queue);
     this.host = os.hostname();
-    this.consumer = o.consumer ?? `${this.host}-${process.pid}-${crypto.randomBytes(4).toString('hex')}`;
+    // No spaces: the idempotency holder is "<consumer> <task_id>".
+    this.consumer = o.consumer ?? `${this.host.replace(/\s/g, '_')}-${process.pid}-${crypto.randomBytes(4).toString('hex')}`;
+    if (/\s/.test(this.consumer)) throw new Error(`consumer name ${JSON.stringify(this.consumer)} must not contain spaces`);
     this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queue: o.queue });
     this.handlers = new Map();
     this.inflight = new Map(); // "<stream> <id>" -> { entry, abort, promise }
@@ -180,8 +205,9 @@ export class Worker {
   // ---------------------------------------------------------------- reading
 
   // Holds at most max(prefetch, concurrency) entries (running + waiting); tops up
-  // with read.lua (an exact count, most urgent first) and blocks on XREADGROUP
-  // only when nothing waits locally, so a freed slot never waits behind a read.
+  // with read.lua (an exact count, most urgent first) and, only when nothing is
+  // there and nothing waits locally, waits for new entries without taking any,
+  // so a freed slot never waits behind a read and credit is never exceeded.
   async loop() {
     const maxHeld = Math.max(this.opts.prefetch ?? this.opts.concurrency, this.opts.concurrency);
     while (this.running) {
@@ -196,10 +222,15 @@ export class Worker {
         }
         const room = maxHeld - this.held.size;
         if (room > 0) {
-          let entries = await this.readNow(room);
-          if (!entries.length && !this.waiting.length && this.running) entries = await this.readBlocking(room);
-          this.hold(entries);
-          if (entries.length) continue;
+          const entries = await this.readNow(room);
+          if (entries.length) {
+            await this.admit(entries);
+            continue;
+          }
+          if (!this.waiting.length && this.running) {
+            await this.waitForEntries();
+            continue;
+          }
         }
         if (this.inflight.size) await Promise.race([...this.inflight.values()].map((t) => t.promise));
       } catch (err) {
@@ -207,20 +238,11 @@ export class Worker {
         this.log.error('reading failed; retrying in 1 s', { err });
         this.recoverAt = Date.now();
         await sleep(1000);
-        if (String(err?.message).includes('NOGROUP')) {
-          // A stream or its group was deleted under us: create them again.
+        if (/NOGROUP|no such key/.test(String(err?.message))) {
+          // A stream or its group was deleted under us (or Redis lost its data): create them again.
           await this.ensureGroups().catch((e) => this.log.error('could not create the consumer groups', { err: e }));
         }
       }
-    }
-  }
-
-  hold(entries) {
-    for (const entry of entries) {
-      const tag = `${entry.stream} ${entry.id}`;
-      if (this.held.has(tag)) continue;
-      this.held.add(tag);
-      this.waiting.push(entry);
     }
   }
 
@@ -240,13 +262,24 @@ export class Worker {
     return Worker.entriesOf(reply);
   }
 
-  /** Wait up to blockMs for new entries on the dedicated reading connection. */
-  async readBlocking(n) {
+  /**
+   * Wait up to blockMs, on the dedicated reading connection, until a task stream
+   * has entries the group has not delivered: XREAD BLOCK from the group's
+   * last-delivered ids takes nothing, so the next read.lua takes exactly the
+   * credit whatever the Redis version and however many streams have entries.
+   */
+  async waitForEntries() {
     const streams = this.queueKeys.taskStreams;
-    const reply = await this.reader.xreadgroupBuffer(
-      'GROUP', this.opts.group, this.consumer, 'COUNT', n, 'BLOCK', this.opts.blockMs,
-      'STREAMS', ...streams, ...streams.map(() => '>'));
-    return Worker.entriesOf(reply);
+    const pipeline = this.cmd.pipeline();
+    for (const stream of streams) pipeline.xinfo('GROUPS', stream);
+    const ids = [];
+    for (const [i, [err, groups]] of (await pipeline.exec()).entries()) {
+      if (err) throw err;
+      const group = (groups ?? []).map(pairsOf).find((g) => g.name === this.opts.group);
+      if (!group) throw new Error(`NOGROUP: group ${this.opts.group} is missing on ${streams[i]}`);
+      ids.push(text(group['last-delivered-id']));
+    }
+    await this.reader.xread('COUNT', 1, 'BLOCK', this.opts.blockMs, 'STREAMS', ...streams, ...ids);
   }
 
   /** After an error: entries this consumer read but did not settle are handled again. */
@@ -256,7 +289,105 @@ export class Worker {
       'GROUP', this.opts.group, this.consumer, 'COUNT', 1000, 'STREAMS', ...streams, ...streams.map(() => '0'));
     const entries = Worker.entriesOf(reply).filter((e) => !this.held.has(`${e.stream} ${e.id}`));
     if (entries.length) this.log.warn('handling again entries left pending by an error', { count: entries.length });
-    this.hold(entries);
+    await this.admit(entries);
+  }
+
+  /**
+   * Steps 1 to 3 of section 5.1 for the entries of one read: decode and validate
+   * (malformed entries are dead-lettered), move entries not due yet to the
+   * delayed set, look the task ids of the rest up in the cancel marks with one
+   * ZMSCORE and acknowledge cancelled ones. What is left waits to be dispatched.
+   */
+  async admit(entries) {
+    const fresh = [];
+    for (const entry of entries) {
+      const tag = `${entry.stream} ${entry.id}`;
+      if (this.held.has(tag)) continue;
+      this.held.add(tag);
+      fresh.push(entry);
+    }
+    const release = (entry) => this.held.delete(`${entry.stream} ${entry.id}`);
+    const failedToSettle = (entry, err) => {
+      this.log.error('could not settle the entry; it stays pending and is handled again', {
+        err, stream: entry.stream, entry_id: entry.id, task_id: entry.taskId ?? null, trace_id: entry.traceId ?? null,
+      });
+      this.recoverAt = Date.now() + 1000;
+    };
+    const due = [];
+    for (const entry of fresh) {
+      try {
+        if (await this.screen(entry)) {
+          due.push(entry);
+          continue;
+        }
+      } catch (err) {
+        failedToSettle(entry, err);
+      }
+      release(entry);
+    }
+    const cancelled = await this.cancelledAmong(due);
+    for (const entry of due) {
+      if (!cancelled.has(entry.env.task_id)) {
+        this.waiting.push(entry);
+        continue;
+      }
+      try {
+        await this.skipCancelled(entry);
+      } catch (err) {
+        failedToSettle(entry, err);
+      }
+      release(entry);
+    }
+  }
+
+  /** Decode one entry; true when it is due and waits to be handled. */
+  async screen(entry) {
+    if (entry.fields === null) {
+      // Deleted while pending (seen when re-reading this consumer's history).
+      await this.cmd.xack(entry.stream, this.opts.group, entry.id);
+      return false;
+    }
+    const fields = entryFields(entry.fields);
+    let env;
+    try {
+      env = decodeEntry(fields, { limits: this.opts.limits });
+    } catch (err) {
+      if (!(err instanceof MalformedEntry)) throw err;
+      await this.malformed(entry, err);
+      return false;
+    }
+    entry.env = env;
+    entry.taskId = env.task_id;
+    entry.traceId = env.trace_id;
+    entry.log = this.log.child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type, stream: entry.stream, entry_id: entry.id });
+    const nowMs = Date.now();
+    if (dueMs(env, nowMs) > nowMs) {
+      await this.scheduleEntry(entry, fields, env, entry.log);
+      return false;
+    }
+    return true;
+  }
+
+  /** Task ids of `entries` marked cancelled (section 10), in one ZMSCORE; none on an error. */
+  async cancelledAmong(entries) {
+    if (!entries.length) return new Set();
+    try {
+      const scores = await this.cmd.zmscore(this.queueKeys.cancelled, ...entries.map((e) => e.env.task_id));
+      return new Set(entries.filter((_, i) => scores[i] !== null).map((e) => e.env.task_id));
+    } catch (err) {
+      this.log.warn('cancel check failed; going on', { err });
+      return new Set();
+    }
+  }
+
+  /** A task cancelled after it left the delayed set: acknowledged without running, its mark removed. */
+  async skipCancelled(entry) {
+    const replies = await this.cmd.multi()
+      .xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id)
+      .zrem(this.queueKeys.cancelled, entry.env.task_id).exec();
+    for (const [err] of replies) if (err) throw err;
+    this.stats.cancelled += 1;
+    entry.log.info('task was cancelled; acknowledged without running it');
   }
 
   dispatch(entry) {
@@ -279,83 +410,23 @@ export class Worker {
 
   // ---------------------------------------------------------------- handling
 
+  /** Steps 4 to 6 of section 5.1: handler and payload_version, idempotency, retry slot, run. */
   async handle(entry, abort) {
-    if (entry.fields === null) {
-      // Deleted while pending (seen when re-reading this consumer's history).
-      await this.cmd.xack(entry.stream, this.opts.group, entry.id);
-      return;
-    }
-    const fields = entryFields(entry.fields);
-    let env;
-    try {
-      env = decodeEntry(fields, { limits: this.opts.limits });
-    } catch (err) {
-      if (!(err instanceof MalformedEntry)) throw err;
-      await this.malformed(entry, err);
-      return;
-    }
-    entry.taskId = env.task_id;
-    entry.traceId = env.trace_id;
-    const log = this.log.child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type, stream: entry.stream, entry_id: entry.id });
-
-    const nowMs = Date.now();
-    if (dueMs(env, nowMs) > nowMs) {
-      await this.scheduleEntry(entry, fields, env, log);
-      return;
-    }
-    if ((await this.cmd.zscore(this.queueKeys.cancelled, env.task_id)) !== null) {
-      // Cancelled after it left the delayed set: acknowledge without running, clear the mark.
-      const replies = await this.cmd.multi()
-        .xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id)
-        .zrem(this.queueKeys.cancelled, env.task_id).exec();
-      for (const [err] of replies) if (err) throw err;
-      this.stats.cancelled += 1;
-      log.info('task was cancelled; acknowledged without running it');
-      return;
-    }
+    const { env, log } = entry;
     const handler = this.handlers.get(env.task_type);
     if (!handler) {
-      await this.deadLetter(entry, env, log, {
-        failure_class: 'unknown_task_type',
-        reason: `no handler is registered for task_type ${env.task_type} on this ${LANGUAGE} worker`,
-      });
+      await this.deadLetter(entry, env, log, this.notRun(env, 'unknown_task_type',
+        `no handler is registered for task_type ${env.task_type} on this ${LANGUAGE} worker`));
       return;
     }
     if (!handler.payloadVersions.has(env.payload_version)) {
-      await this.deadLetter(entry, env, log, {
-        failure_class: 'unsupported_payload_version',
-        reason: `payload_version ${env.payload_version} is not accepted by the handler of ${env.task_type} (accepts ${[...handler.payloadVersions].join(', ')})`,
-      });
+      await this.deadLetter(entry, env, log, this.notRun(env, 'unsupported_payload_version',
+        `payload_version ${env.payload_version} is not accepted by the handler of ${env.task_type} (accepts ${[...handler.payloadVersions].join(', ')})`));
       return;
     }
-    const timeoutMs = env.timeout_ms ?? handler.timeoutMs ?? this.opts.defaultTimeoutMs;
-    const slotKey = this.keys.retrying(env.task_type);
-    let slot = false;
-    if (env.retry_count > 0) {
-      const got = await this.scripts.run('retry_slot', [slotKey],
-        [env.task_id, this.opts.retryConcurrency, timeoutMs ?? this.opts.retrySlotHoldMs]);
-      if (Number(got) === 0) {
-        const delayMs = backoffDelayMs(env.retry_count, fastRetriesTaken(env.headers), this.opts);
-        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
-        this.stats.deferred += 1;
-        log.info('all retry slots of this task type are taken; attempt rescheduled', { delay_ms: delayMs });
-        return;
-      }
-      slot = true;
-    }
-    try {
-      await this.runClaimed(entry, env, handler, timeoutMs, abort, log);
-    } finally {
-      if (slot) {
-        await this.cmd.zrem(slotKey, env.task_id).catch((err) => log.warn('could not release the retry slot', { err }));
-      }
-    }
-  }
-
-  async runClaimed(entry, env, handler, timeoutMs, abort, log) {
     let claim = null;
     if (env.idempotency_key !== null) {
-      claim = await this.claim(env, timeoutMs, log);
+      claim = await this.claim(env, log);
       if (claim.state === 'done') {
         await this.ack(entry, log);
         this.stats.duplicates += 1;
@@ -372,6 +443,41 @@ export class Worker {
         return;
       }
     }
+    const slotKey = this.keys.retrying(env.task_type);
+    let slot = false;
+    if (env.retry_count > 0) {
+      const got = await this.scripts.run('retry_slot', [slotKey],
+        [env.task_id, this.opts.retryConcurrency, env.timeout_ms ?? this.opts.retrySlotHoldMs]);
+      if (Number(got) === 0) {
+        if (claim) await this.finishClaim(claim, 'release', log);
+        // The backoff tier computed with next = retry_count: the count does not change.
+        const delayMs = backoffDelayMs(env.retry_count, fastRetriesTaken(env.headers), this.opts);
+        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
+        this.stats.deferred += 1;
+        log.info('all retry slots of this task type are taken; attempt rescheduled', { delay_ms: delayMs });
+        return;
+      }
+      slot = true;
+    }
+    try {
+      await this.runClaimed(entry, env, handler, abort, log, claim);
+    } finally {
+      if (slot) {
+        await this.cmd.zrem(slotKey, env.task_id).catch((err) => log.warn('could not release the retry slot', { err }));
+      }
+    }
+  }
+
+  /** Failure fields of a task dead-lettered before its handler ran. */
+  notRun(env, failureClass, reason) {
+    return {
+      failure_class: failureClass, reason, attempts: env.retry_count + 1,
+      first_failure_at: firstFailureOf(env),
+    };
+  }
+
+  async runClaimed(entry, env, handler, abort, log, claim) {
+    const timeoutMs = env.timeout_ms ?? handler.timeoutMs ?? this.opts.defaultTimeoutMs;
     const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
     if (outcome.ok) {
       if (claim) await this.finishClaim(claim, 'done', log);
@@ -420,24 +526,26 @@ export class Worker {
   async failed(entry, env, outcome, log) {
     const { error } = outcome;
     const now = Timestamp.now();
-    const firstFailureAt = env.headers[FIRST_FAILURE_HEADER] ?? now.toString();
+    // The first failure's time travels with the retries in x-first-failure-at.
+    const firstFailureAt = firstFailureOf(env) ?? now.toString();
     const failure = {
       exception_type: error?.name ?? typeof error,
       traceback: error?.stack ?? String(error),
       reason: error?.message ?? String(error),
+      attempts: env.retry_count + 1,
+      first_failure_at: firstFailureAt,
     };
-    if (error instanceof InvalidPayloadError) {
-      await this.deadLetter(entry, env, log, {
-        ...failure, failure_class: 'invalid_payload', attempts: env.retry_count + 1, first_failure_at: firstFailureAt,
-      });
+    const permanent = permanentClassOf(error);
+    if (permanent !== null) {
+      // invalid_payload / rejected: dead-lettered at once, never retried.
+      await this.deadLetter(entry, env, log, { ...failure, failure_class: permanent });
       return;
     }
-    const transient = outcome.timeout || this.isTransient(error);
-    const decision = decideFailure(env, { transient, timeout: outcome.timeout }, this.opts);
+    const timeout = outcome.timeout === true;
+    const transient = !timeout && this.isTransient(error);
+    const decision = decideFailure(env, { transient, timeout }, this.opts);
     if (decision.action === 'dead') {
-      await this.deadLetter(entry, env, log, {
-        ...failure, failure_class: decision.failureClass, attempts: decision.attempts, first_failure_at: firstFailureAt,
-      });
+      await this.deadLetter(entry, env, log, { ...failure, failure_class: decision.failureClass, attempts: decision.attempts });
       return;
     }
     const headers = { ...decision.headers, [FIRST_FAILURE_HEADER]: firstFailureAt };
@@ -445,17 +553,18 @@ export class Worker {
     await this.replace(entry, next, decision.delayMs, log);
     this.stats.retried += 1;
     log.warn('attempt failed; retrying', {
-      attempt: env.retry_count, tier: decision.tier, delay_ms: decision.delayMs, transient,
+      attempt: env.retry_count, tier: decision.tier, delay_ms: decision.delayMs, transient, timeout,
       error: failure.reason, error_type: failure.exception_type,
     });
   }
 
   // ---------------------------------------------------------------- idempotency
 
-  async claim(env, timeoutMs, log) {
+  async claim(env, log) {
     const key = this.keys.idempotency(env.task_type, env.idempotency_key);
     const holder = `${this.consumer} ${env.task_id}`;
-    const claimMs = timeoutMs !== null && timeoutMs !== undefined ? timeoutMs + this.opts.leaseMs : this.opts.idemClaimMs;
+    // A safety net only: timeout_ms + leaseMs, or an hour without timeout_ms.
+    const claimMs = env.timeout_ms !== null ? env.timeout_ms + this.opts.leaseMs : this.opts.idemClaimMs;
     let [state, value] = await this.scripts.run('idem_begin', [key], [holder, claimMs, '']);
     if (state === 'busy') {
       const owner = value.slice(0, value.lastIndexOf(' '));
@@ -487,17 +596,27 @@ export class Worker {
     }
   }
 
-  /** SADD <prefix>:queues before every delayed store (rebuilds a registry lost with a restart). */
-  async registerDelayedQueue() {
-    await this.cmd.sadd(this.keys.queues, this.opts.queue);
+  /** Run `add(pipeline)` in one round trip and throw the first error. */
+  async pipelined(add) {
+    const pipeline = this.cmd.pipeline();
+    add(pipeline);
+    const replies = await pipeline.exec();
+    for (const [err] of replies) if (err) throw err;
+    return replies.map(([, reply]) => reply);
   }
 
-  /** An entry that is not due yet goes to the delayed set, bytes unchanged. */
+  /**
+   * An entry that is not due yet goes to the delayed set, bytes unchanged:
+   * SADD <prefix>:queues (on every delayed store, so a registry lost with a
+   * restart is rebuilt) and schedule.lua in one round trip, then the ack.
+   */
   async scheduleEntry(entry, fields, env, log) {
-    await this.registerDelayedQueue();
     const qk = this.queueKeys;
-    await this.scripts.run('schedule', [qk.delayed, qk.delayedData],
-      [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'), this.keys.wakeup]);
+    await this.pipelined((p) => {
+      p.sadd(this.keys.queues, this.opts.queue);
+      this.scripts.run('schedule', [qk.delayed, qk.delayedData],
+        [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'), this.keys.wakeup], p);
+    });
     await this.ack(entry, log);
     this.stats.scheduled += 1;
     log.info('entry not due yet; moved to the delayed set', { schedule_time: env.schedule_time });
@@ -508,10 +627,14 @@ export class Worker {
     const qk = this.queueKeys;
     const bucket = bucketFor(next.priority);
     const { enc, body } = encodeBody(next, { gzipMinBytes: this.opts.gzipMinBytes, limits: this.opts.limits });
-    const due = delayMs > 0 ? Timestamp.parse(next.schedule_time).epochMs : 0;
-    if (due) await this.registerDelayedQueue();
-    const stored = await this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
-      [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup]);
+    const due = delayMs > 0 && next.schedule_time !== null ? Timestamp.parse(next.schedule_time).epochMs : 0;
+    // A delayed next attempt registers the queue for promotion in the same round trip.
+    const replies = await this.pipelined((p) => {
+      if (due) p.sadd(this.keys.queues, this.opts.queue);
+      this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
+        [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup], p);
+    });
+    const stored = replies.at(-1);
     if (!stored) log.warn('the entry was no longer pending (taken over); its next attempt was not stored by this consumer');
   }
 
@@ -528,7 +651,7 @@ export class Worker {
       pid: String(process.pid),
       consumer: this.consumer,
       first_failure_at: failure.first_failure_at ?? now,
-      last_failure_at: now,
+      last_failure_at: failure.last_failure_at ?? now,
       exception_type: failure.exception_type,
       traceback: failure.traceback,
       attempts: failure.attempts === undefined ? undefined : String(failure.attempts),
@@ -596,7 +719,11 @@ export class Worker {
       .finally(() => { this.takingOver = null; });
   }
 
-  /** Requeue the entries held by consumers whose liveness key is gone. Returns how many. */
+  /**
+   * Requeue the entries held by consumers whose liveness key is gone (idle for
+   * a lease), and forget dead consumers that hold nothing. Returns how many
+   * entries were moved (requeued or dead-lettered).
+   */
   async takeOver() {
     const { group, leaseMs, takeoverBatch, maxRedeliveries } = this.opts;
     let moved = 0;
@@ -611,28 +738,49 @@ export class Worker {
         if (owner === this.consumer || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
         const items = await this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner);
         for (const [id] of items) {
+          // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
+          // the consumer is the one that died holding the entry.
+          const now = Timestamp.now().toString();
+          const who = ['queue', this.opts.queue, 'language', LANGUAGE, 'host', this.host, 'pid', String(process.pid),
+            'consumer', owner, 'first_failure_at', now, 'last_failure_at', now];
           const reply = await this.scripts.run('requeue', [stream, stream, this.queueKeys.dead],
-            [group, id, owner, leaseMs, 1, maxRedeliveries, Timestamp.now().toString()]);
+            [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who]);
           if (!reply) continue;
           moved += 1;
-          if (String(reply).startsWith('dead:')) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
-          this.log.warn(String(reply).startsWith('dead:')
+          const dead = String(reply).startsWith('dead:');
+          if (dead) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
+          this.log.warn(dead
             ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
             : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
         }
-        if (items.length < takeoverBatch) {
-          const left = await this.cmd.xpending(stream, group, '-', '+', 1, owner);
-          if (!left.length && !(await this.cmd.exists(this.keys.consumer(owner)))) {
-            const dropped = await this.cmd.xgroup('DELCONSUMER', stream, group, owner);
-            if (Number(dropped) > 0) {
-              this.log.error('a consumer read entries between the pending check and its removal', { stream, owner, dropped });
-            }
-          }
-        }
       }
+      await this.forgetDeadConsumers(stream);
     }
     this.stats.taken_over += moved;
     return moved;
+  }
+
+  /**
+   * Remove from the group the consumers of `stream` without a liveness key that
+   * hold nothing and were idle for forgetAfterMs (at least a lease), with
+   * forget_consumer.lua, which checks both again atomically. Never a bare
+   * XGROUP DELCONSUMER: it would drop entries such a consumer read meanwhile.
+   */
+  async forgetDeadConsumers(stream) {
+    const idleMs = Math.max(this.opts.forgetAfterMs, this.opts.leaseMs);
+    let consumers;
+    try {
+      consumers = (await this.cmd.xinfo('CONSUMERS', stream, this.opts.group)).map(pairsOf);
+    } catch {
+      return; // no stream or group yet
+    }
+    for (const c of consumers) {
+      const name = text(c.name);
+      if (name === this.consumer || Number(c.pending) > 0 || Number(c.idle) < idleMs) continue;
+      if (await this.cmd.exists(this.keys.consumer(name))) continue;
+      const forgotten = await this.scripts.run('forget_consumer', [stream], [this.opts.group, name, idleMs]);
+      if (Number(forgotten) === 1) this.log.info('forgot a dead consumer that held nothing', { stream, owner: name, idle_ms: Number(c.idle) });
+    }
   }
 
   // ---------------------------------------------------------------- stopping
@@ -667,8 +815,8 @@ export class Worker {
       for (const stream of this.queueKeys.taskStreams) {
         const pending = await this.cmd.xpending(stream, this.opts.group, '-', '+', 10_000, this.consumer);
         for (const [id] of pending) await this.requeueOwn({ stream, id }, 'read while shutting down');
-        const left = await this.cmd.xpending(stream, this.opts.group, '-', '+', 1, this.consumer);
-        if (!left.length) await this.cmd.xgroup('DELCONSUMER', stream, this.opts.group, this.consumer);
+        // Leave the group only if nothing is pending, checked atomically (never a bare DELCONSUMER).
+        await this.scripts.run('forget_consumer', [stream], [this.opts.group, this.consumer, 0]);
       }
     } catch (err) {
       this.log.error('could not return every pending entry; they go back once the lease expires', { err });

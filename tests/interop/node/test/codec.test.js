@@ -8,12 +8,14 @@ import { describe, test } from 'node:test';
 import {
   ENC_JSON, ENC_JSON_GZIP, MalformedEntry, decodeEntry, encodeEntry, inflateBody, maxBodyBytes,
 } from '../lib/codec.js';
-import { envelopeToJson, validateEnvelope } from '../lib/envelope.js';
+import { envelopeToJson, newEnvelope, validateEnvelope } from '../lib/envelope.js';
 import { JsonSyntaxError, parseJson, stringifyJson } from '../lib/json.js';
 import { BUCKETS, KeySpace, bucketFor } from '../lib/keys.js';
 import { LUA_DIR, SCRIPT_NAMES, keyCount, loadScripts } from '../lib/scripts.js';
 
-const env = (fields = {}) => validateEnvelope({ task_type: 'reports.render', ...fields }).envelope;
+const env = (fields = {}) => newEnvelope({ task_type: 'reports.render', ...fields });
+// The identity every Envelope carries on the wire.
+const ID = '"task_id":"t-1","trace_id":"tr-1","created_at":"2025-09-11T04:40:00Z"';
 const kindOf = (fields) => {
   try {
     decodeEntry(fields);
@@ -70,16 +72,36 @@ describe('entries', () => {
     assert.equal(kindOf({ v: '1 ', enc: 'json', body }), 'version');
     assert.equal(kindOf({ v: '1', enc: 'gzip', body }), 'encoding');
     assert.equal(kindOf({ v: '1', enc: 'json', body: Buffer.from([0xef, 0xbb, 0xbf, ...body]) }), 'envelope'); // BOM
-    assert.equal(kindOf({ v: '1', enc: 'json', body: Buffer.from('{"task_type":"a","payload":{"s":"\\ud800"}}') }), 'envelope');
+    assert.equal(kindOf({ v: '1', enc: 'json', body: Buffer.from(`{${ID},"task_type":"a","payload":{"s":"\\ud800"}}`) }), 'envelope');
     assert.equal(kindOf(null), 'missing_field');
     assert.equal(kindOf('not fields'), 'missing_field');
     assert.equal(kindOf({ v: '1', enc: 'json', body: Buffer.from('['.repeat(100_000)) }), 'envelope');
     assert.equal(kindOf(['v', '1', 'enc', 'json', 'body', body, 'n', '3']), 'ok');
   });
 
+  test('a reader never invents the identity: task_id, trace_id and created_at are required', () => {
+    for (const missing of ['task_id', 'trace_id', 'created_at']) {
+      const fields = { task_type: 'a', task_id: 't-1', trace_id: 'tr-1', created_at: '2025-09-11T04:40:00Z' };
+      delete fields[missing];
+      try {
+        decodeEntry({ v: '1', enc: 'json', body: JSON.stringify(fields) });
+        assert.fail(`decoded without ${missing}`);
+      } catch (err) {
+        assert.ok(err instanceof MalformedEntry, String(err));
+        assert.equal(err.kind, 'envelope');
+        assert.deepEqual(err.violations.map((v) => [v.field, v.rule]), [[missing, 'required']]);
+      }
+    }
+    // A producer fills them in; what it keeps, it keeps.
+    const built = newEnvelope({ task_type: 'a', trace_id: 'from-the-request' });
+    assert.match(built.task_id, /^[0-9a-f-]{36}$/);
+    assert.equal(built.trace_id, 'from-the-request');
+    assert.equal(validateEnvelope(envelopeToJson(built)).ok, true);
+  });
+
   test('the partial object of an invalid body is kept for logs', () => {
     try {
-      decodeEntry({ v: '1', enc: 'json', body: '{"task_id":"t-1","task_type":"a","priority":900}' });
+      decodeEntry({ v: '1', enc: 'json', body: `{${ID},"task_type":"a","priority":900}` });
       assert.fail('should not decode');
     } catch (err) {
       assert.equal(err.kind, 'envelope');

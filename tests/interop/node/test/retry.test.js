@@ -2,14 +2,14 @@
 
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { validateEnvelope } from '../lib/envelope.js';
+import { envelopeToJson, newEnvelope, validateEnvelope } from '../lib/envelope.js';
 import {
-  FAST_RETRIES_HEADER, TaskTimeoutError, TransientError, backoffDelayMs, decideFailure, fastRetriesTaken,
-  isTransientError, nextAttempt,
+  FAST_RETRIES_HEADER, InvalidPayloadError, RejectedError, TaskTimeoutError, TransientError, backoffDelayMs,
+  decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from '../lib/retry.js';
 import { Timestamp } from '../lib/time.js';
 
-const env = (fields) => validateEnvelope({ task_type: 'a.b', created_at: '2025-09-11T12:00:00+08:00', ...fields }).envelope;
+const env = (fields) => newEnvelope({ task_type: 'a.b', created_at: '2025-09-11T12:00:00+08:00', ...fields });
 const opts = { backoffMs: 30_000, maxBackoffMs: 3_600_000, fastRetries: 2 };
 const mid = () => 0.5; // jitter factor exactly 1.0
 
@@ -24,6 +24,14 @@ describe('backoff delay', () => {
     assert.equal(backoffDelayMs(3, 2, opts, mid), 30_000);
     assert.equal(backoffDelayMs(4, 2, opts, mid), 60_000);
     assert.equal(backoffDelayMs(1, 5, opts, mid), 30_000); // a bogus header never shortens below base
+  });
+
+  test('the jitter factor is applied before the cap', () => {
+    // A capped delay is exactly max_backoff, whatever the jitter...
+    assert.equal(backoffDelayMs(20, 0, opts, () => 0.999999), 3_600_000);
+    // ...and a delay just above the cap may be jittered below it: 30 s x 2^7 x 0.8 = 51.2 min.
+    assert.equal(backoffDelayMs(8, 0, opts, () => 0), 3_072_000);
+    for (let i = 0; i < 200; i += 1) assert.ok(backoffDelayMs(30, 0, opts) <= 3_600_000);
   });
 
   test('jitter stays within [0.8, 1.2]', () => {
@@ -73,7 +81,19 @@ describe('decisions', () => {
     const last = env({ max_retries: 1, retry_count: 1 });
     assert.equal(decideFailure(last, { transient: true }, opts).failureClass, 'transient_exhausted');
     assert.equal(decideFailure(last, { transient: true, timeout: true }, opts).failureClass, 'timeout');
-    assert.equal(decideFailure(env({}), { timeout: true }, opts).tier, 'fast');
+  });
+
+  test('timeouts skip the fast tier', () => {
+    const d = decideFailure(env({}), { timeout: true }, opts, mid);
+    assert.deepEqual(d, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 1, headers: {} });
+    assert.equal(decideFailure(env({}), { transient: true, timeout: true }, opts, mid).tier, 'backoff');
+  });
+
+  test('invalid payloads and rejections are never retried', () => {
+    assert.equal(permanentClassOf(new InvalidPayloadError('x')), 'invalid_payload');
+    assert.equal(permanentClassOf(new RejectedError('x')), 'rejected');
+    assert.equal(permanentClassOf(new TransientError('x')), null);
+    assert.equal(permanentClassOf(new Error('x')), null);
   });
 
   test('max_retries null retries forever on the backoff tier, capped', () => {
@@ -91,7 +111,7 @@ describe('decisions', () => {
 
   test('what counts as transient', () => {
     assert.equal(isTransientError(new TransientError('x')), true);
-    assert.equal(isTransientError(new TaskTimeoutError(5)), true);
+    assert.equal(isTransientError(new TaskTimeoutError(5)), false); // its own class: timeout
     assert.equal(isTransientError(Object.assign(new Error('x'), { code: 'ECONNRESET' })), true);
     assert.equal(isTransientError(new Error('wrap', { cause: Object.assign(new Error('x'), { code: 'ETIMEDOUT' }) })), true);
     assert.equal(isTransientError(new Error('x')), false);
@@ -111,5 +131,12 @@ describe('the next attempt', () => {
     assert.equal(next.schedule_time, '2025-09-11T12:00:30+08:00');
     assert.equal(Timestamp.parse(next.schedule_time).epochMs, now + 30_000);
     assert.equal(validateEnvelope(next).ok, true);
+  });
+
+  test('a delay of 0 leaves schedule_time out', () => {
+    const e = env({ schedule_time: '2025-09-11T12:00:00+08:00' });
+    const next = nextAttempt(e, { retryCount: 1, delayMs: 0 });
+    assert.equal(next.schedule_time, null);
+    assert.equal(JSON.parse(envelopeToJson(next)).schedule_time, undefined);
   });
 });

@@ -3,7 +3,7 @@
 
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { dueMs, isDue, validateEnvelope } from '../lib/envelope.js';
+import { dueMs, isDue, newEnvelope, validateEnvelope } from '../lib/envelope.js';
 import { TimeError, Timestamp, formatOffset, parseOffset } from '../lib/time.js';
 
 const rule = (fn) => {
@@ -26,7 +26,7 @@ describe('refused inputs', () => {
   });
 
   test('an envelope with an epoch schedule_time is refused, not parked for months', () => {
-    const result = validateEnvelope('{"task_type":"order.close_timeout","schedule_time":1757565900000}');
+    const result = validateEnvelope('{"task_id":"t-1","trace_id":"tr-1","created_at":"2025-09-11T04:40:00Z","task_type":"order.close_timeout","schedule_time":1757565900000}');
     assert.equal(result.ok, false);
     assert.deepEqual(result.violations.map((v) => [v.field, v.rule]), [['schedule_time', 'type']]);
   });
@@ -75,7 +75,7 @@ describe('offsets', () => {
   });
 
   test('validation keeps the offset the writer gave', () => {
-    const result = validateEnvelope({ task_type: 'a.b', schedule_time: '2025-09-11T12:45:00+08:00', created_at: '2025-09-11T12:30:00-05:30' });
+    const result = validateEnvelope({ task_id: 't-1', trace_id: 'tr-1', task_type: 'a.b', schedule_time: '2025-09-11T12:45:00+08:00', created_at: '2025-09-11T12:30:00-05:30' });
     assert.equal(result.envelope.schedule_time, '2025-09-11T12:45:00+08:00');
     assert.equal(result.envelope.created_at, '2025-09-11T12:30:00-05:30');
     assert.equal(dueMs(result.envelope), Date.UTC(2025, 8, 11, 4, 45, 0));
@@ -113,10 +113,10 @@ describe('offsets', () => {
 
   test('due time compares instants, whatever the offset', () => {
     const now = Date.UTC(2025, 8, 11, 4, 45, 0);
-    const env = (schedule_time) => validateEnvelope({ task_type: 'a', schedule_time }).envelope;
+    const env = (schedule_time) => newEnvelope({ task_type: 'a', schedule_time });
     assert.equal(isDue(env('2025-09-11T12:45:00+08:00'), now), true);
     assert.equal(isDue(env('2025-09-11T12:45:01+08:00'), now), false);
     assert.equal(isDue(env('2025-09-11T04:44:59Z'), now), true);
-    assert.equal(isDue(validateEnvelope({ task_type: 'a' }).envelope, now), true);
+    assert.equal(isDue(newEnvelope({ task_type: 'a' }), now), true);
   });
 });

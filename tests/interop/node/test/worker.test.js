@@ -13,6 +13,7 @@ import { newEnvelope } from '../lib/envelope.js';
 import { KeySpace } from '../lib/keys.js';
 import { createLogger } from '../lib/log.js';
 import { Producer } from '../lib/producer.js';
+import { RejectedError, TransientError } from '../lib/retry.js';
 import { Scripts } from '../lib/scripts.js';
 import { Timestamp } from '../lib/time.js';
 import { Worker, parseRedisUrl } from '../lib/worker.js';
@@ -47,13 +48,14 @@ describe('worker', { skip, concurrency: false }, () => {
     await server?.close();
   });
 
-  async function startWorker(prefix, options = {}) {
+  async function startWorker(prefix, options = {}, register = () => {}) {
     const sink = logSink();
     const worker = new Worker({
       redis: server.url, prefix, queue: QUEUE, leaseMs: 900, blockMs: 100, backoffMs: 50, maxBackoffMs: 200,
       deferMs: 150, promoterMaxIdleMs: 200, logger: sink.logger, ...options,
     });
     registerBuiltinHandlers(worker);
+    register(worker);
     workers.push(worker);
     await worker.start();
     return { worker, lines: sink.lines };
@@ -200,14 +202,158 @@ describe('worker', { skip, concurrency: false }, () => {
     // A consumer reads it and dies (it never had, or no longer has, a liveness key).
     const read = await redis.xreadgroup('GROUP', 'workers', 'ghost-1', 'COUNT', 1, 'STREAMS', qk.stream('normal'), '>');
     assert.equal(read[0][1].length, 1);
-    const { lines } = await startWorker(prefix);
+    // forgetAfterMs below the lease: forgotten once idle for a lease.
+    const { lines } = await startWorker(prefix, { forgetAfterMs: 1 });
     await waitFor(async () => (await effects(prefix, 'T1')) === '1', { timeoutMs: 6000 });
     assert.ok(lines.some((l) => l.msg === 'took over an entry of a dead consumer'));
     assert.deepEqual(await redis.lrange(`${prefix}:effects:log`, 0, -1), [`node:${taskId}`]);
     await waitFor(async () => {
       const consumers = await redis.xinfo('CONSUMERS', qk.stream('normal'), 'workers');
       return !consumers.some((c) => c.includes('ghost-1'));
-    }, { message: 'the dead consumer is removed from the group' });
+    }, { message: 'the dead consumer is forgotten' });
+    assert.ok(lines.some((l) => l.msg === 'forgot a dead consumer that held nothing' && l.owner === 'ghost-1'));
+  });
+
+  test('dead consumers holding nothing are kept until idle for forgetAfterMs (an hour)', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    for (const stream of qk.taskStreams) await redis.xgroup('CREATE', stream, 'workers', '0', 'MKSTREAM');
+    await redis.xgroup('CREATECONSUMER', qk.stream('normal'), 'workers', 'ghost-idle');
+    const { worker } = await startWorker(prefix);
+    await sleep(1000); // past the lease
+    await worker.takeOver();
+    const names = (await redis.xinfo('CONSUMERS', qk.stream('normal'), 'workers')).map((c) => c[1]);
+    assert.ok(names.includes('ghost-idle'), JSON.stringify(names));
+  });
+
+  test('a task whose consumers keep dying is dead-lettered with who and where', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    for (const stream of qk.taskStreams) await redis.xgroup('CREATE', stream, 'workers', '0', 'MKSTREAM');
+    const env = newEnvelope({ task_type: 'order.close_timeout', payload: { order_id: 'R1' } });
+    const f = encodeEntry(env);
+    await redis.xadd(qk.stream('normal'), '*', 'v', f.v, 'enc', f.enc, 'body', f.body, 'n', '2');
+    await redis.xreadgroup('GROUP', 'workers', 'ghost-r', 'COUNT', 1, 'STREAMS', qk.stream('normal'), '>');
+    const { worker } = await startWorker(prefix, { maxRedeliveries: 3 });
+    const [entry] = await waitFor(() => dead(prefix).then((d) => (d.length ? d : null)), { timeoutMs: 6000 });
+    assert.equal(entry.failure_class, 'redelivery_limit');
+    assert.equal(entry.redeliveries, '3');
+    assert.equal(entry.attempts, undefined);
+    assert.equal(entry.queue, QUEUE);
+    assert.equal(entry.language, 'node');
+    assert.equal(entry.consumer, 'ghost-r'); // the consumer that died holding it
+    assert.equal(entry.pid, String(process.pid));
+    assert.equal(entry.host, worker.host);
+    assert.equal(entry.source_stream, qk.stream('normal'));
+    for (const name of ['first_failure_at', 'last_failure_at', 'dead_at']) Timestamp.parse(entry[name]);
+    assert.equal(entry['raw.body'], f.body.toString());
+    assert.deepEqual(await redis.smembers(ks.deadQueues), [QUEUE]);
+    assert.equal(await effects(prefix, 'R1'), null);
+  });
+
+  test('publishing a delayed task now removes the delayed copy; every delayed store registers the queue', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    const producer = new Producer(redis, { prefix });
+    const fields = { task_type: 'order.close_timeout', payload: { order_id: 'E1' }, task_id: 'e1-task' };
+    for (let i = 0; i < 2; i += 1) {
+      await redis.del(ks.queues);
+      await producer.publish(QUEUE, { ...fields, schedule_time: Timestamp.fromEpochMs(Date.now() + 3_600_000) });
+      assert.deepEqual(await redis.smembers(ks.queues), [QUEUE]);
+    }
+    const { entryId } = await producer.publish(QUEUE, fields);
+    assert.ok(entryId);
+    assert.equal(await redis.zcard(qk.delayed), 0);
+    assert.equal(await redis.hlen(qk.delayedData), 0);
+    assert.equal(await redis.xlen(qk.stream('normal')), 1);
+  });
+
+  test('a read takes exactly the credit, however many streams have entries', async () => {
+    const prefix = prefixFor();
+    const qk = new KeySpace(prefix).queue(QUEUE);
+    const producer = new Producer(redis, { prefix });
+    for (const [order, priority] of [['X1', 250], ['X2', 100], ['X3', 0]]) {
+      await producer.publish(QUEUE, { task_type: 'test.sleep', payload: { ms: 600, order }, priority });
+    }
+    const { worker } = await startWorker(prefix, { prefetch: 1 });
+    await waitFor(() => worker.inflight.size === 1);
+    await sleep(200);
+    let total = 0;
+    for (const stream of qk.taskStreams) total += Number((await redis.xpending(stream, 'workers'))[0]);
+    assert.equal(total, 1);
+    await waitFor(async () => (await pendingOf(prefix)) === 0 && (await redis.xlen(qk.stream('low'))) === 0, { timeoutMs: 5000 });
+  });
+
+  test('a cancelled task is acknowledged before its type is checked', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    const producer = new Producer(redis, { prefix });
+    const cancelled = await producer.publish(QUEUE, { task_type: 'nobody.handles_this' });
+    await redis.zadd(qk.cancelled, Date.now(), cancelled.taskId);
+    const retried = await producer.publish(QUEUE, { task_type: 'nobody.handles_this', retry_count: 1 });
+    await startWorker(prefix);
+    const entries = await waitFor(async () => ((await dead(prefix)).length === 1 && (await pendingOf(prefix)) === 0 ? dead(prefix) : null));
+    assert.equal(entries[0].task_id, retried.taskId);
+    assert.equal(entries[0].failure_class, 'unknown_task_type');
+    assert.equal(entries[0].attempts, '2');
+    assert.equal(await redis.zcard(qk.cancelled), 0);
+    assert.equal(await redis.xlen(qk.stream('normal')), 0);
+  });
+
+  test('idempotency is checked before the retry slot; a retry without a slot gives its claim back', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const qk = ks.queue(QUEUE);
+    const slots = ks.retrying('order.close_timeout');
+    await redis.zadd(slots, Date.now() + 60_000, 'someone-else');
+    await redis.set(ks.idempotency('order.close_timeout', 'done-key'), 'done earlier 2025-09-11T04:40:00Z', 'PX', 60_000);
+    const producer = new Producer(redis, { prefix });
+    const dup = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'Q1' }, retry_count: 1, idempotency_key: 'done-key' });
+    const waiting = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'Q2' }, retry_count: 1, idempotency_key: 'free-key' });
+    const { lines } = await startWorker(prefix, { retryConcurrency: 1 });
+    await waitFor(() => lines.some((l) => l.msg.startsWith('duplicate') && l.task_id === dup.taskId));
+    await waitFor(() => lines.some((l) => l.msg.startsWith('all retry slots') && l.task_id === waiting.taskId));
+    assert.equal(await redis.exists(ks.idempotency('order.close_timeout', 'free-key')), 0);
+    assert.equal(await redis.zscore(qk.delayed, dup.taskId), null);
+    assert.equal(await effects(prefix, 'Q2'), null);
+  });
+
+  test('retries: delay 0 leaves schedule_time out, x-first-failure-at is kept, timeouts skip the fast tier', async () => {
+    const prefix = prefixFor();
+    const seen = [];
+    const { lines } = await startWorker(prefix, { fastRetries: 2 }, (worker) => {
+      worker.register('test.record', async (payload, ctx) => {
+        seen.push(ctx.envelope);
+        if (seen.length < 4) throw new TransientError('flaky');
+      });
+      worker.register('test.refuse', async () => { throw new RejectedError('not for this tenant'); });
+    });
+    const producer = new Producer(redis, { prefix });
+    await producer.publish(QUEUE, { task_type: 'test.record', max_retries: 5 });
+    await waitFor(() => seen.length === 4, { timeoutMs: 5000 });
+    assert.deepEqual(seen.map((e) => e.schedule_time === null), [true, true, true, false]);
+    assert.deepEqual(seen.map((e) => e.headers['x-fast-retries'] ?? ''), ['', '1', '2', '2']);
+    const firsts = seen.map((e) => e.headers['x-first-failure-at']);
+    assert.equal(firsts[0], undefined);
+    Timestamp.parse(firsts[1]);
+    assert.deepEqual(firsts.slice(2), [firsts[1], firsts[1]]);
+
+    const slow = await producer.publish(QUEUE, { task_type: 'test.sleep', payload: { ms: 5000 }, timeout_ms: 100, max_retries: 1 });
+    const refused = await producer.publish(QUEUE, { task_type: 'test.refuse' });
+    const entries = await waitFor(async () => ((await dead(prefix)).length === 2 ? dead(prefix) : null), { timeoutMs: 5000 });
+    const byTask = Object.fromEntries(entries.map((e) => [e.task_id, e]));
+    assert.equal(byTask[refused.taskId].failure_class, 'rejected');
+    assert.equal(byTask[refused.taskId].attempts, '1');
+    assert.equal(byTask[slow.taskId].failure_class, 'timeout');
+    assert.equal(byTask[slow.taskId].attempts, '2');
+    const last = decodeEntry({ v: byTask[slow.taskId]['raw.v'], enc: byTask[slow.taskId]['raw.enc'], body: byTask[slow.taskId]['raw.body'] });
+    assert.equal(last.headers['x-fast-retries'], undefined);
+    assert.notEqual(last.schedule_time, null);
+    assert.deepEqual(lines.filter((l) => l.task_id === slow.taskId && l.msg === 'attempt failed; retrying').map((l) => l.tier), ['backoff']);
   });
 
   test('a retry waits for a free retry slot (retry_count unchanged)', async () => {
@@ -223,7 +369,7 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.equal(await effects(prefix, 'S1'), null);
     await redis.zrem(slots, 'someone-else');
     await waitFor(async () => (await effects(prefix, 'S1')) === '1', { timeoutMs: 5000 });
-    assert.equal(await redis.zscore(slots, taskId), null, 'the slot is released when the attempt ends');
+    await waitFor(async () => (await redis.zscore(slots, taskId)) === null, { message: 'the slot is released when the attempt ends' });
   });
 
   test('a task cancelled after promotion is acknowledged without running', async () => {
