@@ -19,6 +19,9 @@ for example when ``python -m kombu_envelope.scheduler`` runs on its own, with::
 
     app.conf.envelope_promoter_enabled = False
 
+The promoter also publishes the app's periodic tasks (``beat_schedule``, see
+:mod:`celery_ext.periodic`) unless ``envelope_periodic_enabled = False``.
+
 Add it to a worker with :func:`add_worker_steps`, or connect
 :func:`install_worker_steps` to :data:`celery.signals.celeryd_init`.
 """
@@ -31,6 +34,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.connection import connection_pool
 from kombu_envelope.scheduler import Promoter
 from kombu_envelope.settings import Settings
@@ -57,7 +61,10 @@ def uses_envelope_broker(app: Any) -> bool:
 
 
 class DelayedTaskPromoter(bootsteps.StartStopStep):
-    """Worker bootstep: a :class:`Promoter` thread from worker start to worker stop."""
+    """Worker bootstep: a :class:`Promoter` thread from worker start to worker stop.
+
+    The promoter also runs the app's periodic tasks (:mod:`celery_ext.periodic`).
+    """
 
     label = "Delayed-task promoter"
     conditional = True
@@ -80,7 +87,9 @@ class DelayedTaskPromoter(bootsteps.StartStopStep):
         settings = Settings.from_transport_options(app.conf.broker_transport_options)
         with app.connection_for_write() as conn:
             pool = self.pool = connection_pool(conn, settings)
-        return Promoter(lambda: redis.Redis(connection_pool=pool), settings)
+        periodic = periodic_scheduler(app, redis.Redis(connection_pool=pool), settings)
+        return Promoter(lambda: redis.Redis(connection_pool=pool), settings,
+                        jobs=[periodic] if periodic is not None else [])
 
     def start(self, parent: Any) -> None:
         if self.obj is not None:

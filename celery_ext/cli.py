@@ -8,6 +8,7 @@ human-readable table; ``--json`` prints JSON instead.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -16,8 +17,9 @@ from typing import Any
 import click
 
 from celery_ext.broker import broker_redis, broker_settings
+from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.deadletter import DeadLetterFilter, DeadLetters, ReplayEdit
-from kombu_envelope.delayed import DelayedTasks
+from kombu_envelope.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import EnvelopeError
 from kombu_envelope.scheduler import Promoter
@@ -71,19 +73,29 @@ def envelope() -> None:
 @click.option("--batch", default=1000, show_default=True, help="Tasks moved per step.")
 @click.pass_context
 def scheduler(ctx: click.Context, batch: int) -> None:
-    """Run a standalone delayed-task promoter until interrupted."""
+    """Run the shared scheduler: promote delayed tasks, publish periodic ones.
+
+    Periodic tasks are the app's beat_schedule, unless envelope_periodic_enabled
+    is False. Stops on SIGINT (Ctrl-C) or SIGTERM.
+    """
     app = _app(ctx)
     settings = broker_settings(app)
-    promoter = Promoter(lambda: broker_redis(app, settings), settings, batch=batch)
-    click.echo(f"promoting delayed tasks (prefix {settings.key_prefix}); Ctrl-C to stop")
+    periodic = periodic_scheduler(app, broker_redis(app, settings), settings)
+    promoter = Promoter(lambda: broker_redis(app, settings), settings, batch=batch,
+                        jobs=[periodic] if periodic is not None else [])
+    names = ", ".join(entry.name for entry in periodic.entries) if periodic else ""
+    click.echo(f"promoting delayed tasks (prefix {settings.key_prefix}); periodic entries: "
+               f"{names or 'none'}; Ctrl-C to stop")
     stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     promoter.start()
     try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):  # wake up regularly so the handlers run on every platform
+            pass
     finally:
         promoter.stop()
+    click.echo("scheduler stopped")
 
 
 # ------------------------------------------------------------------ delayed
@@ -159,8 +171,23 @@ def delayed_show(ctx: click.Context, task_id: str, queue: str | None) -> None:
 @click.option("--queue", "-Q", default="celery", show_default=True, help="Queue name.")
 @click.pass_context
 def cancel(ctx: click.Context, task_id: str, queue: str) -> None:
-    """Cancel a task: remove it if still delayed, else mark it to be skipped."""
-    click.echo(_delayed(ctx).cancel(task_id, queue).value)
+    """Cancel a task: remove it if still delayed, else mark it to be skipped.
+
+    Prints the outcome (removed, marked or already) and what it means.
+    """
+    outcome = _delayed(ctx).cancel(task_id, queue)
+    click.echo(f"{outcome.value}: {_CANCEL_MEANING[outcome].format(task_id=task_id, queue=queue)}")
+
+
+_CANCEL_MEANING = {
+    CancelOutcome.REMOVED: "task {task_id} was delayed in queue {queue}; it will never run",
+    CancelOutcome.MARKED: (
+        "task {task_id} is not delayed in queue {queue}; if it is in (or reaches) that "
+        "queue's stream, a worker acknowledges it without running it (mark kept 7 days); "
+        "a task that already ran, or an unknown id, is not affected"
+    ),
+    CancelOutcome.ALREADY: "task {task_id} was already marked cancelled in queue {queue}",
+}
 
 
 # ---------------------------------------------------------------------- dlq

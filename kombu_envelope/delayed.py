@@ -15,7 +15,7 @@ from typing import Any
 
 from kombu_envelope.codec import decode_body
 from kombu_envelope.envelope import Envelope, utcnow
-from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.errors import InvalidQueueName, MalformedEntry
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -120,6 +120,29 @@ class DelayedTasks:
             args=[task_id, now_ms, CANCEL_MARK_RETENTION_MS],
         )
         return CancelOutcome(_text(reply))
+
+    def cancel_everywhere(self, task_id: str) -> dict[str, CancelOutcome]:
+        """Cancel ``task_id`` without knowing its queue; return the outcome per queue.
+
+        Where the task is still delayed, it is cancelled there only. Otherwise it
+        is marked in every queue that has delayed tasks, since it may be in (or
+        on its way to) any of their streams.
+        """
+        queues = []
+        for queue in self.queues():
+            try:
+                queues.append((queue, self.settings.keys.queue(queue)))
+            except InvalidQueueName:  # written by some other client
+                continue
+        if not queues:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for _queue, keys in queues:
+            pipe.zscore(keys.delayed, task_id)
+        delayed_in = [queue for (queue, _), score in zip(queues, pipe.execute())
+                      if score is not None]
+        targets = delayed_in or [queue for queue, _ in queues]
+        return {queue: self.cancel(task_id, queue) for queue in targets}
 
     def _with_envelopes(self, queue: str, scored: list[tuple[Any, float]]) -> list[DelayedTask]:
         if not scored:
