@@ -73,6 +73,19 @@ def _show_streams(client: redis.Redis) -> None:
         print(json.dumps(json.loads(envelope.to_json()), indent=2))
 
 
+def _wait_for_acknowledgements(client: redis.Redis, timeout: float = 10.0) -> None:
+    """Wait until the worker has acknowledged (deleted) every entry it ran.
+
+    A result is stored before its entry is acknowledged when the worker ran the task
+    from a timer (an eta); the acknowledgement follows on the next turn of the
+    worker's event loop.
+    """
+    streams = KeySpace(KEY_PREFIX).queue("celery").task_streams
+    deadline = time.monotonic() + timeout
+    while any(client.xlen(stream) for stream in streams) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _start_worker(broker: str, backend: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, ENVELOPE_DEMO_BROKER=broker, ENVELOPE_DEMO_BACKEND=backend)
     return subprocess.Popen(
@@ -105,6 +118,7 @@ def main() -> None:
                 print(f"  -> {result.get(timeout=60)}")
             print(f"  -> {delayed.get(timeout=60)} "
                   f"({time.monotonic() - started:.1f} s after the worker started)")
+            _wait_for_acknowledgements(client)
             _show_streams(client)
         finally:
             worker.terminate()

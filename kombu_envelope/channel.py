@@ -21,10 +21,11 @@ import logging
 import os
 import socket
 import uuid
+from collections import deque
 from typing import Any
 
 from kombu.transport import virtual
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from kombu_envelope.adapter import MessageAdapter, Undeliverable
 from kombu_envelope.codec import F_BODY, F_ENCODING, decode_entry
@@ -48,6 +49,9 @@ INFO_ENTRY_ID = "envelope_entry_id"
 #: delivery_info key a consumer may set before reject() to name the failure class.
 INFO_FAILURE_CLASS = "envelope_failure_class"
 INFO_FAILURE_REASON = "envelope_failure_reason"
+#: delivery_info keys naming the consumer that read the entry and the entry's queue.
+INFO_CONSUMER = "envelope_consumer"
+INFO_QUEUE = "envelope_queue"
 
 _TRANSIENT_ARGUMENTS = ("x-expires", "x-message-ttl")
 
@@ -114,6 +118,8 @@ class Channel(virtual.Channel):
         self._transient: dict[str, bool] = {}
         self._reader: Any = None
         self._reading = False
+        #: Messages read by the last blocking read and not delivered yet (see deliver_buffered).
+        self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
         self._wait_only = False
         self._registered_liveness = False
         transport.poller.add(self)
@@ -264,10 +270,26 @@ class Channel(virtual.Channel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
+            self._give_back_buffered(queue)
         self._register_liveness()
         return result
 
+    def _give_back_buffered(self, queue: str) -> None:
+        """Put back the entries of ``queue`` read but never delivered (nobody consumes it)."""
+        given = [message for name, message in self._buffer if name == queue]
+        if not given:
+            return
+        self._buffer = deque(item for item in self._buffer if item[0] != queue)
+        try:
+            for message in given:
+                self.requeue_entry(message["properties"]["delivery_info"])
+        except RedisError:  # they stay pending here: taken over once the lease runs out
+            logger.warning("could not give back %d entries of %s read but not delivered",
+                           len(given), queue, exc_info=True)
+
     def _register_liveness(self) -> None:
+        if self.closed:  # cancelled while closing, or after (connection is None then)
+            return
         lease = self.connection.lease_keeper
         if self._active_queues:
             lease.register(self.consumer_name, self._active_queues)
@@ -279,8 +301,13 @@ class Channel(virtual.Channel):
         return bool(self._active_queues) and self.qos.can_consume()
 
     def _credit(self) -> int:
+        return max(self._room(), 1)
+
+    def _room(self) -> int:
+        """How many more entries the prefetch limit lets this channel read now."""
         estimate = self.qos.can_consume_max_estimate()
-        return self.settings.max_batch if estimate is None else max(int(estimate), 1)
+        room = self.settings.max_batch if estimate is None else int(estimate)
+        return room - len(self._buffer)
 
     def _consumed_streams(self) -> list[str]:
         return [s for q in self._active_queues for s in self.keys.queue(q).all_streams]
@@ -339,7 +366,7 @@ class Channel(virtual.Channel):
         taken, most urgent first, by read.lua.
         """
         if not self._reading:
-            if not self.consuming:
+            if not self.consuming or self._buffer:
                 return None
             streams = self._consumed_streams()
             credit = self._credit()
@@ -360,7 +387,8 @@ class Channel(virtual.Channel):
         return sock.fileno() if sock is not None else None
 
     def finish_blocking_read(self) -> int:
-        """Read the reply of the blocking read and deliver it; return messages delivered."""
+        """Read the reply of the blocking read and deliver its first message (the others
+        wait in the buffer); return messages delivered."""
         self._reading = False
         try:
             reply = self.reader.read_response()
@@ -375,13 +403,33 @@ class Channel(virtual.Channel):
         if self._wait_only:  # the reply only says that unread entries exist
             if not self.consuming:
                 return 0
-            return self._deliver_reply(self._read_now(self._consumed_streams(),
-                                                      self._credit()))
-        delivered = self._deliver_reply(reply or [])
-        if delivered and self.consuming:
-            delivered += self._deliver_reply(self._read_now(self._consumed_streams(),
-                                                            self._credit()))
-        return delivered
+            self._buffer.extend(self._messages_from_reply(
+                self._read_now(self._consumed_streams(), self._credit())))
+            return self.deliver_buffered()
+        self._buffer.extend(self._messages_from_reply(reply or []))
+        if self._buffer and self.consuming and self._room() > 0:
+            self._buffer.extend(self._messages_from_reply(
+                self._read_now(self._consumed_streams(), self._room())))
+        return self.deliver_buffered()
+
+    def has_buffered(self) -> bool:
+        """Whether a message read earlier waits and the prefetch limit lets it go."""
+        return bool(self._buffer) and self.qos.can_consume()
+
+    def deliver_buffered(self) -> int:
+        """Deliver one message read earlier; return how many were delivered (0 or 1).
+
+        One per turn of the event loop: a Celery worker runs a solo-pool task inside
+        the delivery, and checks between turns whether it was told to stop. Delivering
+        a whole batch at once would make a warm shutdown run every prefetched task
+        instead of giving them back. The entries stay pending under this consumer;
+        cancelling the consumer (closing does) puts back whatever was never delivered.
+        """
+        if not self.has_buffered():
+            return 0
+        queue, message = self._buffer.popleft()
+        self._deliver_message(queue, message)
+        return 1
 
     def _last_delivered_ids(self, streams: list[str]) -> list[str]:
         """The consumer group's last-delivered id on each stream ("0-0" when unknown)."""
@@ -404,14 +452,10 @@ class Channel(virtual.Channel):
             self._reader = None
         self._reading = False
 
-    def _deliver_reply(self, reply: list[Any]) -> int:
-        delivered = 0
-        for queue, message in self._messages_from_reply(reply):
-            self.connection._deliver(message, queue)
-            if queue in self._no_ack_queues:
-                self.ack_entry(message["properties"]["delivery_info"])
-            delivered += 1
-        return delivered
+    def _deliver_message(self, queue: str, message: dict[str, Any]) -> None:
+        self.connection._deliver(message, queue)
+        if queue in self._no_ack_queues:
+            self.ack_entry(message["properties"]["delivery_info"])
 
     def _messages_from_reply(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
         """Turn read entries into kombu messages (section 5.1 of docs/protocol.md)."""
@@ -505,6 +549,7 @@ class Channel(virtual.Channel):
         info.setdefault("exchange", "")
         info.setdefault("routing_key", queue)
         info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id,
+                     INFO_CONSUMER: self.consumer_name, INFO_QUEUE: queue,
                      "redelivered": b"n" in fields or "n" in fields})
         return message
 
@@ -555,9 +600,12 @@ class Channel(virtual.Channel):
         pipe.xdel(stream, entry_id)
         acked, _ = pipe.execute()
         if not acked:
-            logger.warning(
-                "entry %s of %s was no longer pending when acknowledged "
-                "(it was taken over while this consumer looked dead)", entry_id, stream)
+            # Normal when the task settled its entry itself (dead-lettered it); the
+            # takeover of a consumer that only looked dead is logged by the taker.
+            logger.info(
+                "entry %s of %s was already settled when acknowledged (dead-lettered "
+                "by its task, or taken over while this consumer looked dead)",
+                entry_id, stream)
 
     def requeue_entry(self, delivery_info: dict[str, Any]) -> None:
         """Put the entry a message came from back at the end of its stream."""
@@ -587,6 +635,10 @@ class Channel(virtual.Channel):
             self.client, self.settings, queue=queue, stream=stream, entry_id=entry_id,
             failure=failure, consumer=self.consumer_name,
         )
+        if dead_id is None:
+            logger.info("entry %s of %s was already settled (dead-lettered by its task); "
+                        "not dead-lettered again", entry_id, stream)
+            return
         logger.error("entry %s of %s dead-lettered as %s (%s): %s", entry_id, stream,
                      dead_id, failure.failure_class.value, failure.reason)
 
@@ -598,6 +650,7 @@ class Channel(virtual.Channel):
         transport = self.connection
         queues = set(self._active_queues)
         super().close()  # cancels consumers and restores what QoS tracked
+        self._buffer.clear()  # given back when their consumers were cancelled above
         self._drop_reader()
         transport.poller.discard(self)
         try:

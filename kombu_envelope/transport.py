@@ -26,6 +26,7 @@ See :class:`kombu_envelope.settings.Settings`: ``key_prefix``, ``consumer_group`
 from __future__ import annotations
 
 import select
+import socket
 from time import monotonic
 from typing import Any
 
@@ -43,11 +44,17 @@ from kombu_envelope.settings import Settings
 
 
 class Poller:
-    """Tracks the channels of one connection and their blocking-read sockets."""
+    """Tracks the channels of one connection and their blocking-read sockets.
+
+    Messages a read brought beyond the first wait in their channel's buffer; while
+    any does, :meth:`arm` also returns the fd of a socket that is always readable,
+    so that the event loop comes back at once to deliver the next one.
+    """
 
     def __init__(self) -> None:
         self.channels: list[Channel] = []
         self._fd_to_channel: dict[int, Channel] = {}
+        self._always_readable: tuple[socket.socket, socket.socket] | None = None
 
     def add(self, channel: Channel) -> None:
         """Poll ``channel`` from now on."""
@@ -64,14 +71,36 @@ class Poller:
     def arm(self) -> list[int]:
         """Start a blocking read on every channel that can consume; return their fds."""
         self._fd_to_channel = {}
+        buffered = False
         for channel in list(self.channels):
+            if channel.has_buffered():
+                buffered = True
+                continue
             fd = channel.start_blocking_read()
             if fd is not None:
                 self._fd_to_channel[fd] = channel
-        return list(self._fd_to_channel)
+        fds = list(self._fd_to_channel)
+        if buffered:
+            fds.append(self._ready_fd())
+        return fds
+
+    def _ready_fd(self) -> int:
+        if self._always_readable is None:
+            self._always_readable = socket.socketpair()
+            self._always_readable[1].send(b"\0")  # never read: the other end stays readable
+        return self._always_readable[0].fileno()
+
+    def close(self) -> None:
+        """Close the always-readable socket pair (made again when needed)."""
+        if self._always_readable is not None:
+            for sock in self._always_readable:
+                sock.close()
+            self._always_readable = None
 
     def on_readable(self, fd: int) -> int:
         """A read reply arrived on ``fd``: deliver it; return messages delivered."""
+        if self._always_readable is not None and fd == self._always_readable[0].fileno():
+            return sum(channel.deliver_buffered() for channel in list(self.channels))
         channel = self._fd_to_channel.get(fd)
         if channel is None or not channel._reading:
             return 0
@@ -178,6 +207,7 @@ class Transport(virtual.Transport):
         try:
             super().close_connection(connection)
         finally:  # also when a channel could not reach Redis while closing
+            self.poller.close()
             if "lease_keeper" in self.__dict__:
                 self.lease_keeper.stop()
             if "pool" in self.__dict__:

@@ -42,6 +42,8 @@ def client_app(redis_url: str, prefix: str, scheme: str = "envelope") -> Celery:
 
 def xadd_envelope(client: redis.Redis, prefix: str, envelope: dict[str, Any]) -> None:
     """Add an Envelope as another language would: raw JSON in a stream entry."""
+    envelope = {"trace_id": uuid.uuid4().hex, "created_at": "2025-09-11T12:45:00+08:00",
+                **envelope}
     fields = {"v": "1", "enc": "json", "body": json.dumps(envelope)}
     client.xadd(KeySpace(prefix).queue("celery").stream(Bucket.NORMAL), fields)
 
