@@ -13,6 +13,12 @@ gives workers on ``envelope://`` the delayed-task promoter
 must use the JSON serializer (Celery's default) and task protocol 2 (the
 default). The mapping is described in :mod:`celery_ext.protocol`, trace ids
 and their log field in :mod:`celery_ext.tracing`.
+
+Workers also run every task through the reliable-execution shell
+(:mod:`celery_ext.execution`: idempotency keys, tiered retries, time limits,
+dead letters), run the app's ``beat_schedule`` in the shared scheduler
+(:mod:`celery_ext.periodic`), and a revoke cancels still-delayed tasks
+(:mod:`celery_ext.revoke`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 from celery import signals
 
 from celery_ext.bootsteps import install_worker_steps
+from celery_ext.execution import RECEIVERS as EXECUTION_RECEIVERS
+from celery_ext.failures import InvalidPayload
 from celery_ext.priority import mark_unset_priority
 from celery_ext.protocol import CeleryAdapter, serve_worker_app
 from celery_ext.tracing import (
@@ -36,6 +44,7 @@ from kombu_envelope import register_transport
 
 __all__ = [
     "CeleryAdapter",
+    "InvalidPayload",
     "TraceIdFilter",
     "current_trace_id",
     "install",
@@ -55,6 +64,7 @@ _RECEIVERS = (
     (signals.after_setup_task_logger, add_log_filter),
     (signals.worker_init, serve_worker_app),
     (signals.celeryd_init, install_worker_steps),
+    *EXECUTION_RECEIVERS,
 )
 
 

@@ -1,5 +1,11 @@
 """Celery message headers <-> Envelope fields: eta, time limits and string headers.
 
+Time limits: ``timeout_ms`` is the soft limit (Celery raises
+``SoftTimeLimitExceeded`` inside the task, a ``timeout`` failure that follows
+the retry policy), or the hard one when only that is set. On delivery it
+becomes ``timelimit = [timeout_ms + HARD_LIMIT_GRACE_S, timeout_ms]`` (seconds),
+unless the original header agrees and has a soft limit.
+
 A header value kept under ``ext.celery.headers`` is written back on delivery
 only while it still agrees with the Envelope field it maps to; when another
 language changed the field, the field wins and the header is rebuilt from it.
@@ -67,6 +73,10 @@ def eta_header(original: Any, schedule_time: datetime | None) -> str | None:
     return schedule_time.isoformat()
 
 
+#: Seconds between the soft time limit (``timeout_ms``) and the hard one.
+HARD_LIMIT_GRACE_S = 5
+
+
 def _ms(seconds: Any) -> int | None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
         return None
@@ -76,19 +86,25 @@ def _ms(seconds: Any) -> int | None:
 def timeout_ms_of(timelimit: Any) -> int | None:
     """``timeout_ms`` of Celery's ``timelimit`` header ``[hard, soft]`` (seconds).
 
-    The hard limit when set, else the soft one; None when neither is.
+    The soft limit when set (it raises inside the task, so a timeout follows the
+    retry policy), else the hard one; None when neither is.
     """
     if not isinstance(timelimit, (list, tuple)) or len(timelimit) != 2:
         return None
     hard, soft = timelimit
-    return _ms(hard) or _ms(soft)
+    return _ms(soft) or _ms(hard)
 
 
 def timelimit_header(original: Any, timeout_ms: int | None) -> Any:
-    """The ``timelimit`` header for ``timeout_ms``: the original when it still agrees."""
-    if timeout_ms_of(original) == timeout_ms:
+    """The ``timelimit`` header for ``timeout_ms``: ``[soft + grace, soft]``.
+
+    The soft limit is ``timeout_ms``; the hard limit, which kills the process,
+    comes :data:`HARD_LIMIT_GRACE_S` later. The original header is kept while it
+    still agrees and has a soft limit.
+    """
+    if timeout_ms_of(original) == timeout_ms and (timeout_ms is None or _ms(original[1])):
         return original
     if timeout_ms is None:
         return [None, None]
-    seconds = timeout_ms // 1000 if timeout_ms % 1000 == 0 else timeout_ms / 1000
-    return [seconds, None]
+    soft = timeout_ms // 1000 if timeout_ms % 1000 == 0 else timeout_ms / 1000
+    return [soft + HARD_LIMIT_GRACE_S, soft]

@@ -15,8 +15,9 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * ``retries`` -> ``retry_count``; the task's ``max_retries`` -> ``max_retries``
   (raised to ``retries`` when below it, the task's value then kept as
   ``ext.celery.max_retries``).
-* ``timelimit`` ``[hard, soft]`` (seconds) -> ``timeout_ms``: the hard limit,
-  else the soft one.
+* ``timelimit`` ``[hard, soft]`` (seconds) -> ``timeout_ms``: the soft limit,
+  else the hard one; delivered as ``[soft + grace, soft]`` (see
+  :mod:`celery_ext.headers`).
 * ``eta`` -> ``schedule_time``; an eta without offset is refused.
 * priority 0..9 (0 most urgent) or none -> ``priority`` 255..0 or 100, see
   :mod:`celery_ext.priority`.

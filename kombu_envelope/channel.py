@@ -22,6 +22,7 @@ import os
 import socket
 import uuid
 from collections import deque
+from time import monotonic
 from typing import Any
 
 from kombu.transport import virtual
@@ -122,6 +123,13 @@ class Channel(virtual.Channel):
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
         self._wait_only = False
         self._registered_liveness = False
+        #: exchange -> (read at, bindings); see get_table.
+        self._tables: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
+        #: queue -> time until which it is known to have no cancel marks.
+        self._no_cancel_marks_until: dict[str, float] = {}
+        #: Acks are batched per event-loop turn when a hub drives the channel.
+        self.defer_acks = False
+        self._pending_acks: list[tuple[str, str]] = []
         transport.poller.add(self)
 
     # ----------------------------------------------------------------- publish
@@ -221,6 +229,7 @@ class Channel(virtual.Channel):
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str | None,
                 *args: Any, **kwargs: Any) -> None:
+        self._tables.pop(exchange, None)
         self.client.srem(self.keys.binding(exchange), self._binding_member(
             routing_key, pattern, queue))
 
@@ -232,6 +241,7 @@ class Channel(virtual.Channel):
 
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None,
                     queue: str) -> None:
+        self._tables.pop(exchange, None)
         self.client.sadd(self.keys.binding(exchange),
                          self._binding_member(routing_key, pattern, queue))
 
@@ -248,13 +258,27 @@ class Channel(virtual.Channel):
             self._put(queue, message, **kwargs)
 
     def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
-        """Bindings of ``exchange`` as (routing_key, pattern, queue), shared via Redis."""
-        members = self.client.smembers(self.keys.binding(exchange))
+        """Bindings of ``exchange`` as (routing_key, pattern, queue), shared via Redis.
+
+        Read again at most every ``binding_cache_ms``; :meth:`_lookup` reads it
+        again at once when a routing key matches nothing.
+        """
+        cached = self._tables.get(exchange)
+        now = monotonic()
+        if cached is not None and now - cached[0] < self.settings.binding_cache_ms / 1000:
+            return cached[1]
         table = []
-        for member in members:
+        for member in self.client.smembers(self.keys.binding(exchange)):
             routing_key, pattern, queue = _text(member).split(BINDING_SEP)
             table.append((routing_key, pattern, queue))
+        self._tables[exchange] = (now, table)
         return table
+
+    def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> Any:
+        queues = super()._lookup(exchange, routing_key, default)
+        if not queues and self._tables.pop(exchange, None) is not None:
+            queues = super()._lookup(exchange, routing_key, default)  # a binding may be new
+        return queues
 
     # -------------------------------------------------------------- consuming
 
@@ -360,10 +384,10 @@ class Channel(virtual.Channel):
         """Send a blocking read unless one is in flight; return the socket's fd.
 
         XREADGROUP takes up to COUNT entries from *each* stream. When the
-        prefetch credit is smaller than the number of streams, the blocking
-        read is an XREAD from the group's last-delivered ids instead: it only
-        waits for unread entries, and exactly ``credit`` of them are then
-        taken, most urgent first, by read.lua.
+        prefetch credit is smaller than the number of streams, exactly
+        ``credit`` entries are first taken, most urgent first, by read.lua;
+        only when there are none is a blocking XREAD sent, from the group's
+        last-delivered ids: it waits for unread entries without taking any.
         """
         if not self._reading:
             if not self.consuming or self._buffer:
@@ -372,6 +396,9 @@ class Channel(virtual.Channel):
             credit = self._credit()
             self._wait_only = credit < len(streams)
             if self._wait_only:
+                self._buffer.extend(self._messages_from_reply(self._read_now(streams, credit)))
+                if self._buffer:
+                    return None  # delivered from the buffer, without waiting
                 self.reader.send_command(
                     "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
                     "STREAMS", *streams, *self._last_delivered_ids(streams),
@@ -499,20 +526,29 @@ class Channel(virtual.Channel):
         return queue, stream, entry_id, fields, envelope
 
     def _cancelled_among(self, decoded: list[Any]) -> dict[str, set[str]]:
-        """Task ids of ``decoded`` marked cancelled, per queue (one round trip)."""
+        """Task ids of ``decoded`` marked cancelled, per queue (one round trip).
+
+        A queue found without marks is trusted to have none for ``cancel_check_ms``.
+        """
         by_queue: dict[str, list[str]] = {}
+        now = monotonic()
         for queue, _stream, _id, _fields, envelope in decoded:
-            if envelope is not None:
+            if envelope is not None and self._no_cancel_marks_until.get(queue, 0) <= now:
                 by_queue.setdefault(queue, []).append(envelope.task_id)
         if not by_queue:
             return {}
         pipe = self.client.pipeline(transaction=False)
         for queue, task_ids in by_queue.items():
+            pipe.exists(self.keys.queue(queue).cancelled)
             pipe.zmscore(self.keys.queue(queue).cancelled, task_ids)
-        return {
-            queue: {tid for tid, mark in zip(task_ids, marks) if mark is not None}
-            for (queue, task_ids), marks in zip(by_queue.items(), pipe.execute())
-        }
+        replies = pipe.execute()
+        cancelled = {}
+        for (queue, task_ids), has_marks, marks in zip(by_queue.items(), replies[::2],
+                                                       replies[1::2]):
+            if not has_marks:
+                self._no_cancel_marks_until[queue] = now + self.settings.cancel_check_ms / 1000
+            cancelled[queue] = {tid for tid, mark in zip(task_ids, marks) if mark is not None}
+        return cancelled
 
     def _skip_cancelled(self, queue: str, stream: str, entry_id: str,
                         envelope: Envelope) -> None:
@@ -590,22 +626,39 @@ class Channel(virtual.Channel):
     # ------------------------------------------------------- ack / reject
 
     def ack_entry(self, delivery_info: dict[str, Any]) -> None:
-        """Acknowledge and delete the entry a message came from."""
+        """Acknowledge and delete the entry a message came from.
+
+        Under an event loop the ack waits for :meth:`flush_acks`, which the
+        transport calls on every turn: one round trip for all the acks of a turn.
+        """
         stream = delivery_info.get(INFO_STREAM)
         if stream is None:
             return
-        entry_id = delivery_info[INFO_ENTRY_ID]
+        self._pending_acks.append((stream, delivery_info[INFO_ENTRY_ID]))
+        if not self.defer_acks:
+            self.flush_acks()
+
+    def flush_acks(self) -> None:
+        """XACK and XDEL every acknowledged entry not yet settled, in one transaction."""
+        if not self._pending_acks:
+            return
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in self._pending_acks:
+            by_stream.setdefault(stream, []).append(entry_id)
+        self._pending_acks = []
         pipe = self.client.pipeline(transaction=True)
-        pipe.xack(stream, self.settings.consumer_group, entry_id)
-        pipe.xdel(stream, entry_id)
-        acked, _ = pipe.execute()
-        if not acked:
-            # Normal when the task settled its entry itself (dead-lettered it); the
-            # takeover of a consumer that only looked dead is logged by the taker.
-            logger.info(
-                "entry %s of %s was already settled when acknowledged (dead-lettered "
-                "by its task, or taken over while this consumer looked dead)",
-                entry_id, stream)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, self.settings.consumer_group, *ids)
+            pipe.xdel(stream, *ids)
+        replies = pipe.execute()
+        for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
+            if acked < len(ids):
+                # Normal when a task settled its entry itself (dead-lettered it); the
+                # takeover of a consumer that only looked dead is logged by the taker.
+                logger.info(
+                    "%d of %d entries of %s were already settled when acknowledged "
+                    "(dead-lettered by their task, or taken over while this consumer "
+                    "looked dead)", len(ids) - acked, len(ids), stream)
 
     def requeue_entry(self, delivery_info: dict[str, Any]) -> None:
         """Put the entry a message came from back at the end of its stream."""
@@ -649,6 +702,7 @@ class Channel(virtual.Channel):
             return
         transport = self.connection
         queues = set(self._active_queues)
+        self.flush_acks()
         super().close()  # cancels consumers and restores what QoS tracked
         self._buffer.clear()  # given back when their consumers were cancelled above
         self._drop_reader()

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
-from kombu_envelope.codec import decode_entry, encode_body
+from kombu_envelope.codec import decode_entry, encode_body, encode_entry
 from kombu_envelope.envelope import Envelope, Limits, check_publishable, format_rfc3339, utcnow
 from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import bucket_for
@@ -114,6 +114,30 @@ def dead_letter_pending(
     if reply:
         client.sadd(settings.keys.dead_queues, queue)
     return _text(reply) if reply else None
+
+
+def dead_letter_envelope(
+    client: Any,
+    settings: Settings,
+    *,
+    queue: str,
+    envelope: Envelope,
+    failure: Failure,
+    consumer: str,
+) -> str:
+    """Write a dead-letter entry for a task whose stream entry is gone (acknowledged early).
+
+    The ``raw.*`` fields are those of a stream entry holding ``envelope``, so the
+    entry can be replayed like any other. Returns the dead-letter entry id.
+    """
+    fields: dict[str, Any] = dict(failure_fields(failure, queue=queue, consumer=consumer))
+    for name, value in encode_entry(envelope, settings.gzip_min_bytes,
+                                    limits=settings.limits).items():
+        fields["raw." + name] = value
+    pipe = client.pipeline(transaction=True)
+    pipe.xadd(settings.keys.queue(queue).dead, fields)
+    pipe.sadd(settings.keys.dead_queues, queue)
+    return _text(pipe.execute()[0])
 
 
 def _text(value: Any) -> str:

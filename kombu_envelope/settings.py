@@ -31,6 +31,12 @@ class Settings:
     block_ms: int = 1_000
     #: Largest number of entries fetched by one read when prefetch is unlimited.
     max_batch: int = 100
+    #: How long a channel reuses an exchange's binding table before reading it again
+    #: (ms). A routing key that matches nothing always reads it again at once.
+    binding_cache_ms: int = 1_000
+    #: How long a consumer trusts that a queue has no cancel marks before looking again
+    #: (ms); while a queue has marks, every read batch is checked.
+    cancel_check_ms: int = 1_000
     #: Task bodies of at least this many bytes are gzip-compressed (None: never).
     gzip_min_bytes: int | None = DEFAULT_GZIP_MIN_BYTES
     #: How far ahead a task may be scheduled at publish (seconds).

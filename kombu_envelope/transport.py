@@ -55,10 +55,19 @@ class Poller:
         self.channels: list[Channel] = []
         self._fd_to_channel: dict[int, Channel] = {}
         self._always_readable: tuple[socket.socket, socket.socket] | None = None
+        #: Whether channels batch their acks until the next arm().
+        self.defer_acks = False
 
     def add(self, channel: Channel) -> None:
         """Poll ``channel`` from now on."""
+        channel.defer_acks = self.defer_acks
         self.channels.append(channel)
+
+    def use_event_loop(self) -> None:
+        """An event loop drives the channels: batch their acks per turn (see arm)."""
+        self.defer_acks = True
+        for channel in self.channels:
+            channel.defer_acks = True
 
     def discard(self, channel: Channel) -> None:
         """Stop polling ``channel``."""
@@ -69,16 +78,17 @@ class Poller:
                 del self._fd_to_channel[fd]
 
     def arm(self) -> list[int]:
-        """Start a blocking read on every channel that can consume; return their fds."""
+        """Settle pending acks, then start a blocking read on every channel that can
+        consume; return the fds to wait on."""
         self._fd_to_channel = {}
         buffered = False
         for channel in list(self.channels):
-            if channel.has_buffered():
-                buffered = True
-                continue
-            fd = channel.start_blocking_read()
-            if fd is not None:
-                self._fd_to_channel[fd] = channel
+            channel.flush_acks()
+            if not channel.has_buffered():
+                fd = channel.start_blocking_read()
+                if fd is not None:
+                    self._fd_to_channel[fd] = channel
+            buffered = buffered or channel.has_buffered()
         fds = list(self._fd_to_channel)
         if buffered:
             fds.append(self._ready_fd())
@@ -174,6 +184,7 @@ class Transport(virtual.Transport):
         """Register blocking-read sockets with the hub on every tick."""
         poller = self.poller
         add_reader = loop.add_reader
+        poller.use_event_loop()
 
         def on_readable(fd: int) -> None:
             loop.remove_reader(fd)  # armed again on the next tick

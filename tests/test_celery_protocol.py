@@ -23,6 +23,7 @@ from kombu.transport import memory as memory_transport
 from kombu.utils.json import loads as kombu_loads
 
 import celery_ext
+from celery_ext.headers import HARD_LIMIT_GRACE_S
 from celery_ext.priority import UNSET_PRIORITY_PROPERTY, to_celery_priority, to_envelope_priority
 from celery_ext.protocol import CeleryAdapter, serve_worker_app, set_worker_app
 from celery_ext.tracing import TraceIdFilter, trace
@@ -273,7 +274,7 @@ def test_expires_is_kept(app: Celery, published: list) -> None:
 
 
 @pytest.mark.parametrize(("limits", "timeout_ms"), [
-    ({"time_limit": 10, "soft_time_limit": 5}, 10_000),
+    ({"time_limit": 10, "soft_time_limit": 5}, 5_000),
     ({"soft_time_limit": 2.5}, 2_500),
     ({}, None),
 ])
@@ -284,6 +285,14 @@ def test_time_limits_become_timeout_ms(app: Celery, published: list, limits: dic
     assert envelope.timeout_ms == timeout_ms
     assert delivered["headers"]["timelimit"] == [limits.get("time_limit"),
                                                  limits.get("soft_time_limit")]
+
+
+def test_a_hard_limit_alone_becomes_the_soft_limit(app: Celery, published: list) -> None:
+    app.tasks["proto.add"].apply_async((1, 2), time_limit=10)
+    envelope = store(published[0])
+    assert envelope.timeout_ms == 10_000
+    delivered = ADAPTER.to_message(envelope, "celery")
+    assert delivered["headers"]["timelimit"] == [10 + HARD_LIMIT_GRACE_S, 10]
 
 
 def test_retries_above_max_retries_keep_the_envelope_valid(app: Celery, published: list) -> None:
@@ -423,7 +432,7 @@ def test_envelope_of_another_language_becomes_a_plain_celery_task(app: Celery) -
     assert (headers["task"], headers["id"], headers["root_id"]) == (
         "proto.add", envelope.task_id, envelope.task_id)
     assert (headers["retries"], headers["trace_id"], headers["timelimit"]) == (
-        2, "go-trace", [1.5, None])
+        2, "go-trace", [1.5 + HARD_LIMIT_GRACE_S, 1.5])
     assert (headers["traceparent"], headers["tenant"]) == ("00-abc-def-01", "acme")
     assert "payload_version" not in headers
     assert delivered["properties"]["priority"] == 2
@@ -431,7 +440,7 @@ def test_envelope_of_another_language_becomes_a_plain_celery_task(app: Celery) -
     request = celery_request(app, delivered)
     assert (request.args, request.kwargs) == ([], {"x": 1, "y": 2})
     assert request.eta == datetime(2030, 1, 1, tzinfo=timezone.utc)
-    assert request.time_limits == [1.5, None]
+    assert request.time_limits == [1.5 + HARD_LIMIT_GRACE_S, 1.5]
 
 
 def test_fields_changed_by_another_language_win_over_ext(app: Celery, published: list) -> None:
@@ -442,7 +451,7 @@ def test_fields_changed_by_another_language_win_over_ext(app: Celery, published:
         "schedule_time": datetime(2031, 1, 1, tzinfo=timezone.utc)})
     delivered = ADAPTER.to_message(retried, "celery")
     assert delivered["properties"]["priority"] == 9
-    assert delivered["headers"]["timelimit"] == [2, None]
+    assert delivered["headers"]["timelimit"] == [2 + HARD_LIMIT_GRACE_S, 2]
     assert delivered["headers"]["retries"] == 1
     assert delivered["headers"]["eta"] == "2031-01-01T00:00:00+00:00"
 

@@ -1,0 +1,114 @@
+"""Idempotency claims: a task with an ``idempotency_key`` has its effect once.
+
+docs/protocol.md, section 9. Before running, a worker claims
+``<prefix>:idem:<task_type>:<key>`` with ``idem_begin.lua`` as holder
+``"<consumer> <task_id>"``:
+
+* ``acquired``: run, then :meth:`Idempotency.finish` with success (a done
+  marker kept ``done_ttl_s``) or failure (the claim is released for a retry);
+* ``done``: the effect already happened: do not run, count a duplicate;
+* ``busy``: another consumer runs it. :meth:`Idempotency.claim` takes the
+  claim over when that consumer's liveness key is gone; otherwise the caller
+  defers the task.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from enum import Enum
+from typing import Any
+
+from kombu_envelope.envelope import format_rfc3339, utcnow
+from kombu_envelope.scripts import script
+from kombu_envelope.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: How long a done marker is kept by default (seconds).
+DEFAULT_DONE_TTL_S = 24 * 3600
+#: How long a claim lasts for a task without ``timeout_ms`` (ms).
+DEFAULT_CLAIM_MS = 3_600_000
+
+
+class ClaimState(str, Enum):
+    """Answer of ``idem_begin.lua``."""
+
+    ACQUIRED = "acquired"
+    DONE = "done"
+    BUSY = "busy"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim attempt: ``other`` is the busy holder or the done marker."""
+
+    state: ClaimState
+    key: str
+    holder: str
+    other: str | None = None
+    taken_over: str | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class Idempotency:
+    """Claim, finish and take over idempotency keys."""
+
+    def __init__(self, client: Any, settings: Settings | None = None, *,
+                 done_ttl_s: float = DEFAULT_DONE_TTL_S) -> None:
+        self.client = client
+        self.settings = settings or Settings()
+        self.done_ttl_s = done_ttl_s
+
+    @staticmethod
+    def holder(consumer: str, task_id: str) -> str:
+        """The holder of a claim: ``"<consumer> <task_id>"``."""
+        return f"{consumer} {task_id}"
+
+    def claim_ms(self, timeout_ms: int | None) -> int:
+        """How long a claim lasts: ``timeout_ms + lease_ms``, or one hour."""
+        return timeout_ms + self.settings.lease_ms if timeout_ms else DEFAULT_CLAIM_MS
+
+    def begin(self, task_type: str, idempotency_key: str, holder: str, *,
+              timeout_ms: int | None = None, replace: str = "") -> Claim:
+        """One call of ``idem_begin.lua`` (``replace``: the dead holder to take over)."""
+        key = self.settings.keys.idempotency(task_type, idempotency_key)
+        reply = script(self.client, "idem_begin")(
+            keys=[key], args=[holder, self.claim_ms(timeout_ms), replace])
+        state = ClaimState(_text(reply[0]))
+        other = _text(reply[1]) if len(reply) > 1 else None
+        return Claim(state, key, holder, other, replace or None)
+
+    def holder_alive(self, holder: str) -> bool:
+        """True while the consumer of ``holder`` keeps its liveness key."""
+        consumer = holder.split(" ", 1)[0]
+        return bool(self.client.exists(self.settings.keys.consumer(consumer)))
+
+    def claim(self, task_type: str, idempotency_key: str, holder: str, *,
+              timeout_ms: int | None = None) -> Claim:
+        """Claim the key, taking it over from a holder whose consumer died."""
+        claim = self.begin(task_type, idempotency_key, holder, timeout_ms=timeout_ms)
+        if claim.state is ClaimState.BUSY and claim.other and not self.holder_alive(claim.other):
+            logger.warning("idempotency key %s: holder %r is dead; taking the claim over",
+                           claim.key, claim.other)
+            claim = self.begin(task_type, idempotency_key, holder, timeout_ms=timeout_ms,
+                               replace=claim.other)
+        return claim
+
+    def finish(self, claim: Claim, succeeded: bool, now: datetime | None = None) -> bool:
+        """Mark the key done (success) or release it (failure).
+
+        Returns False when the claim had been taken over meanwhile: the task may
+        then have run twice, which is logged.
+        """
+        args = [claim.holder, "done" if succeeded else "release",
+                int(self.done_ttl_s * 1000), format_rfc3339(now or utcnow())]
+        settled = bool(script(self.client, "idem_finish")(keys=[claim.key], args=args))
+        if not settled:
+            logger.warning("idempotency key %s was taken over while %r held it; "
+                           "the task may have run twice", claim.key, claim.holder)
+        return settled
