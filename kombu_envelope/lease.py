@@ -175,10 +175,13 @@ class LeaseKeeper:
                 logger.debug("could not delete liveness key of %s", consumer, exc_info=True)
 
     def stop(self) -> None:
-        """Stop the thread (liveness keys then expire on their own)."""
+        """Stop the thread (liveness keys then expire on their own) and close its client."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def _ensure_started(self) -> None:
         if self._thread is None or not self._thread.is_alive():
