@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
+from kombu_envelope.dead_letter_entry import DeadLetterEntry
 from kombu_envelope.envelope import Envelope
 
 #: The JSON Schema dialect of every generated schema.
@@ -78,9 +79,21 @@ def envelope_json_schema() -> dict[str, Any]:
     )
 
 
+def dead_letter_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a dead-letter stream entry (its fields as strings)."""
+    return _wire_schema(
+        DeadLetterEntry,
+        "dead-letter",
+        "Dead-letter entry",
+        "The fields of an entry of a dead-letter stream (format dlq = 1): the failure, "
+        "then every field of the original stream entry under raw.<field>.",
+    )
+
+
 #: File name -> function building the schema. One line here publishes another schema.
 SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
     "envelope.schema.json": envelope_json_schema,
+    "dead_letter.schema.json": dead_letter_json_schema,
 }
 
 
