@@ -5,13 +5,14 @@ At worker start, :func:`install_execution_shell` wraps each registered task's
 does), so ``@app.task`` code stays as it is. Each attempt then follows
 docs/protocol.md, sections 7-9:
 
-1. a retry (``request.retries > 0``) takes one of the ``retry_concurrency``
-   slots of its task type; when all are taken it is published again on the
-   backoff tier, with the same ``retries``, without running;
-2. a task with an ``idempotency_key`` claims it: a key already done returns
+1. a task with an ``idempotency_key`` claims it: a key already done returns
    at once (a duplicate, logged and counted), a key busy on a live worker is
    published again ``envelope_idempotency_defer`` seconds later (never run
    twice at once), a key held by a dead worker is taken over;
+2. a retry (``request.retries > 0``) takes one of the ``retry_concurrency``
+   slots of its task type; when all are taken it gives its claim back and is
+   published again on the backoff tier, with the same ``retries``, without
+   running;
 3. the task runs; with the solo pool the soft time limit (``timeout_ms``) is
    enforced here (prefork enforces it itself);
 4. on failure the error is classified and :class:`RetryPolicy` decides:
@@ -168,7 +169,6 @@ class ExecutionShell:
         task.run, task.retry = shell_run, shell_retry
         task._envelope_shell = self
         task.__trace__ = None  # rebuilt with the wrapped run
-        self.policy_for(task)  # a bad task option fails at worker start
         return True
 
     # -------------------------------------------------------------- executing
@@ -184,27 +184,9 @@ class ExecutionShell:
                           timeout_ms)
         token = _current.set(attempt)
         try:
-            return self._slotted(attempt, run, args, kwargs)
-        finally:
-            _current.reset(token)
-
-    def _slotted(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
-        task, request = attempt.task, attempt.request
-        slots = RetrySlots(self.client, self.settings)
-        slotted = request.retries > 0
-        if slotted and not slots.take(task.name, request.id, attempt.policy.retry_concurrency,
-                                      attempt.timeout_ms):
-            decision = attempt.policy.reschedule(
-                retry_count=request.retries,
-                fast_retries_taken=fast_retries_taken(attempt.headers), rng=self.rng)
-            self._publish_again(attempt, decision.delay_s,
-                                f"all {attempt.policy.retry_concurrency} retry slots are taken")
-        try:
             return self._claimed(attempt, run, args, kwargs)
         finally:
-            if slotted:
-                slots.release(task.name, request.id)
+            _current.reset(token)
 
     def _claimed(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
@@ -219,6 +201,29 @@ class ExecutionShell:
             self._publish_again(attempt, self.defer_s,
                                 f"its idempotency key is held by {claim.other!r}")
         attempt.claim = claim
+        return self._slotted(attempt, run, args, kwargs)
+
+    def _slotted(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        task, request = attempt.task, attempt.request
+        slots = RetrySlots(self.client, self.settings)
+        slotted = request.retries > 0
+        if slotted and not slots.take(task.name, request.id, attempt.policy.retry_concurrency,
+                                      attempt.timeout_ms):
+            self._settle_claim(attempt, succeeded=False)  # the rescheduled attempt claims again
+            decision = attempt.policy.reschedule(
+                retry_count=request.retries,
+                fast_retries_taken=fast_retries_taken(attempt.headers), rng=self.rng)
+            self._publish_again(attempt, decision.delay_s,
+                                f"all {attempt.policy.retry_concurrency} retry slots are taken")
+        try:
+            return self._run(attempt, run, args, kwargs)
+        finally:
+            if slotted:
+                slots.release(task.name, request.id)
+
+    def _run(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
         limit = attempt.timeout_ms / 1000 if self.enforce_soft_limits and attempt.timeout_ms \
             else None
         try:
@@ -229,7 +234,7 @@ class ExecutionShell:
             self._failed(attempt, exc)
             raise
         self._settle_claim(attempt, succeeded=True)
-        metrics.count("succeeded", task.name)
+        metrics.count("succeeded", attempt.task.name)
         return result
 
     def _idempotency(self) -> Idempotency:
@@ -352,14 +357,18 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
     """``worker_init`` receiver: run every task of the worker's app through the shell.
 
     Only for workers on ``envelope://``, unless ``envelope_execution_enabled`` is False.
-    Celery logs an exception raised here (a bad ``envelope_retry_policy``) and
-    starts the worker anyway, without the shell.
+    Every task's ``envelope_retry_policy`` is checked before any task is wrapped:
+    Celery logs an exception raised here (a bad policy) and starts the worker
+    anyway, without the shell.
     """
     app = getattr(sender, "app", None)
     if app is None or not app.conf.get(ENABLED_SETTING, True) or not uses_envelope_broker(app):
         return None
     shell = ExecutionShell(app, enforce_soft_limits=_is_solo(getattr(sender, "pool_cls", None)))
-    installed = [task.name for task in app.tasks.values() if shell.install(task)]
+    tasks = list(app.tasks.values())
+    for task in tasks:
+        shell.policy_for(task)  # raises on a bad option before anything is wrapped
+    installed = [task.name for task in tasks if shell.install(task)]
     logger.debug("reliable execution for %d tasks: %s", len(installed), ", ".join(installed))
     return shell
 

@@ -24,7 +24,8 @@ _registered: WeakKeyDictionary[Any, dict[str, Script]] = WeakKeyDictionary()
 @cache
 def script_source(name: str) -> str:
     """Source text of script ``name``."""
-    return resources.files("kombu_envelope").joinpath("lua", f"{name}.lua").read_text("utf-8")
+    # Traversable.joinpath takes a single segment before Python 3.11.
+    return (resources.files("kombu_envelope") / "lua" / f"{name}.lua").read_text("utf-8")
 
 
 def script(client: Any, name: str) -> Script:
