@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -86,13 +87,23 @@ def _free_port() -> int:
             return port
 
 
-def _send_command(port: int, *args: str, timeout: float) -> bytes:
-    """Send one RESP command and return the first reply line (may be empty)."""
+def _send_command(port: int, *args: str, timeout: float, tls: bool = False) -> bytes:
+    """Send one RESP command and return the first reply line (may be empty).
+
+    With ``tls`` the command goes over TLS without checking the server's
+    certificate: the peer is our own server on the loopback interface.
+    """
     parts = [f"*{len(args)}\r\n".encode()]
     for arg in args:
         raw = arg.encode()
         parts.append(b"$%d\r\n%s\r\n" % (len(raw), raw))
-    with socket.create_connection((LOOPBACK, port), timeout=timeout) as sock:
+    with contextlib.ExitStack() as stack:
+        sock = stack.enter_context(socket.create_connection((LOOPBACK, port), timeout=timeout))
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            sock = stack.enter_context(context.wrap_socket(sock))
         sock.sendall(b"".join(parts))
         buf = b""
         while b"\r\n" not in buf:
@@ -134,6 +145,7 @@ class PrivateRedisServer:
         data_dir: str | os.PathLike[str] | None = None,
         startup_timeout: float = 15.0,
         shutdown_timeout: float = 10.0,
+        tls: bool = False,
     ) -> None:
         """Configure (but do not start) a server.
 
@@ -144,6 +156,12 @@ class PrivateRedisServer:
             :func:`find_redis_server_binary`.
         :param data_dir: directory for config/log/data; default a new temp dir
             that is removed by :meth:`close`.
+        :param tls: serve TLS only: ``port`` becomes the ``tls-port`` and the
+            plain port is closed (``port 0``).  ``extra_config`` must name the
+            certificate files (``tls-cert-file``, ``tls-key-file``,
+            ``tls-ca-cert-file``) and leave client certificates optional
+            (``tls-auth-clients no`` or ``optional``): the readiness PING and the
+            SHUTDOWN of :meth:`stop` connect without one.
         """
         if port is not None:
             if port == _RESERVED_PORT:
@@ -151,6 +169,7 @@ class PrivateRedisServer:
             if not 0 < port < 65536:
                 raise ValueError(f"invalid port: {port!r}")
         self.appendonly = appendonly
+        self.tls = tls
         self.extra_config: tuple[str, ...] = tuple(extra_config)
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -179,8 +198,9 @@ class PrivateRedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``."""
-        return f"redis://{LOOPBACK}:{self.port}/0"
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with ``tls``)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{LOOPBACK}:{self.port}/0"
 
     @property
     def binary(self) -> str:
@@ -271,7 +291,8 @@ class PrivateRedisServer:
             command = ("SHUTDOWN",) if self.appendonly else ("SHUTDOWN", "NOSAVE")
             reply = b""
             with contextlib.suppress(OSError):
-                reply = _send_command(self.port, *command, timeout=min(timeout, 5.0))
+                reply = _send_command(self.port, *command, timeout=min(timeout, 5.0),
+                                      tls=self.tls)
             if reply.startswith(b"-"):
                 proc.terminate()
             try:
@@ -328,7 +349,7 @@ class PrivateRedisServer:
     def _config_text(self) -> str:
         lines = [
             f"bind {LOOPBACK}",
-            f"port {self.port}",
+            *(["port 0", f"tls-port {self.port}"] if self.tls else [f"port {self.port}"]),
             "protected-mode yes",
             "daemonize no",
             f"dir {_quote(str(self.data_dir))}",
@@ -386,8 +407,9 @@ class PrivateRedisServer:
             code = self._proc.poll()
             if code is not None:
                 raise RuntimeError(f"redis-server exited with status {code} during startup")
-            with contextlib.suppress(OSError):
-                if _send_command(self.port, "PING", timeout=0.5).startswith(b"+PONG"):
+            with contextlib.suppress(OSError):  # ssl.SSLError included
+                reply = _send_command(self.port, "PING", timeout=0.5, tls=self.tls)
+                if reply.startswith(b"+PONG"):
                     return
             if time.monotonic() >= deadline:
                 raise RuntimeError(
