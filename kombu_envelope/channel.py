@@ -12,6 +12,11 @@ entries; its socket is registered with the event loop. Reads never take more
 entries than the prefetch limit allows and serve higher buckets first.
 Ack is ``XACK`` + ``XDEL``; reject without requeue moves the entry to the
 dead-letter stream; malformed entries go there too, with their raw bytes.
+
+This module is the kombu glue and the read mechanics; the Redis side lives in
+:mod:`~kombu_envelope.queues`, :mod:`~kombu_envelope.bindings`,
+:mod:`~kombu_envelope.inbox` (entries to messages) and
+:mod:`~kombu_envelope.settle` (ack, requeue, dead-letter).
 """
 
 from __future__ import annotations
@@ -22,43 +27,35 @@ import os
 import socket
 import uuid
 from collections import deque
-from time import monotonic
 from typing import Any
 
 from kombu.transport import virtual
 from redis.exceptions import RedisError, ResponseError
 
-from kombu_envelope.adapter import MessageAdapter, Undeliverable
-from kombu_envelope.codec import F_BODY, F_ENCODING, decode_entry
-from kombu_envelope.deadletter import Failure, FailureClass, dead_letter_pending
-from kombu_envelope.envelope import Envelope, format_rfc3339, utcnow
-from kombu_envelope.errors import MalformedEntry
-from kombu_envelope.keys import QueueKeys, bucket_for
+from kombu_envelope.adapter import MessageAdapter
+from kombu_envelope.bindings import BINDING_SEP, Binding, Bindings
+from kombu_envelope.delivery_info import (
+    INFO_CONSUMER,
+    INFO_ENTRY_ID,
+    INFO_FAILURE_CLASS,
+    INFO_FAILURE_REASON,
+    INFO_QUEUE,
+    INFO_STREAM,
+)
+from kombu_envelope.inbox import F_KOMBU, Inbox
 from kombu_envelope.publisher import Publisher
+from kombu_envelope.queues import Queues
+from kombu_envelope.replies import as_text
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.settle import Settler
+
+__all__ = [
+    "BINDING_SEP", "F_KOMBU", "INFO_CONSUMER", "INFO_ENTRY_ID", "INFO_FAILURE_CLASS",
+    "INFO_FAILURE_REASON", "INFO_QUEUE", "INFO_STREAM", "Channel", "QoS",
+]
 
 logger = logging.getLogger(__name__)
-
-#: Field of a ``kombu`` stream entry holding the kombu message as JSON.
-F_KOMBU = "kombu"
-#: Separator of the members of an exchange's binding set.
-BINDING_SEP = "\x06"
-#: delivery_info keys that locate the stream entry of a delivered message.
-INFO_STREAM = "envelope_stream"
-INFO_ENTRY_ID = "envelope_entry_id"
-#: delivery_info key a consumer may set before reject() to name the failure class.
-INFO_FAILURE_CLASS = "envelope_failure_class"
-INFO_FAILURE_REASON = "envelope_failure_reason"
-#: delivery_info keys naming the consumer that read the entry and the entry's queue.
-INFO_CONSUMER = "envelope_consumer"
-INFO_QUEUE = "envelope_queue"
-
-_TRANSIENT_ARGUMENTS = ("x-expires", "x-message-ttl")
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class QoS(virtual.QoS):
@@ -67,16 +64,16 @@ class QoS(virtual.QoS):
     def ack(self, delivery_tag: str) -> None:
         message = self._delivered.get(delivery_tag)
         if message is not None:
-            self.channel.ack_entry(message.delivery_info)
+            self.channel.settler.ack(message.delivery_info)
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         message = self._delivered.get(delivery_tag)
         if message is not None:
             if requeue:
-                self.channel.requeue_entry(message.delivery_info)
+                self.channel.settler.requeue(message.delivery_info)
             else:
-                self.channel.dead_letter_rejected(message)
+                self.channel.settler.dead_letter_rejected(message.delivery_info)
         self._quick_ack(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
@@ -86,7 +83,7 @@ class QoS(virtual.QoS):
         while self._delivered:
             _tag, message = self._delivered.popitem()
             try:
-                self.channel.requeue_entry(message.delivery_info)
+                self.channel.settler.requeue(message.delivery_info)
             except Exception as exc:
                 errors.append((exc, message))
         return errors
@@ -116,20 +113,18 @@ class Channel(virtual.Channel):
         self.publisher = Publisher(self.client, self.settings)
         self.consumer_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._no_ack_queues: set[str] = set()
-        self._transient: dict[str, bool] = {}
         self._reader: Any = None
         self._reading = False
         #: Messages read by the last blocking read and not delivered yet (see deliver_buffered).
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
         self._wait_only = False
         self._registered_liveness = False
-        #: exchange -> (read at, bindings); see get_table.
-        self._tables: dict[str, tuple[float, list[tuple[str, str, str]]]] = {}
-        #: queue -> time until which it is known to have no cancel marks.
-        self._no_cancel_marks_until: dict[str, float] = {}
-        #: Acks are batched per event-loop turn when a hub drives the channel.
-        self.defer_acks = False
-        self._pending_acks: list[tuple[str, str]] = []
+        self.queues = Queues(self.client, self.settings)
+        self.bindings = Bindings(self.client, self.settings)
+        self.settler = Settler(self.client, self.settings, self.consumer_name,
+                               transport.queue_of_stream)
+        self.inbox = Inbox(self.client, self.settings, self.adapter, self.consumer_name,
+                           transport.queue_of_stream, self.settler)
         transport.poller.add(self)
 
     # ----------------------------------------------------------------- publish
@@ -143,78 +138,25 @@ class Channel(virtual.Channel):
             self.publisher.publish(queue, envelope)
 
     def _put_kombu(self, queue: str, message: dict[str, Any]) -> None:
-        maxlen = self.settings.transient_maxlen if self._is_transient(queue) else None
+        maxlen = self.settings.transient_maxlen if self.queues.is_transient(queue) else None
         self.client.xadd(
             self.keys.queue(queue).kombu_stream, {F_KOMBU: json.dumps(message)},
             maxlen=maxlen, approximate=True,
         )
 
-    def _is_transient(self, queue: str) -> bool:
-        known = self._transient.get(queue)
-        if known is None:
-            known = self._transient[queue] = bool(
-                self.client.hget(self.keys.queue(queue).meta, "transient")
-            )
-        return known
-
     # ------------------------------------------------------------ queue admin
 
     def _new_queue(self, queue: str, auto_delete: bool = False, **kwargs: Any) -> None:
-        keys = self.keys.queue(queue)
-        pipe = self.client.pipeline(transaction=False)
-        for stream in keys.all_streams:
-            pipe.xgroup_create(stream, self.settings.consumer_group, id="0", mkstream=True)
-        arguments = kwargs.get("arguments") or {}
-        transient = auto_delete or any(a in arguments for a in _TRANSIENT_ARGUMENTS)
-        if transient:
-            pipe.hset(keys.meta, "transient", 1)
-        for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, ResponseError) and not str(reply).startswith("BUSYGROUP"):
-                raise reply
-        self._transient[queue] = transient or self._transient.get(queue, False)
+        self.queues.declare(queue, auto_delete, kwargs.get("arguments"))
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:
-        return bool(self.client.exists(*self.keys.queue(queue).all_streams))
+        return self.queues.exists(queue)
 
     def _size(self, queue: str) -> int:
-        """Entries waiting to be read (neither delivered nor delayed)."""
-        keys = self.keys.queue(queue)
-        pipe = self.client.pipeline(transaction=False)
-        for stream in keys.all_streams:
-            pipe.xlen(stream)
-            pipe.xpending(stream, self.settings.consumer_group)
-        replies = pipe.execute(raise_on_error=False)
-        size = 0
-        for length, pending in zip(replies[::2], replies[1::2]):
-            if isinstance(length, int):
-                size += length - (pending["pending"] if isinstance(pending, dict) else 0)
-        return size
+        return self.queues.size(queue)
 
     def _purge(self, queue: str) -> int:
-        """Delete entries nobody has read yet, and delayed tasks; return how many."""
-        keys = self.keys.queue(queue)
-        purger = f"purge-{uuid.uuid4().hex[:8]}"
-        read = script(self.client, "read")
-        purged = 0
-        while True:
-            reply = read(keys=list(keys.all_streams),
-                         args=[self.settings.consumer_group, purger, 1000])
-            if not reply:
-                break
-            pipe = self.client.pipeline(transaction=True)
-            for stream, entries in reply:
-                ids = [entry_id for entry_id, _ in entries]
-                pipe.xack(stream, self.settings.consumer_group, *ids)
-                pipe.xdel(stream, *ids)
-                purged += len(ids)
-            pipe.execute()
-        pipe = self.client.pipeline(transaction=True)
-        pipe.zcard(keys.delayed)
-        pipe.delete(keys.delayed, keys.delayed_data)
-        for stream in keys.all_streams:
-            pipe.xgroup_delconsumer(stream, self.settings.consumer_group, purger)
-        purged += pipe.execute(raise_on_error=False)[0]
-        return purged
+        return self.queues.purge(queue)
 
     def queue_delete(self, queue: str, if_unused: bool = False, if_empty: bool = False,
                      **kwargs: Any) -> None:
@@ -222,28 +164,17 @@ class Channel(virtual.Channel):
         if if_empty and self._size(queue):
             return
         super().queue_delete(queue, if_unused=if_unused, if_empty=if_empty, **kwargs)
-        keys = self.keys.queue(queue)
-        self.client.delete(*keys.all_streams, keys.delayed, keys.delayed_data, keys.meta,
-                           keys.cancelled)
-        self._transient.pop(queue, None)
+        self.queues.delete(queue)
 
     def _delete(self, queue: str, exchange: str, routing_key: str, pattern: str | None,
                 *args: Any, **kwargs: Any) -> None:
-        self._tables.pop(exchange, None)
-        self.client.srem(self.keys.binding(exchange), self._binding_member(
-            routing_key, pattern, queue))
+        self.bindings.remove(exchange, routing_key, pattern, queue)
 
     # --------------------------------------------------------------- bindings
 
-    @staticmethod
-    def _binding_member(routing_key: str, pattern: str | None, queue: str) -> str:
-        return BINDING_SEP.join((routing_key or "", pattern or "", queue))
-
     def _queue_bind(self, exchange: str, routing_key: str, pattern: str | None,
                     queue: str) -> None:
-        self._tables.pop(exchange, None)
-        self.client.sadd(self.keys.binding(exchange),
-                         self._binding_member(routing_key, pattern, queue))
+        self.bindings.add(exchange, routing_key, pattern, queue)
 
     def queue_unbind(self, queue: str, exchange: str | None = None, routing_key: str = "",
                      arguments: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -257,26 +188,17 @@ class Channel(virtual.Channel):
         for queue in self._lookup(exchange, routing_key):
             self._put(queue, message, **kwargs)
 
-    def get_table(self, exchange: str) -> list[tuple[str, str, str]]:
+    def get_table(self, exchange: str) -> list[Binding]:
         """Bindings of ``exchange`` as (routing_key, pattern, queue), shared via Redis.
 
         Read again at most every ``binding_cache_ms``; :meth:`_lookup` reads it
         again at once when a routing key matches nothing.
         """
-        cached = self._tables.get(exchange)
-        now = monotonic()
-        if cached is not None and now - cached[0] < self.settings.binding_cache_ms / 1000:
-            return cached[1]
-        table = []
-        for member in self.client.smembers(self.keys.binding(exchange)):
-            routing_key, pattern, queue = _text(member).split(BINDING_SEP)
-            table.append((routing_key, pattern, queue))
-        self._tables[exchange] = (now, table)
-        return table
+        return self.bindings.table(exchange)
 
     def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> Any:
         queues = super()._lookup(exchange, routing_key, default)
-        if not queues and self._tables.pop(exchange, None) is not None:
+        if not queues and self.bindings.forget(exchange):
             queues = super()._lookup(exchange, routing_key, default)  # a binding may be new
         return queues
 
@@ -306,7 +228,7 @@ class Channel(virtual.Channel):
         self._buffer = deque(item for item in self._buffer if item[0] != queue)
         try:
             for message in given:
-                self.requeue_entry(message["properties"]["delivery_info"])
+                self.settler.requeue(message["properties"]["delivery_info"])
         except RedisError:  # they stay pending here: taken over once the lease runs out
             logger.warning("could not give back %d entries of %s read but not delivered",
                            len(given), queue, exc_info=True)
@@ -343,7 +265,7 @@ class Channel(virtual.Channel):
             reply = self._read_now(list(self.keys.queue(queue).all_streams), 1)
             if not reply:
                 raise virtual.base.Empty()
-            messages = self._messages_from_reply(reply)
+            messages = self.inbox.messages(reply)
             if messages:
                 return messages[0][1]
 
@@ -355,14 +277,15 @@ class Channel(virtual.Channel):
     def _read_now(self, streams: list[str], count: int) -> list[Any]:
         """Non-blocking read of up to ``count`` entries, most urgent stream first."""
         read = script(self.client, "read")
-        args = [self.settings.consumer_group, self.consumer_name, count]
+        args: list[str | int] = [self.settings.consumer_group, self.consumer_name, count]
         try:
-            return read(keys=streams, args=args)
+            reply: list[Any] = read(keys=streams, args=args)
         except ResponseError as exc:
             if not str(exc).startswith("NOGROUP"):
                 raise
             self._recreate_groups()
-            return read(keys=streams, args=args)
+            reply = read(keys=streams, args=args)
+        return reply
 
     def _recreate_groups(self) -> None:
         """After Redis lost its data (restart without persistence), declare groups again."""
@@ -396,7 +319,7 @@ class Channel(virtual.Channel):
             credit = self._credit()
             self._wait_only = credit < len(streams)
             if self._wait_only:
-                self._buffer.extend(self._messages_from_reply(self._read_now(streams, credit)))
+                self._buffer.extend(self.inbox.messages(self._read_now(streams, credit)))
                 if self._buffer:
                     return None  # delivered from the buffer, without waiting
                 self.reader.send_command(
@@ -430,12 +353,12 @@ class Channel(virtual.Channel):
         if self._wait_only:  # the reply only says that unread entries exist
             if not self.consuming:
                 return 0
-            self._buffer.extend(self._messages_from_reply(
+            self._buffer.extend(self.inbox.messages(
                 self._read_now(self._consumed_streams(), self._credit())))
             return self.deliver_buffered()
-        self._buffer.extend(self._messages_from_reply(reply or []))
+        self._buffer.extend(self.inbox.messages(reply or []))
         if self._buffer and self.consuming and self._room() > 0:
-            self._buffer.extend(self._messages_from_reply(
+            self._buffer.extend(self.inbox.messages(
                 self._read_now(self._consumed_streams(), self._room())))
         return self.deliver_buffered()
 
@@ -468,8 +391,8 @@ class Channel(virtual.Channel):
             last = "0-0"  # no stream or no group yet: any entry is unread
             if not isinstance(groups, Exception):
                 for group in groups:
-                    if _text(group["name"]) == self.settings.consumer_group:
-                        last = _text(group["last-delivered-id"])
+                    if as_text(group["name"]) == self.settings.consumer_group:
+                        last = as_text(group["last-delivered-id"])
             ids.append(last)
         return ids
 
@@ -482,218 +405,7 @@ class Channel(virtual.Channel):
     def _deliver_message(self, queue: str, message: dict[str, Any]) -> None:
         self.connection._deliver(message, queue)
         if queue in self._no_ack_queues:
-            self.ack_entry(message["properties"]["delivery_info"])
-
-    def _messages_from_reply(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
-        """Turn read entries into kombu messages (section 5.1 of docs/protocol.md)."""
-        decoded = []
-        for stream_name, entries in reply:
-            stream = _text(stream_name)
-            queue = self.connection.queue_of_stream(stream)
-            for entry_id, fields in entries:
-                if fields is not None:
-                    item = self._decode_entry(queue, stream, _text(entry_id), fields)
-                    if item is not None:
-                        decoded.append(item)
-        cancelled = self._cancelled_among(decoded)
-        messages = []
-        for queue, stream, entry_id, fields, envelope in decoded:
-            if envelope is not None and envelope.task_id in cancelled.get(queue, ()):
-                self._skip_cancelled(queue, stream, entry_id, envelope)
-                continue
-            message = self._message_for(queue, stream, entry_id, fields, envelope)
-            if message is not None:
-                messages.append((queue, message))
-        return messages
-
-    def _decode_entry(self, queue: str, stream: str, entry_id: str, fields: Any
-                      ) -> tuple[str, str, str, dict[Any, Any], Envelope | None] | None:
-        """Decode one entry; malformed and not-yet-due ones are dealt with here (None)."""
-        if isinstance(fields, list):
-            fields = dict(zip(fields[::2], fields[1::2]))
-        keys = self.keys.queue(queue)
-        if stream == keys.kombu_stream:
-            return queue, stream, entry_id, fields, None
-        try:
-            envelope = decode_entry(fields, self.settings.limits)
-        except MalformedEntry as exc:
-            self._dead_letter(queue, stream, entry_id,
-                              Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
-            return None
-        if not envelope.is_due():
-            self._reschedule(queue, keys, stream, entry_id, envelope, fields)
-            return None
-        return queue, stream, entry_id, fields, envelope
-
-    def _cancelled_among(self, decoded: list[Any]) -> dict[str, set[str]]:
-        """Task ids of ``decoded`` marked cancelled, per queue (one round trip).
-
-        A queue found without marks is trusted to have none for ``cancel_check_ms``.
-        """
-        by_queue: dict[str, list[str]] = {}
-        now = monotonic()
-        for queue, _stream, _id, _fields, envelope in decoded:
-            if envelope is not None and self._no_cancel_marks_until.get(queue, 0) <= now:
-                by_queue.setdefault(queue, []).append(envelope.task_id)
-        if not by_queue:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for queue, task_ids in by_queue.items():
-            pipe.exists(self.keys.queue(queue).cancelled)
-            pipe.zmscore(self.keys.queue(queue).cancelled, task_ids)
-        replies = pipe.execute()
-        cancelled = {}
-        for (queue, task_ids), has_marks, marks in zip(by_queue.items(), replies[::2],
-                                                       replies[1::2]):
-            if not has_marks:
-                self._no_cancel_marks_until[queue] = now + self.settings.cancel_check_ms / 1000
-            cancelled[queue] = {tid for tid, mark in zip(task_ids, marks) if mark is not None}
-        return cancelled
-
-    def _skip_cancelled(self, queue: str, stream: str, entry_id: str,
-                        envelope: Envelope) -> None:
-        """Acknowledge a cancelled task without running it, and clear its mark."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(stream, self.settings.consumer_group, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.zrem(self.keys.queue(queue).cancelled, envelope.task_id)
-        pipe.execute()
-        logger.info("task %s (%s) was cancelled; acknowledged without running it",
-                    envelope.task_id, envelope.task_type)
-
-    def _message_for(self, queue: str, stream: str, entry_id: str, fields: dict[Any, Any],
-                     envelope: Envelope | None) -> dict[str, Any] | None:
-        """The kombu message for a decoded entry (None when it was dead-lettered)."""
-        try:
-            if envelope is None:
-                message = self._kombu_message(fields)
-            else:
-                message = self.adapter.to_message(envelope, queue)
-        except MalformedEntry as exc:
-            self._dead_letter(queue, stream, entry_id,
-                              Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
-            return None
-        except Undeliverable as exc:
-            assert envelope is not None
-            self._dead_letter(queue, stream, entry_id,
-                              Failure(FailureClass(exc.failure_class), exc.reason,
-                                      task_id=envelope.task_id, task_type=envelope.task_type))
-            return None
-        properties = message.setdefault("properties", {})
-        properties["delivery_tag"] = f"{stream} {entry_id}"
-        info = properties.setdefault("delivery_info", {})
-        info.setdefault("exchange", "")
-        info.setdefault("routing_key", queue)
-        info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id,
-                     INFO_CONSUMER: self.consumer_name, INFO_QUEUE: queue,
-                     "redelivered": b"n" in fields or "n" in fields})
-        return message
-
-    @staticmethod
-    def _kombu_message(fields: dict[Any, Any]) -> dict[str, Any]:
-        raw = fields.get(F_KOMBU.encode(), fields.get(F_KOMBU))
-        if raw is None:
-            raise MalformedEntry("kombu stream entry has no 'kombu' field")
-        try:
-            message = json.loads(raw)
-        except ValueError as exc:
-            raise MalformedEntry(f"kombu stream entry is not JSON: {exc}") from exc
-        if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
-            raise MalformedEntry("kombu stream entry is not a kombu message")
-        return message
-
-    def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,
-                    envelope: Envelope, fields: dict[Any, Any]) -> None:
-        """An entry added to a stream before it is due goes to the delayed set instead.
-
-        Not a transaction: a crash after scheduling leaves the entry pending, and
-        scheduling it again once taken over replaces the same task_id.
-        """
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.keys.queues, queue)
-        script(self.client, "schedule")(
-            keys=[keys.delayed, keys.delayed_data],
-            args=[envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value,
-                  fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
-                  fields.get(F_BODY.encode(), fields.get(F_BODY)),
-                  self.keys.wakeup_channel],
-            client=pipe,
-        )
-        pipe.xack(stream, self.settings.consumer_group, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.execute()
-
-    # ------------------------------------------------------- ack / reject
-
-    def ack_entry(self, delivery_info: dict[str, Any]) -> None:
-        """Acknowledge and delete the entry a message came from.
-
-        Under an event loop the ack waits for :meth:`flush_acks`, which the
-        transport calls on every turn: one round trip for all the acks of a turn.
-        """
-        stream = delivery_info.get(INFO_STREAM)
-        if stream is None:
-            return
-        self._pending_acks.append((stream, delivery_info[INFO_ENTRY_ID]))
-        if not self.defer_acks:
-            self.flush_acks()
-
-    def flush_acks(self) -> None:
-        """XACK and XDEL every acknowledged entry not yet settled, in one transaction."""
-        if not self._pending_acks:
-            return
-        by_stream: dict[str, list[str]] = {}
-        for stream, entry_id in self._pending_acks:
-            by_stream.setdefault(stream, []).append(entry_id)
-        self._pending_acks = []
-        pipe = self.client.pipeline(transaction=True)
-        for stream, ids in by_stream.items():
-            pipe.xack(stream, self.settings.consumer_group, *ids)
-            pipe.xdel(stream, *ids)
-        replies = pipe.execute()
-        for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
-            if acked < len(ids):
-                # Normal when a task settled its entry itself (dead-lettered it); the
-                # takeover of a consumer that only looked dead is logged by the taker.
-                logger.info(
-                    "%d of %d entries of %s were already settled when acknowledged "
-                    "(dead-lettered by their task, or taken over while this consumer "
-                    "looked dead)", len(ids) - acked, len(ids), stream)
-
-    def requeue_entry(self, delivery_info: dict[str, Any]) -> None:
-        """Put the entry a message came from back at the end of its stream."""
-        stream = delivery_info.get(INFO_STREAM)
-        if stream is None:
-            return
-        queue = self.connection.queue_of_stream(stream)
-        script(self.client, "requeue")(
-            keys=[stream, stream, self.keys.queue(queue).dead],
-            args=[self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
-                  format_rfc3339(utcnow())],
-        )
-
-    def dead_letter_rejected(self, message: Any) -> None:
-        """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""
-        info = message.delivery_info
-        stream = info.get(INFO_STREAM)
-        if stream is None:
-            return
-        failure_class = FailureClass(info.get(INFO_FAILURE_CLASS, FailureClass.REJECTED))
-        reason = info.get(INFO_FAILURE_REASON, "rejected by the consumer without requeue")
-        self._dead_letter(self.connection.queue_of_stream(stream), stream,
-                          info[INFO_ENTRY_ID], Failure(failure_class, reason))
-
-    def _dead_letter(self, queue: str, stream: str, entry_id: str, failure: Failure) -> None:
-        dead_id = dead_letter_pending(
-            self.client, self.settings, queue=queue, stream=stream, entry_id=entry_id,
-            failure=failure, consumer=self.consumer_name,
-        )
-        if dead_id is None:
-            logger.info("entry %s of %s was already settled (dead-lettered by its task); "
-                        "not dead-lettered again", entry_id, stream)
-            return
-        logger.error("entry %s of %s dead-lettered as %s (%s): %s", entry_id, stream,
-                     dead_id, failure.failure_class.value, failure.reason)
+            self.settler.ack(message["properties"]["delivery_info"])
 
     # ---------------------------------------------------------------- close
 
@@ -702,33 +414,18 @@ class Channel(virtual.Channel):
             return
         transport = self.connection
         queues = set(self._active_queues)
-        self.flush_acks()
+        self.settler.flush_acks()
         super().close()  # cancels consumers and restores what QoS tracked
         self._buffer.clear()  # given back when their consumers were cancelled above
         self._drop_reader()
         transport.poller.discard(self)
         try:
             if self._registered_liveness:
-                self._requeue_own_pending(queues)
+                # Entries read but never delivered (a read in flight) go back at once.
+                self.settler.requeue_own_pending(queues)
         finally:
             # Even when Redis is unreachable: stop renewing this consumer, so that its
             # liveness key expires and other consumers take back what it still holds.
             if self._registered_liveness:
                 transport.lease_keeper.unregister(self.consumer_name)
             self.client.close()
-
-    def _requeue_own_pending(self, queues: set[str]) -> None:
-        """Entries read but never delivered (a read in flight at close) go back at once."""
-        requeue = script(self.client, "requeue")
-        now = format_rfc3339(utcnow())
-        for queue in queues:
-            keys = self.keys.queue(queue)
-            for stream in keys.all_streams:
-                pending = self.client.xpending_range(
-                    stream, self.settings.consumer_group, min="-", max="+", count=10_000,
-                    consumername=self.consumer_name,
-                )
-                for item in pending:
-                    requeue(keys=[stream, stream, keys.dead],
-                            args=[self.settings.consumer_group, _text(item["message_id"]),
-                                  self.consumer_name, 0, 0, 0, now])

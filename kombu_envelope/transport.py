@@ -60,14 +60,14 @@ class Poller:
 
     def add(self, channel: Channel) -> None:
         """Poll ``channel`` from now on."""
-        channel.defer_acks = self.defer_acks
+        channel.settler.defer_acks = self.defer_acks
         self.channels.append(channel)
 
     def use_event_loop(self) -> None:
         """An event loop drives the channels: batch their acks per turn (see arm)."""
         self.defer_acks = True
         for channel in self.channels:
-            channel.defer_acks = True
+            channel.settler.defer_acks = True
 
     def discard(self, channel: Channel) -> None:
         """Stop polling ``channel``."""
@@ -83,7 +83,7 @@ class Poller:
         self._fd_to_channel = {}
         buffered = False
         for channel in list(self.channels):
-            channel.flush_acks()
+            channel.settler.flush_acks()
             if not channel.has_buffered():
                 fd = channel.start_blocking_read()
                 if fd is not None:
@@ -122,10 +122,10 @@ class Transport(virtual.Transport):
 
     Channel = Channel
 
-    default_port = 6379
+    default_port = 6379  # type: ignore[assignment]  # kombu's base value is None
     driver_type = "redis"  # Celery enables gossip, mingle and events for "redis"
     driver_name = "redis"
-    polling_interval = None
+    polling_interval = None  # type: ignore[assignment]  # no polling: reads block
 
     implements = virtual.Transport.implements.extend(
         asynchronous=True,
@@ -196,7 +196,9 @@ class Transport(virtual.Transport):
 
         loop.on_tick.add(on_poll_start)
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    def drain_events(  # type: ignore[override]  # as kombu's virtual.Transport
+        self, connection: Any, timeout: float | None = None
+    ) -> None:
         """Wait up to ``timeout`` seconds for messages and deliver them."""
         deadline = None if timeout is None else monotonic() + timeout
         while True:

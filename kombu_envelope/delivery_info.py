@@ -1,0 +1,11 @@
+"""The delivery_info keys that tie a delivered kombu message to its stream entry."""
+
+#: The stream and id of the entry a message was read from.
+INFO_STREAM = "envelope_stream"
+INFO_ENTRY_ID = "envelope_entry_id"
+#: The consumer that read the entry, and the entry's queue.
+INFO_CONSUMER = "envelope_consumer"
+INFO_QUEUE = "envelope_queue"
+#: Set by a consumer before reject() to name the failure class, and why.
+INFO_FAILURE_CLASS = "envelope_failure_class"
+INFO_FAILURE_REASON = "envelope_failure_reason"

@@ -1,0 +1,192 @@
+"""Read stream entries become kombu messages (section 5.1 of docs/protocol.md).
+
+Malformed entries, and tasks the message adapter cannot deliver, are
+dead-lettered; tasks added before they are due go to their delayed set; tasks
+marked cancelled are acknowledged without running. Every other entry becomes
+a kombu message whose delivery_info locates the entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from time import monotonic
+from typing import Any
+
+from kombu_envelope.adapter import MessageAdapter, Undeliverable
+from kombu_envelope.codec import F_BODY, F_ENCODING, decode_entry
+from kombu_envelope.deadletter import Failure, FailureClass
+from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
+from kombu_envelope.envelope import Envelope
+from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.keys import QueueKeys, bucket_for
+from kombu_envelope.replies import as_text
+from kombu_envelope.scripts import script
+from kombu_envelope.settings import Settings
+from kombu_envelope.settle import Settler
+
+#: Everything a channel does is logged under one name.
+logger = logging.getLogger("kombu_envelope.channel")
+
+#: Field of a ``kombu`` stream entry holding the kombu message as JSON.
+F_KOMBU = "kombu"
+
+#: A decoded entry: queue, stream, entry id, fields, and its Envelope (None in a kombu stream).
+Decoded = tuple[str, str, str, dict[Any, Any], Envelope | None]
+
+
+class Inbox:
+    """Turns the entries one consumer reads into the kombu messages it delivers."""
+
+    def __init__(self, client: Any, settings: Settings, adapter: MessageAdapter,
+                 consumer_name: str, queue_of_stream: Callable[[str], str],
+                 settler: Settler) -> None:
+        self.client = client
+        self.settings = settings
+        self.keys = settings.keys
+        self.adapter = adapter
+        self.consumer_name = consumer_name
+        self.queue_of_stream = queue_of_stream
+        self.settler = settler
+        #: queue -> time until which it is known to have no cancel marks.
+        self._no_cancel_marks_until: dict[str, float] = {}
+
+    def messages(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+        """(queue, kombu message) for each entry of a read reply that is to be delivered."""
+        decoded = []
+        for stream_name, entries in reply:
+            stream = as_text(stream_name)
+            queue = self.queue_of_stream(stream)
+            for entry_id, fields in entries:
+                if fields is not None:
+                    item = self._decode_entry(queue, stream, as_text(entry_id), fields)
+                    if item is not None:
+                        decoded.append(item)
+        cancelled = self._cancelled_among(decoded)
+        messages = []
+        for queue, stream, entry_id, fields, envelope in decoded:
+            if envelope is not None and envelope.task_id in cancelled.get(queue, ()):
+                self._skip_cancelled(queue, stream, entry_id, envelope)
+                continue
+            message = self._message_for(queue, stream, entry_id, fields, envelope)
+            if message is not None:
+                messages.append((queue, message))
+        return messages
+
+    def _decode_entry(self, queue: str, stream: str, entry_id: str, fields: Any
+                      ) -> Decoded | None:
+        """Decode one entry; malformed and not-yet-due ones are dealt with here (None)."""
+        if isinstance(fields, list):
+            fields = dict(zip(fields[::2], fields[1::2]))
+        keys = self.keys.queue(queue)
+        if stream == keys.kombu_stream:
+            return queue, stream, entry_id, fields, None
+        try:
+            envelope = decode_entry(fields, self.settings.limits)
+        except MalformedEntry as exc:
+            self.settler.dead_letter(queue, stream, entry_id,
+                                     Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
+            return None
+        if not envelope.is_due():
+            self._reschedule(queue, keys, stream, entry_id, envelope, fields)
+            return None
+        return queue, stream, entry_id, fields, envelope
+
+    def _cancelled_among(self, decoded: list[Decoded]) -> dict[str, set[str]]:
+        """Task ids of ``decoded`` marked cancelled, per queue (one round trip).
+
+        A queue found without marks is trusted to have none for ``cancel_check_ms``.
+        """
+        by_queue: dict[str, list[str]] = {}
+        now = monotonic()
+        for queue, _stream, _id, _fields, envelope in decoded:
+            if envelope is not None and self._no_cancel_marks_until.get(queue, 0) <= now:
+                by_queue.setdefault(queue, []).append(envelope.task_id)
+        if not by_queue:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for queue, task_ids in by_queue.items():
+            pipe.exists(self.keys.queue(queue).cancelled)
+            pipe.zmscore(self.keys.queue(queue).cancelled, task_ids)
+        replies = pipe.execute()
+        cancelled = {}
+        for (queue, task_ids), has_marks, marks in zip(by_queue.items(), replies[::2],
+                                                       replies[1::2]):
+            if not has_marks:
+                self._no_cancel_marks_until[queue] = now + self.settings.cancel_check_ms / 1000
+            cancelled[queue] = {tid for tid, mark in zip(task_ids, marks) if mark is not None}
+        return cancelled
+
+    def _skip_cancelled(self, queue: str, stream: str, entry_id: str,
+                        envelope: Envelope) -> None:
+        """Acknowledge a cancelled task without running it, and clear its mark."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(stream, self.settings.consumer_group, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.zrem(self.keys.queue(queue).cancelled, envelope.task_id)
+        pipe.execute()
+        logger.info("task %s (%s) was cancelled; acknowledged without running it",
+                    envelope.task_id, envelope.task_type)
+
+    def _message_for(self, queue: str, stream: str, entry_id: str, fields: dict[Any, Any],
+                     envelope: Envelope | None) -> dict[str, Any] | None:
+        """The kombu message for a decoded entry (None when it was dead-lettered)."""
+        try:
+            if envelope is None:
+                message = _kombu_message(fields)
+            else:
+                message = self.adapter.to_message(envelope, queue)
+        except MalformedEntry as exc:
+            self.settler.dead_letter(queue, stream, entry_id,
+                                     Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
+            return None
+        except Undeliverable as exc:
+            assert envelope is not None
+            self.settler.dead_letter(
+                queue, stream, entry_id,
+                Failure(FailureClass(exc.failure_class), exc.reason,
+                        task_id=envelope.task_id, task_type=envelope.task_type))
+            return None
+        properties = message.setdefault("properties", {})
+        properties["delivery_tag"] = f"{stream} {entry_id}"
+        info = properties.setdefault("delivery_info", {})
+        info.setdefault("exchange", "")
+        info.setdefault("routing_key", queue)
+        info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id,
+                     INFO_CONSUMER: self.consumer_name, INFO_QUEUE: queue,
+                     "redelivered": b"n" in fields or "n" in fields})
+        return message
+
+    def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,
+                    envelope: Envelope, fields: dict[Any, Any]) -> None:
+        """An entry added to a stream before it is due goes to the delayed set instead.
+
+        Not a transaction: a crash after scheduling leaves the entry pending, and
+        scheduling it again once taken over replaces the same task_id.
+        """
+        pipe = self.client.pipeline(transaction=False)
+        pipe.sadd(self.keys.queues, queue)
+        args: list[Any] = [envelope.task_id, envelope.due_ms(),
+                           bucket_for(envelope.priority).value,
+                           fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
+                           fields.get(F_BODY.encode(), fields.get(F_BODY)),
+                           self.keys.wakeup_channel]
+        script(self.client, "schedule")(keys=[keys.delayed, keys.delayed_data], args=args,
+                                        client=pipe)
+        pipe.xack(stream, self.settings.consumer_group, entry_id)
+        pipe.xdel(stream, entry_id)
+        pipe.execute()
+
+
+def _kombu_message(fields: dict[Any, Any]) -> dict[str, Any]:
+    raw = fields.get(F_KOMBU.encode(), fields.get(F_KOMBU))
+    if raw is None:
+        raise MalformedEntry("kombu stream entry has no 'kombu' field")
+    try:
+        message = json.loads(raw)
+    except ValueError as exc:
+        raise MalformedEntry(f"kombu stream entry is not JSON: {exc}") from exc
+    if not isinstance(message, dict) or not isinstance(message.get("properties"), dict):
+        raise MalformedEntry("kombu stream entry is not a kombu message")
+    return message

@@ -1,0 +1,129 @@
+"""Settling the stream entries of delivered messages: ack, requeue, dead-letter.
+
+Ack is ``XACK`` + ``XDEL``, batched per event-loop turn when a hub drives the
+channel. Requeue puts an entry back at the end of its stream; dead-lettering
+moves it, with its raw bytes, to the queue's dead-letter stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kombu_envelope.deadletter import Failure, FailureClass, dead_letter_pending
+from kombu_envelope.delivery_info import (
+    INFO_ENTRY_ID,
+    INFO_FAILURE_CLASS,
+    INFO_FAILURE_REASON,
+    INFO_STREAM,
+)
+from kombu_envelope.envelope import format_rfc3339, utcnow
+from kombu_envelope.replies import as_text
+from kombu_envelope.scripts import script
+from kombu_envelope.settings import Settings
+
+#: Everything a channel does is logged under one name.
+logger = logging.getLogger("kombu_envelope.channel")
+
+
+class Settler:
+    """Acknowledges, requeues and dead-letters the entries one consumer has read."""
+
+    def __init__(self, client: Any, settings: Settings, consumer_name: str,
+                 queue_of_stream: Callable[[str], str]) -> None:
+        self.client = client
+        self.settings = settings
+        self.consumer_name = consumer_name
+        self.queue_of_stream = queue_of_stream
+        #: Whether acks wait for flush_acks (an event loop calls it on every turn).
+        self.defer_acks = False
+        self._pending_acks: list[tuple[str, str]] = []
+
+    def ack(self, delivery_info: dict[str, Any]) -> None:
+        """Acknowledge and delete the entry a message came from.
+
+        With ``defer_acks`` the ack waits for :meth:`flush_acks`: one round trip
+        for all the acks of a turn.
+        """
+        stream = delivery_info.get(INFO_STREAM)
+        if stream is None:
+            return
+        self._pending_acks.append((stream, delivery_info[INFO_ENTRY_ID]))
+        if not self.defer_acks:
+            self.flush_acks()
+
+    def flush_acks(self) -> None:
+        """XACK and XDEL every acknowledged entry not yet settled, in one transaction."""
+        if not self._pending_acks:
+            return
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in self._pending_acks:
+            by_stream.setdefault(stream, []).append(entry_id)
+        self._pending_acks = []
+        pipe = self.client.pipeline(transaction=True)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, self.settings.consumer_group, *ids)
+            pipe.xdel(stream, *ids)
+        replies = pipe.execute()
+        for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
+            if acked < len(ids):
+                # Normal when a task settled its entry itself (dead-lettered it); the
+                # takeover of a consumer that only looked dead is logged by the taker.
+                logger.info(
+                    "%d of %d entries of %s were already settled when acknowledged "
+                    "(dead-lettered by their task, or taken over while this consumer "
+                    "looked dead)", len(ids) - acked, len(ids), stream)
+
+    def requeue(self, delivery_info: dict[str, Any]) -> None:
+        """Put the entry a message came from back at the end of its stream."""
+        stream = delivery_info.get(INFO_STREAM)
+        if stream is None:
+            return
+        queue = self.queue_of_stream(stream)
+        script(self.client, "requeue")(
+            keys=[stream, stream, self.settings.keys.queue(queue).dead],
+            args=[self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
+                  format_rfc3339(utcnow())],
+        )
+
+    def dead_letter_rejected(self, delivery_info: dict[str, Any]) -> None:
+        """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""
+        stream = delivery_info.get(INFO_STREAM)
+        if stream is None:
+            return
+        failure_class = FailureClass(delivery_info.get(INFO_FAILURE_CLASS,
+                                                       FailureClass.REJECTED))
+        reason = delivery_info.get(INFO_FAILURE_REASON,
+                                   "rejected by the consumer without requeue")
+        self.dead_letter(self.queue_of_stream(stream), stream, delivery_info[INFO_ENTRY_ID],
+                         Failure(failure_class, reason))
+
+    def dead_letter(self, queue: str, stream: str, entry_id: str, failure: Failure) -> None:
+        """Move a pending entry of ``queue`` to its dead-letter stream, and log it."""
+        dead_id = dead_letter_pending(
+            self.client, self.settings, queue=queue, stream=stream, entry_id=entry_id,
+            failure=failure, consumer=self.consumer_name,
+        )
+        if dead_id is None:
+            logger.info("entry %s of %s was already settled (dead-lettered by its task); "
+                        "not dead-lettered again", entry_id, stream)
+            return
+        logger.error("entry %s of %s dead-lettered as %s (%s): %s", entry_id, stream,
+                     dead_id, failure.failure_class.value, failure.reason)
+
+    def requeue_own_pending(self, queues: Iterable[str]) -> None:
+        """Put back at once every entry of ``queues`` this consumer still holds."""
+        requeue = script(self.client, "requeue")
+        now = format_rfc3339(utcnow())
+        for queue in queues:
+            keys = self.settings.keys.queue(queue)
+            for stream in keys.all_streams:
+                pending = self.client.xpending_range(
+                    stream, self.settings.consumer_group, min="-", max="+", count=10_000,
+                    consumername=self.consumer_name,
+                )
+                for item in pending:
+                    requeue(keys=[stream, stream, keys.dead],
+                            args=[self.settings.consumer_group, as_text(item["message_id"]),
+                                  self.consumer_name, 0, 0, 0, now])
