@@ -30,8 +30,8 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_ext.priority import UNSET_PRIORITY_PROPERTY
 from celery_ext.protocol import JSON_CONTENT_TYPE, CeleryAdapter
-from kombu_envelope.channel import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.deadletter import Failure, dead_letter_envelope, dead_letter_pending
+from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.retrying import ErrorKind, RetryPolicy
 from kombu_envelope.settings import Settings

@@ -72,6 +72,7 @@ from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, format_rfc3339
 from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.keys import bucket_for
+from kombu_envelope.replies import as_text
 from kombu_envelope.scheduler import redis_now_ms
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
@@ -327,9 +328,6 @@ class SyncReport:
     kept: list[str] = field(default_factory=list)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 def _int_or_none(value: Any) -> int | None:
     try:
@@ -391,7 +389,7 @@ class PeriodicScheduler:
         by_queue = self.by_queue
         queues = set(by_queue)
         if not add_only:
-            queues.update(_text(q) for q in self.client.smembers(keys.periodic_queues))
+            queues.update(as_text(q) for q in self.client.smembers(keys.periodic_queues))
         report = SyncReport()
         earliest: int | None = None
         for queue in sorted(queues):
@@ -421,7 +419,7 @@ class PeriodicScheduler:
             while True:
                 try:
                     pipe.watch(key)
-                    stored = {_text(k): _text(v) for k, v in pipe.hgetall(key).items()}
+                    stored = {as_text(k): as_text(v) for k, v in pipe.hgetall(key).items()}
                     writes: dict[str, str] = {}
                     added: list[str] = []
                     reset: list[str] = []
@@ -478,7 +476,7 @@ class PeriodicScheduler:
         for entries, values in zip(by_queue.values(), replies):
             for entry, next_ms, fingerprint in zip(entries, values[::2], values[1::2]):
                 found[entry.name] = (_int_or_none(next_ms),
-                                     None if fingerprint is None else _text(fingerprint))
+                                     None if fingerprint is None else as_text(fingerprint))
         return bool(registry), found
 
     def run_due(self, now_ms: int) -> tuple[int, int | None]:

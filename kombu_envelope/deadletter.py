@@ -25,6 +25,7 @@ from kombu_envelope.codec import decode_entry, encode_body, encode_entry
 from kombu_envelope.envelope import Envelope, Limits, check_publishable, format_rfc3339, utcnow
 from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import bucket_for
+from kombu_envelope.replies import as_text
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -113,7 +114,7 @@ def dead_letter_pending(
     )
     if reply:
         client.sadd(settings.keys.dead_queues, queue)
-    return _text(reply) if reply else None
+    return as_text(reply) if reply else None
 
 
 def dead_letter_envelope(
@@ -137,11 +138,8 @@ def dead_letter_envelope(
     pipe = client.pipeline(transaction=True)
     pipe.xadd(settings.keys.queue(queue).dead, fields)
     pipe.sadd(settings.keys.dead_queues, queue)
-    return _text(pipe.execute()[0])
+    return as_text(pipe.execute()[0])
 
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -274,7 +272,7 @@ class DeadLetters:
 
     def queues(self) -> list[str]:
         """Queues that have had dead-letter entries."""
-        return sorted(_text(q) for q in self.client.smembers(self.settings.keys.dead_queues))
+        return sorted(as_text(q) for q in self.client.smembers(self.settings.keys.dead_queues))
 
     def iter(self, queue: str, where: DeadLetterFilter | None = None,
              batch: int = 200) -> Iterator[DeadLetter]:
@@ -285,12 +283,12 @@ class DeadLetters:
         while True:
             entries = self.client.xrange(stream, low, high, count=batch)
             for entry_id, fields in entries:
-                entry = self._entry(queue, _text(entry_id), fields)
+                entry = self._entry(queue, as_text(entry_id), fields)
                 if where.matches(entry):
                     yield entry
             if len(entries) < batch:
                 return
-            low = "(" + _text(entries[-1][0])
+            low = "(" + as_text(entries[-1][0])
 
     def list(self, queues: Iterable[str] | None = None, where: DeadLetterFilter | None = None,
              limit: int = 100) -> list[DeadLetter]:
@@ -349,17 +347,17 @@ class DeadLetters:
             keys=[keys.dead, keys.stream(bucket_for(envelope.priority)), keys.replayed],
             args=[entry_id, enc, body, *record],
         )
-        return _text(reply) if reply else None
+        return as_text(reply) if reply else None
 
     def _entry(self, queue: str, entry_id: str, fields: dict[Any, Any]) -> DeadLetter:
         failure: dict[str, str] = {}
         raw: dict[str, bytes] = {}
         for name, value in fields.items():
-            key = _text(name)
+            key = as_text(name)
             if key.startswith("raw."):
                 raw[key[4:]] = value if isinstance(value, bytes) else str(value).encode()
             else:
-                failure[key] = _text(value)
+                failure[key] = as_text(value)
         try:
             envelope, error = decode_entry(raw, self.settings.limits), None
         except MalformedEntry as exc:

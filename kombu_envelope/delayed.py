@@ -16,6 +16,7 @@ from typing import Any
 from kombu_envelope.codec import decode_body
 from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.errors import InvalidQueueName, MalformedEntry
+from kombu_envelope.replies import as_text
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -45,9 +46,6 @@ class DelayedTask:
     error: str | None = None
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
 
 def _decode_stored(stored: bytes, settings: Settings) -> tuple[Envelope | None, str | None]:
     """Decode a delayed-set value "<bucket>\\n<enc>\\n<body>"."""
@@ -69,7 +67,7 @@ class DelayedTasks:
 
     def queues(self) -> list[str]:
         """Queues that have (or had) delayed tasks."""
-        return sorted(_text(q) for q in self.client.smembers(self.settings.keys.queues))
+        return sorted(as_text(q) for q in self.client.smembers(self.settings.keys.queues))
 
     def count(self, queue: str) -> int:
         """How many tasks of ``queue`` are delayed."""
@@ -119,7 +117,7 @@ class DelayedTasks:
             keys=[keys.delayed, keys.delayed_data, keys.cancelled],
             args=[task_id, now_ms, CANCEL_MARK_RETENTION_MS],
         )
-        return CancelOutcome(_text(reply))
+        return CancelOutcome(as_text(reply))
 
     def cancel_everywhere(self, task_id: str) -> dict[str, CancelOutcome]:
         """Cancel ``task_id`` without knowing its queue; return the outcome per queue.
@@ -148,7 +146,7 @@ class DelayedTasks:
         if not scored:
             return []
         keys = self.settings.keys.queue(queue)
-        ids = [_text(member) for member, _ in scored]
+        ids = [as_text(member) for member, _ in scored]
         stored = self.client.hmget(keys.delayed_data, ids)
         tasks = []
         for task_id, (_, score), value in zip(ids, scored, stored):

@@ -21,6 +21,7 @@ from enum import Enum
 from typing import Any
 
 from kombu_envelope.envelope import format_rfc3339, utcnow
+from kombu_envelope.replies import as_text
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -51,9 +52,6 @@ class Claim:
     taken_over: str | None = None
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
 
 class Idempotency:
     """Claim, finish and take over idempotency keys."""
@@ -79,8 +77,8 @@ class Idempotency:
         key = self.settings.keys.idempotency(task_type, idempotency_key)
         reply = script(self.client, "idem_begin")(
             keys=[key], args=[holder, self.claim_ms(timeout_ms), replace])
-        state = ClaimState(_text(reply[0]))
-        other = _text(reply[1]) if len(reply) > 1 else None
+        state = ClaimState(as_text(reply[0]))
+        other = as_text(reply[1]) if len(reply) > 1 else None
         return Claim(state, key, holder, other, replace or None)
 
     def holder_alive(self, holder: str) -> bool:

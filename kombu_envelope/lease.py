@@ -20,6 +20,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from kombu_envelope.deadletter import Failure, FailureClass, failure_fields
+from kombu_envelope.replies import as_text
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -32,9 +33,6 @@ FORGET_AFTER_MS = 3_600_000
 #: How often a live consumer looks for such consumers (seconds).
 FORGET_CHECK_S = 60.0
 
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def renew(client: Any, settings: Settings, consumers: Iterable[str]) -> None:
@@ -60,7 +58,7 @@ def reclaim_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
             summary = client.xpending(stream, settings.consumer_group)
         except RedisError:  # no stream or no group yet: nothing is pending
             continue
-        owners = [_text(c["name"]) for c in summary.get("consumers") or []]
+        owners = [as_text(c["name"]) for c in summary.get("consumers") or []]
         if not owners:
             continue
         pipe = client.pipeline(transaction=False)
@@ -88,13 +86,13 @@ def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
     for item in pending:
         reply = requeue(
             keys=[stream, stream, settings.keys.queue(queue).dead],
-            args=[group, _text(item["message_id"]), owner, settings.lease_ms, 1,
+            args=[group, as_text(item["message_id"]), owner, settings.lease_ms, 1,
                   settings.max_redeliveries, dead_fields["dead_at"],
                   *_pairs(dead_fields, _REQUEUE_DEAD_FIELDS)],
         )
         if reply:
             moved += 1
-            if _text(reply).startswith("dead:"):
+            if as_text(reply).startswith("dead:"):
                 client.sadd(settings.keys.dead_queues, queue)
     if moved:
         logger.warning("took over %d entries of dead consumer %s on %s", moved, owner, stream)
@@ -116,7 +114,7 @@ def forget_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
             consumers = client.xinfo_consumers(stream, settings.consumer_group)
         except RedisError:  # no stream or no group yet
             continue
-        idle = [_text(c["name"]) for c in consumers
+        idle = [as_text(c["name"]) for c in consumers
                 if c["pending"] == 0 and c["idle"] >= idle_ms]
         if not idle:
             continue

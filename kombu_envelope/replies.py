@@ -6,5 +6,6 @@ from typing import Any
 
 
 def as_text(reply: Any) -> str:
-    """A reply as ``str``: bytes decoded as UTF-8, anything else through ``str()``."""
-    return reply.decode() if isinstance(reply, bytes) else str(reply)
+    """A reply as ``str``: bytes decoded as UTF-8 (invalid bytes replaced, never an
+    error), anything else through ``str()``."""
+    return reply.decode("utf-8", "replace") if isinstance(reply, bytes) else str(reply)
