@@ -8,20 +8,17 @@ Redis; Python publishes, promotes and decodes with the library itself.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
 import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import redis
 from support import wait_for
+from support.peers import FIRST_BUILD_TIMEOUT_S, GO, GO_DIR, GoPeer, build_go_peer, go_env
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_entry, encode_entry
@@ -32,125 +29,20 @@ from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.scheduler import Promoter
 
-GO = shutil.which("go")
-#: A first (cold) build compiles go-redis and may take minutes.
-FIRST_BUILD_TIMEOUT_S = 180
 pytestmark = [
     pytest.mark.skipif(GO is None, reason="the Go toolchain (`go`) is not on PATH"),
     # Whichever test comes first also waits for the session's `go build`.
     pytest.mark.timeout(FIRST_BUILD_TIMEOUT_S + 120),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-GO_DIR = ROOT / "tests" / "interop" / "go"
-LUA_DIR = ROOT / "kombu_envelope" / "lua"
 GROUP = "workers"
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-def go_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(extra)
-    return env
 
 
 @pytest.fixture(scope="session")
 def go_peer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The peer binary, built once per session."""
-    assert GO is not None
-    binary = tmp_path_factory.mktemp("go-peer") / "envelope-peer"
-    try:
-        built = subprocess.run(
-            [GO, "build", "-o", str(binary), "."], cwd=GO_DIR, env=go_env(),
-            capture_output=True, text=True, timeout=FIRST_BUILD_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"go build took longer than {FIRST_BUILD_TIMEOUT_S} s")
-    assert built.returncode == 0, f"go build failed:\n{built.stdout}\n{built.stderr}"
-    return binary
-
-
-@dataclass
-class GoWorker:
-    """A running ``envelope-peer worker``; its JSON log lines go to a file."""
-
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes]
-
-    def log_lines(self) -> list[dict[str, Any]]:
-        lines = []
-        for raw in self.log_path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                lines.append(json.loads(raw))
-            except ValueError:
-                lines.append({"msg": raw})
-        return lines
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")[-4000:]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 15.0) -> int:
-        """SIGTERM, then SIGKILL if it does not exit in time; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log_file.close()
-        return self.proc.returncode
-
-
-@dataclass
-class Peer:
-    """Runs the Go peer against one key prefix and queue; kills every worker at the end."""
-
-    binary: Path
-    redis_url: str
-    prefix: str
-    queue: str
-    tmp: Path
-    workers: list[GoWorker] = field(default_factory=list)
-
-    def common(self) -> list[str]:
-        return ["--redis", self.redis_url, "--prefix", self.prefix, "--queue", self.queue,
-                "--lua-dir", str(LUA_DIR)]
-
-    def run(self, command: str, *args: str) -> list[str]:
-        done = subprocess.run([str(self.binary), command, *self.common(), *args],
-                              capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
-        return done.stdout.split()
-
-    def produce(self, *args: str) -> list[str]:
-        return self.run("produce", *args)
-
-    def worker(self, *args: str) -> GoWorker:
-        log_path = self.tmp / f"go-worker-{len(self.workers)}.log"
-        log_file = log_path.open("wb")
-        proc = subprocess.Popen(
-            [str(self.binary), "worker", *self.common(), "--lease-ms", "3000",
-             "--block-ms", "200", "--backoff-ms", "200", "--max-backoff-ms", "1000", *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file,
-        )
-        worker = GoWorker(proc, log_path, log_file)
-        self.workers.append(worker)
-        wait_for(lambda: any(line.get("msg") == "worker started" for line in worker.log_lines())
-                 or not worker.alive(), timeout=15, message=worker.log_tail)
-        assert worker.alive(), worker.log_tail()
-        return worker
-
-    def close(self) -> None:
-        for worker in self.workers:
-            if worker.proc.poll() is None:
-                worker.proc.kill()
-            worker.proc.wait()
-            worker.log_file.close()
+    return build_go_peer(tmp_path_factory)
 
 
 @pytest.fixture
@@ -163,8 +55,8 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def peer(go_peer: Path, redis_url: str, key_prefix: str, tmp_path: Path) -> Iterator[Peer]:
-    p = Peer(go_peer, redis_url, key_prefix, f"orders-{uuid.uuid4().hex[:6]}", tmp_path)
+def peer(go_peer: Path, redis_url: str, key_prefix: str, tmp_path: Path) -> Iterator[GoPeer]:
+    p = GoPeer(go_peer, redis_url, key_prefix, f"orders-{uuid.uuid4().hex[:6]}", tmp_path)
     try:
         yield p
     finally:
@@ -213,7 +105,7 @@ def test_go_conformance_suite(go_peer: Path, redis_url: str) -> None:
 # --- cross-language scenarios --------------------------------------------------------------
 
 
-def test_python_publishes_go_worker_runs_and_acks(peer: Peer, client: redis.Redis) -> None:
+def test_python_publishes_go_worker_runs_and_acks(peer: GoPeer, client: redis.Redis) -> None:
     order_id = "202509110001"
     env = Envelope.new(task_type="order.close_timeout",
                        payload={"order_id": order_id, "store_id": 7})
@@ -235,7 +127,7 @@ def test_python_publishes_go_worker_runs_and_acks(peer: Peer, client: redis.Redi
 
 
 def test_go_delayed_task_in_plus_0800_is_promoted_by_python(
-    peer: Peer, client: redis.Redis, redis_url: str
+    peer: GoPeer, client: redis.Redis, redis_url: str
 ) -> None:
     due = (datetime.now(timezone(timedelta(hours=8))) + timedelta(seconds=1.5))
     due_text = format_rfc3339(due)
@@ -272,7 +164,7 @@ def test_go_delayed_task_in_plus_0800_is_promoted_by_python(
 
 
 def test_same_idempotency_key_from_go_and_python_runs_once(
-    peer: Peer, client: redis.Redis
+    peer: GoPeer, client: redis.Redis
 ) -> None:
     order_id = f"c-{uuid.uuid4().hex[:8]}"
     [go_task] = peer.produce("--task-type", "order.close_timeout",
@@ -310,7 +202,7 @@ MALFORMED = {
 
 
 def test_malformed_entries_are_dead_lettered_and_the_go_worker_goes_on(
-    peer: Peer, client: redis.Redis
+    peer: GoPeer, client: redis.Redis
 ) -> None:
     worker = peer.worker()
     for kind in MALFORMED:
@@ -343,7 +235,7 @@ def test_malformed_entries_are_dead_lettered_and_the_go_worker_goes_on(
 
 
 def test_failing_task_exhausts_its_retries_into_the_dead_letter_stream(
-    peer: Peer, client: redis.Redis
+    peer: GoPeer, client: redis.Redis
 ) -> None:
     env = Envelope.new(task_type="test.fail", payload={"n": 1}, max_retries=2)
     publisher(client, peer.prefix).publish(peer.queue, env)
@@ -383,7 +275,7 @@ def test_failing_task_exhausts_its_retries_into_the_dead_letter_stream(
 
 
 def test_task_cancelled_by_python_after_promotion_is_skipped_by_go(
-    peer: Peer, client: redis.Redis
+    peer: GoPeer, client: redis.Redis
 ) -> None:
     keys = KeySpace(peer.prefix).queue(peer.queue)
     pub = publisher(client, peer.prefix)
@@ -411,7 +303,7 @@ def test_task_cancelled_by_python_after_promotion_is_skipped_by_go(
 
 
 def test_go_publishing_now_replaces_a_task_python_scheduled(
-    peer: Peer, client: redis.Redis
+    peer: GoPeer, client: redis.Redis
 ) -> None:
     keys = KeySpace(peer.prefix).queue(peer.queue)
     later = Envelope.new(task_type="order.close_timeout",
@@ -435,7 +327,7 @@ def test_go_publishing_now_replaces_a_task_python_scheduled(
 
 
 def test_go_dead_letters_an_entry_whose_consumers_keep_dying(
-    peer: Peer, client: redis.Redis
+    peer: GoPeer, client: redis.Redis
 ) -> None:
     keys = KeySpace(peer.prefix).queue(peer.queue)
     env = Envelope.new(task_type="order.close_timeout",
@@ -465,7 +357,7 @@ def test_go_dead_letters_an_entry_whose_consumers_keep_dying(
     assert worker.stop() == 0, worker.log_tail()
 
 
-def test_sigterm_puts_prefetched_entries_back(peer: Peer, client: redis.Redis) -> None:
+def test_sigterm_puts_prefetched_entries_back(peer: GoPeer, client: redis.Redis) -> None:
     tasks = peer.produce("--task-type", "test.sleep", "--payload", '{"ms": 1500}',
                          "--count", "3")
     worker = peer.worker("--prefetch", "3")

@@ -14,19 +14,18 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
-import signal
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import redis
 from support import wait_for
+from support.peers import NODE, NODE_DIR, NodePeer, node_unavailable
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_body, decode_entry, encode_entry
@@ -36,112 +35,10 @@ from kombu_envelope.envelope import parse_rfc3339, utcnow
 from kombu_envelope.keys import Bucket, KeySpace, bucket_for
 from kombu_envelope.scheduler import Promoter
 
-NODE_DIR = Path(__file__).resolve().parent / "interop" / "node"
-PEER = NODE_DIR / "peer.js"
-NODE = shutil.which("node")
 GROUP = "workers"
 
-
-def _node_unavailable() -> str | None:
-    """Why the Node peer cannot run here, or None when it can."""
-    if NODE is None:
-        return "node is not on PATH"
-    if (NODE_DIR / "node_modules" / "ioredis").is_dir():
-        return None
-    npm = shutil.which("npm")
-    if npm is None:
-        return "tests/interop/node/node_modules is missing and npm is not on PATH"
-    try:
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True,
-                       capture_output=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"tests/interop/node/node_modules is missing and `npm ci` failed: {exc}"
-    return None
-
-
-_UNAVAILABLE = _node_unavailable()
+_UNAVAILABLE = node_unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
-
-
-class NodeWorker:
-    """A ``node peer.js worker`` subprocess logging JSON lines to a file."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path, log_file: IO[bytes]) -> None:
-        self.proc = proc
-        self.log_path = log_path
-        self._log_file = log_file
-
-    def lines(self) -> list[dict[str, Any]]:
-        """Log lines so far (every one must be JSON)."""
-        text = self.log_path.read_text(encoding="utf-8")
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(encoding="utf-8")[-4000:]
-
-    @property
-    def consumer(self) -> str:
-        ready = [line for line in self.lines() if line["msg"] == "worker ready"]
-        return str(ready[0]["consumer"])
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Kill the process if it still runs and close the log."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log_file.close()
-
-
-class NodePeer:
-    """Runs the peer's CLI against one Redis URL and key prefix; kills what it started."""
-
-    def __init__(self, redis_url: str, prefix: str, tmp_path: Path) -> None:
-        self.redis_url = redis_url
-        self.prefix = prefix
-        self.tmp_path = tmp_path
-        self.workers: list[NodeWorker] = []
-
-    def command(self, name: str, *args: str) -> list[str]:
-        assert NODE is not None
-        return [NODE, str(PEER), name, "--redis", self.redis_url, "--prefix", self.prefix, *args]
-
-    def run(self, name: str, *args: str, timeout: float = 20.0) -> str:
-        """Run a one-shot sub-command; return its stdout."""
-        done = subprocess.run(self.command(name, *args), capture_output=True, text=True,
-                              timeout=timeout, cwd=NODE_DIR, check=False)
-        assert done.returncode == 0, f"peer.js {name} failed ({done.returncode}): {done.stderr}"
-        return done.stdout
-
-    def worker(self, queue: str, *args: str) -> NodeWorker:
-        """Start a worker and wait until it is ready."""
-        log_path = self.tmp_path / f"node-worker-{len(self.workers)}.log"
-        log_file = log_path.open("wb")
-        proc = subprocess.Popen(
-            self.command("worker", "--queue", queue, *args),
-            stdout=subprocess.DEVNULL, stderr=log_file, stdin=subprocess.DEVNULL, cwd=NODE_DIR,
-        )
-        worker = NodeWorker(proc, log_path, log_file)
-        self.workers.append(worker)
-
-        def ready() -> bool:
-            assert proc.poll() is None, f"node worker exited early: {worker.log_tail()}"
-            return any(line["msg"] == "worker ready" for line in worker.lines())
-
-        wait_for(ready, timeout=15, message=worker.log_tail)
-        return worker
-
-    def close(self) -> None:
-        for worker in self.workers:
-            worker.close()
 
 
 @pytest.fixture
