@@ -50,6 +50,12 @@ def redis_url(redis_server: RedisEndpoint) -> str:
 
 
 @pytest.fixture
+def client(redis_client: redis.Redis) -> redis.Redis:
+    """Short name of :func:`redis_client`, used by the interoperability tests."""
+    return redis_client
+
+
+@pytest.fixture
 def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     """A ``redis.Redis`` client (bytes responses) on the session Redis."""
     client = redis.Redis.from_url(redis_url, decode_responses=False)

@@ -124,15 +124,6 @@ def interop(request: pytest.FixtureRequest, redis_url: str, key_prefix: str,
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    connection = redis.Redis.from_url(redis_url)
-    try:
-        yield connection
-    finally:
-        connection.close()
-
-
-@pytest.fixture
 def celery_app(redis_url: str, key_prefix: str) -> Iterator[Celery]:
     """The publishing side: the same app the workers run, in this process."""
     app = create_app(envelope_url(redis_url), redis_url, key_prefix, 3000)

@@ -46,15 +46,6 @@ def go_peer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture
 def peer(go_peer: Path, redis_url: str, key_prefix: str, tmp_path: Path) -> Iterator[GoPeer]:
     p = GoPeer(go_peer, redis_url, key_prefix, f"orders-{uuid.uuid4().hex[:6]}", tmp_path)
     try:

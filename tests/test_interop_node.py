@@ -42,15 +42,6 @@ pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    connection = redis.Redis.from_url(redis_url)
-    try:
-        yield connection
-    finally:
-        connection.close()
-
-
-@pytest.fixture
 def node(redis_url: str, key_prefix: str, tmp_path: Path) -> Iterator[NodePeer]:
     peer = NodePeer(redis_url, key_prefix, tmp_path)
     try:
