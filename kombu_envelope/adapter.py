@@ -20,7 +20,7 @@ from kombu.serialization import register
 from pydantic_core import to_json
 
 from kombu_envelope.envelope import Envelope, Limits
-from kombu_envelope.errors import EnvelopeError
+from kombu_envelope.errors import EnvelopeError, InvalidEnvelope
 
 #: Content type of a kombu message whose body is an Envelope.
 ENVELOPE_CONTENT_TYPE = "application/vnd.kombu-envelope+json"
@@ -49,12 +49,13 @@ class MessageAdapter:
         if message.get("content-type") != ENVELOPE_CONTENT_TYPE:
             return None
         try:
-            fields = json.loads(body)
-        except ValueError:
-            fields = None
-        if not isinstance(fields, dict):
-            return Envelope.parse(body, limits)  # raises, naming what is wrong
-        return Envelope.new(limits, **fields)  # a new task: identity filled in if missing
+            return Envelope.parse(body, limits)  # an Envelope the serializer wrote
+        except InvalidEnvelope as exc:
+            if "required" not in exc.rules:
+                raise
+        # A dict without identity fields: a new task, whose identity is filled in.
+        fields = json.loads(body)
+        return Envelope.new(limits, **fields)
 
     def to_message(self, envelope: Envelope, queue: str) -> dict[str, Any]:
         """The kombu message dict delivered to consumers of ``queue``.
