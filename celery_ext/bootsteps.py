@@ -34,10 +34,10 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from celery_ext.broker import broker_settings
 from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.connection import connection_pool
 from kombu_envelope.scheduler import Promoter
-from kombu_envelope.settings import Settings
 from kombu_envelope.transport import Transport as EnvelopeTransport
 
 __all__ = [
@@ -84,7 +84,7 @@ class DelayedTaskPromoter(bootsteps.StartStopStep):
 
     def create(self, parent: Any) -> Promoter:
         app = parent.app
-        settings = Settings.from_transport_options(app.conf.broker_transport_options)
+        settings = broker_settings(app)
         with app.connection_for_write() as conn:
             pool = self.pool = connection_pool(conn, settings)
         periodic = periodic_scheduler(app, redis.Redis(connection_pool=pool), settings)

@@ -20,9 +20,9 @@ from kombu_envelope.deadletter import Failure, FailureClass
 from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.errors import MalformedEntry
-from kombu_envelope.keys import QueueKeys, bucket_for
+from kombu_envelope.keys import QueueKeys
+from kombu_envelope.publisher import schedule_encoded
 from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 from kombu_envelope.settle import Settler
 
@@ -167,13 +167,9 @@ class Inbox:
         """
         pipe = self.client.pipeline(transaction=False)
         pipe.sadd(self.keys.queues, queue)
-        args: list[Any] = [envelope.task_id, envelope.due_ms(),
-                           bucket_for(envelope.priority).value,
-                           fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
-                           fields.get(F_BODY.encode(), fields.get(F_BODY)),
-                           self.keys.wakeup_channel]
-        script(self.client, "schedule")(keys=[keys.delayed, keys.delayed_data], args=args,
-                                        client=pipe)
+        schedule_encoded(pipe, self.client, self.settings, keys, envelope,
+                         fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
+                         fields.get(F_BODY.encode(), fields.get(F_BODY)))
         pipe.xack(stream, self.settings.consumer_group, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()

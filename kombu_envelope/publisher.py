@@ -17,7 +17,7 @@ from typing import Any
 
 from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, check_publishable, utcnow
-from kombu_envelope.keys import bucket_for
+from kombu_envelope.keys import QueueKeys, bucket_for
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -71,19 +71,13 @@ class Publisher:
             # schedule.lua wakes the promoters: a registry lost with a Redis restart
             # is rebuilt by the next publish.
             pipe.sadd(settings.keys.queues, *delayed_queues)
-        schedule = script(self.client, "schedule")
         for keys, envelope, enc, body in prepared:
-            bucket = bucket_for(envelope.priority)
             if envelope.is_due(now):
-                enqueue(keys=[keys.stream(bucket), keys.delayed, keys.delayed_data],
+                enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
+                              keys.delayed_data],
                         args=[envelope.task_id, enc, body], client=pipe)
             else:
-                schedule(
-                    keys=[keys.delayed, keys.delayed_data],
-                    args=[envelope.task_id, envelope.due_ms(), bucket.value, enc, body,
-                          settings.keys.wakeup_channel],
-                    client=pipe,
-                )
+                schedule_encoded(pipe, self.client, settings, keys, envelope, enc, body)
         replies = pipe.execute()
         if delayed_queues:
             replies = replies[1:]  # the SADD
@@ -93,3 +87,17 @@ class Publisher:
             else None
             for reply in replies
         ]
+
+
+def schedule_encoded(pipe: Any, client: Any, settings: Settings, keys: QueueKeys,
+                     envelope: Envelope, enc: Any, body: Any) -> None:
+    """Queue schedule.lua on ``pipe`` for an Envelope already encoded as ``enc``/``body``.
+
+    The caller adds the queue to the registry (``SADD <prefix>:queues``) in the same pipe.
+    """
+    script(client, "schedule")(
+        keys=[keys.delayed, keys.delayed_data],
+        args=[envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value, enc,
+              body, settings.keys.wakeup_channel],
+        client=pipe,
+    )
