@@ -72,6 +72,9 @@ class Worker:
             sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker",
             f"--pool={self.pool}", f"--concurrency={self.concurrency}",
             f"--hostname={self.hostname}", f"--loglevel={self.loglevel}",
+            # The drain is timed without control traffic, the same for every broker:
+            # gossip, mingle and heartbeats would add broker round trips that differ
+            # between transports and blur the comparison.
             f"--queues={self.queue}", "--without-gossip", "--without-mingle",
             "--without-heartbeat",
         ]

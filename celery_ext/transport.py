@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from celery.worker import state
+
 from celery_ext.protocol import CeleryAdapter
 from celery_ext.revoke import RevokingChannel
 from kombu_envelope.transport import Transport as EnvelopeTransport
@@ -16,3 +20,11 @@ class Transport(EnvelopeTransport):
 
     Channel = RevokingChannel
     default_adapter = CeleryAdapter
+
+    def keeps_running(self, message: Any) -> bool:
+        """True while the worker runs the task of ``message`` (it was accepted by the pool).
+
+        Celery keeps running such tasks when the broker connection breaks; their
+        entries stay with their consumer, kept alive, until Celery acknowledges them.
+        """
+        return any(request.message is message for request in list(state.active_requests))

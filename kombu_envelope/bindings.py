@@ -1,8 +1,10 @@
 """Exchange bindings, stored in Redis so that routing agrees across processes.
 
 Each exchange has a SET of members ``routing_key, pattern, queue`` joined by
-:data:`BINDING_SEP`. A channel keeps each exchange's table for
-``binding_cache_ms`` and forgets it whenever it binds or unbinds.
+:data:`BINDING_SEP`. A channel keeps a direct exchange's table for
+``binding_cache_ms`` and forgets it whenever it binds or unbinds; topic and
+fanout tables (events, broadcasts), where a binding made a moment ago by
+another process must get the next message, are read on every publish.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ class Bindings:
         self.client.srem(self.settings.keys.binding(exchange),
                          _member(routing_key, pattern, queue))
 
-    def table(self, exchange: str) -> list[Binding]:
-        """Bindings of ``exchange``, read again at most every ``binding_cache_ms``."""
+    def table(self, exchange: str, cached_ok: bool = True) -> list[Binding]:
+        """Bindings of ``exchange``, read again at most every ``binding_cache_ms``
+        (always when not ``cached_ok``)."""
         cached = self._tables.get(exchange)
         now = monotonic()
-        if cached is not None and now - cached[0] < self.settings.binding_cache_ms / 1000:
+        if (cached_ok and cached is not None
+                and now - cached[0] < self.settings.binding_cache_ms / 1000):
             return cached[1]
         table = []
         for member in self.client.smembers(self.settings.keys.binding(exchange)):

@@ -43,6 +43,7 @@ from kombu_envelope.delivery_info import (
     INFO_STREAM,
 )
 from kombu_envelope.inbox import F_KOMBU, Inbox
+from kombu_envelope.outages import retries_seen
 from kombu_envelope.publisher import Publisher
 from kombu_envelope.queues import Queues
 from kombu_envelope.replies import as_text
@@ -59,33 +60,63 @@ logger = logging.getLogger(__name__)
 
 
 class QoS(virtual.QoS):
-    """Prefetch accounting; ack, reject and restore act on the stream entries."""
+    """Prefetch accounting; ack, reject and restore act on the stream entries.
+
+    When the channel closes, messages still being run (the transport's
+    ``keeps_running``) are kept rather than put back: :attr:`kept` holds them
+    until they are settled, and the channel's consumer stays alive until then.
+    """
+
+    def __init__(self, channel: Any, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        #: Messages still running when the channel closed, by delivery tag.
+        self.kept: dict[str, Any] = {}
+
+    def _settling(self, delivery_tag: str) -> Any:
+        """The message of ``delivery_tag``, delivered or kept (None if settled)."""
+        message = self._delivered.get(delivery_tag)
+        return message if message is not None else self.kept.get(delivery_tag)
+
+    def _settled(self, delivery_tag: str) -> None:
+        if self.kept.pop(delivery_tag, None) is not None:
+            self.channel.settler.flush_acks()  # a closed channel has no event loop turns
+            if not self.kept:
+                self.channel.release_kept()
 
     def ack(self, delivery_tag: str) -> None:
-        message = self._delivered.get(delivery_tag)
+        message = self._settling(delivery_tag)
         if message is not None:
             self.channel.settler.ack(message.delivery_info)
         super().ack(delivery_tag)
+        self._settled(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
-        message = self._delivered.get(delivery_tag)
+        message = self._settling(delivery_tag)
         if message is not None:
             if requeue:
                 self.channel.settler.requeue(message.delivery_info)
             else:
                 self.channel.settler.dead_letter_rejected(message.delivery_info)
         self._quick_ack(delivery_tag)
+        self._settled(delivery_tag)
 
     def restore_unacked(self) -> list[Any]:
-        """Put every delivered, unacknowledged entry back into its stream at once."""
+        """Put every delivered, unacknowledged entry that is not running back at once."""
         self._flush()
         errors = []
         while self._delivered:
-            _tag, message = self._delivered.popitem()
+            tag, message = self._delivered.popitem()
+            if self.channel.keeps_running(message):
+                self.kept[tag] = message
+                continue
             try:
                 self.channel.settler.requeue(message.delivery_info)
             except Exception as exc:
                 errors.append((exc, message))
+        if self.kept:
+            logger.warning("channel closed while %d delivered tasks still run; their entries "
+                           "stay with consumer %s until they are settled", len(self.kept),
+                           self.channel.consumer_name)
         return errors
 
 
@@ -111,6 +142,8 @@ class Channel(virtual.Channel):
             raise
         self.adapter: MessageAdapter = transport.adapter
         self.publisher = Publisher(self.client, self.settings)
+        self.lease_keeper = transport.lease_keeper
+        self.keeps_running = transport.keeps_running
         self.consumer_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._no_ack_queues: set[str] = set()
         self._reader: Any = None
@@ -191,10 +224,11 @@ class Channel(virtual.Channel):
     def get_table(self, exchange: str) -> list[Binding]:
         """Bindings of ``exchange`` as (routing_key, pattern, queue), shared via Redis.
 
-        Read again at most every ``binding_cache_ms``; :meth:`_lookup` reads it
-        again at once when a routing key matches nothing.
+        A direct exchange's table is read again at most every ``binding_cache_ms``
+        (:meth:`_lookup` reads it again at once when a routing key matches nothing);
+        a topic or fanout exchange's on every call.
         """
-        return self.bindings.table(exchange)
+        return self.bindings.table(exchange, cached_ok=self.typeof(exchange).type == "direct")
 
     def _lookup(self, exchange: str, routing_key: str, default: str | None = None) -> Any:
         queues = super()._lookup(exchange, routing_key, default)
@@ -234,11 +268,10 @@ class Channel(virtual.Channel):
                            len(given), queue, exc_info=True)
 
     def _register_liveness(self) -> None:
-        if self.closed:  # cancelled while closing, or after (connection is None then)
+        if self.closed:  # cancelled while closing, or after
             return
-        lease = self.connection.lease_keeper
         if self._active_queues:
-            lease.register(self.consumer_name, self._active_queues)
+            self.lease_keeper.register(self.consumer_name, self._active_queues)
             self._registered_liveness = True
 
     @property
@@ -271,13 +304,14 @@ class Channel(virtual.Channel):
 
     def _register_liveness_for_get(self) -> None:
         if not self._registered_liveness:
-            self.connection.lease_keeper.register(self.consumer_name, self._active_queues)
+            self.lease_keeper.register(self.consumer_name, self._active_queues)
             self._registered_liveness = True
 
     def _read_now(self, streams: list[str], count: int) -> list[Any]:
         """Non-blocking read of up to ``count`` entries, most urgent stream first."""
         read = script(self.client, "read")
         args: list[str | int] = [self.settings.consumer_group, self.consumer_name, count]
+        retried = retries_seen()
         try:
             reply: list[Any] = read(keys=streams, args=args)
         except ResponseError as exc:
@@ -285,7 +319,30 @@ class Channel(virtual.Channel):
                 raise
             self._recreate_groups()
             reply = read(keys=streams, args=args)
+        if retries_seen() != retried:
+            reply = reply + self._unseen_own_entries(streams, reply)
         return reply
+
+    def _unseen_own_entries(self, streams: list[str], reply: list[Any]) -> list[Any]:
+        """Entries this consumer holds but never saw: a read retried after its reply
+        was lost may have taken them (kombu_envelope.outages)."""
+        known = {as_text(entry_id) for _stream, entries in reply for entry_id, _ in entries}
+        known.update(message.delivery_info[INFO_ENTRY_ID]
+                     for message in self.qos._delivered.values())
+        known.update(message["properties"]["delivery_info"][INFO_ENTRY_ID]
+                     for _queue, message in self._buffer)
+        held = self.client.xreadgroup(self.settings.consumer_group, self.consumer_name,
+                                      dict.fromkeys(streams, "0"))
+        unseen = []
+        for stream, entries in held or []:
+            entries = [(entry_id, fields) for entry_id, fields in entries
+                       if fields and as_text(entry_id) not in known]
+            if entries:
+                unseen.append([stream, entries])
+        if unseen:
+            logger.warning("recovered %d entries whose read reply was lost",
+                           sum(len(entries) for _, entries in unseen))
+        return unseen
 
     def _recreate_groups(self) -> None:
         """After Redis lost its data (restart without persistence), declare groups again."""
@@ -343,6 +400,11 @@ class Channel(virtual.Channel):
         try:
             reply = self.reader.read_response()
         except ResponseError as exc:
+            if str(exc).startswith("UNBLOCKED"):
+                # A stream read was deleted (a transient reply queue) or the server
+                # changed role: nothing was taken, so read again.
+                logger.info("blocking read ended by Redis (%s); reading again", exc)
+                return 0
             if not str(exc).startswith("NOGROUP"):
                 raise
             self._recreate_groups()
@@ -413,19 +475,28 @@ class Channel(virtual.Channel):
         if self.closed:
             return
         transport = self.connection
-        queues = set(self._active_queues)
+        self._closed_queues = set(self._active_queues)
         self.settler.flush_acks()
         super().close()  # cancels consumers and restores what QoS tracked
         self._buffer.clear()  # given back when their consumers were cancelled above
         self._drop_reader()
         transport.poller.discard(self)
+        if not self.qos.kept:
+            self.release_kept()
+
+    def release_kept(self) -> None:
+        """The channel is closed and none of its messages runs any more: give back what
+        its consumer still holds, stop keeping it alive and close the client."""
         try:
             if self._registered_liveness:
                 # Entries read but never delivered (a read in flight) go back at once.
-                self.settler.requeue_own_pending(queues)
+                self.settler.requeue_own_pending(self._closed_queues)
+        except RedisError:
+            logger.warning("could not give back the entries consumer %s still holds; they "
+                           "go back once its lease runs out", self.consumer_name, exc_info=True)
         finally:
             # Even when Redis is unreachable: stop renewing this consumer, so that its
             # liveness key expires and other consumers take back what it still holds.
             if self._registered_liveness:
-                transport.lease_keeper.unregister(self.consumer_name)
+                self.lease_keeper.unregister(self.consumer_name)
             self.client.close()

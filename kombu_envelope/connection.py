@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from kombu_envelope.outages import OutageRetry
 from kombu_envelope.settings import Settings
 
 #: URL schemes that connect over TLS.
@@ -50,6 +51,7 @@ def connection_kwargs(conninfo: Any, settings: Settings) -> dict[str, Any]:
         "socket_connect_timeout": settings.socket_connect_timeout,
         "socket_keepalive": True,
         "protocol": 2,  # replies are parsed as RESP2 arrays whatever the redis-py default
+        "retry": OutageRetry(settings.outage_tolerance_s),
     }
     use_tls = conninfo.ssl or getattr(conninfo, "transport_cls", None) in TLS_SCHEMES
     if use_tls:

@@ -169,7 +169,8 @@ class Inbox:
         pipe.sadd(self.keys.queues, queue)
         schedule_encoded(pipe, self.client, self.settings, keys, envelope,
                          fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
-                         fields.get(F_BODY.encode(), fields.get(F_BODY)))
+                         fields.get(F_BODY.encode(), fields.get(F_BODY)),
+                         token=f"entry:{entry_id}")
         pipe.xack(stream, self.settings.consumer_group, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()

@@ -108,6 +108,11 @@ class QueueKeys:
         """Every stream a consumer of this queue reads, in reading order."""
         return (*self.task_streams, self.kombu_stream)
 
+    def published(self, task_id: str) -> str:
+        """STRING ``"<publish token> <result>"``: the last publish of ``task_id``,
+        kept a while so that a publish retried after a lost reply is stored once."""
+        return f"{self.base}:published:{task_id}"
+
     @property
     def delayed(self) -> str:
         """ZSET of delayed task ids scored by due time in milliseconds."""

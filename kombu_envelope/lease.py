@@ -137,7 +137,18 @@ def _pairs(fields: dict[str, str], names: tuple[str, ...]) -> list[str]:
 
 
 class LeaseKeeper:
-    """Background thread that renews this process's consumers and reclaims dead ones'."""
+    """Background thread that renews this process's consumers and reclaims dead ones'.
+
+    One keeper serves every connection of a process to the same Redis and key prefix
+    (:func:`process_keeper`), so a consumer stays alive across reconnections for as
+    long as it is registered: a channel that closed while tasks it delivered still
+    run stays registered until they are settled. The thread ends when nothing is
+    registered and starts again with the next registration.
+
+    After Redis was unreachable, live consumers have not renewed yet and look dead
+    for a moment; so the keeper takes over entries only once it has renewed
+    successfully for two intervals in a row.
+    """
 
     def __init__(self, client_factory: Callable[[], Any], settings: Settings) -> None:
         self._client_factory = client_factory
@@ -175,36 +186,74 @@ class LeaseKeeper:
     def stop(self) -> None:
         """Stop the thread (liveness keys then expire on their own) and close its client."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
         if self._client is not None:
             self._client.close()
             self._client = None
 
     def _ensure_started(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._run, name="kombu-envelope-lease", daemon=True
-            )
-            self._thread.start()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop.clear()
+                self._thread = threading.Thread(
+                    target=self._run, name="kombu-envelope-lease", daemon=True
+                )
+                self._thread.start()
+
+    def _watched(self) -> dict[str, frozenset[str]] | None:
+        """The consumers to renew, or None (and the thread is done) when there are none."""
+        with self._lock:
+            if not self._consumers:
+                self._thread = None
+                return None
+            return dict(self._consumers)
 
     def _run(self) -> None:
         interval_s = self.settings.lease_ms / 3000
         forget_every = max(1, int(FORGET_CHECK_S / interval_s))
         rounds = 0
+        renewed_in_a_row = 0
         while not self._stop.wait(interval_s):
-            with self._lock:
-                consumers = dict(self._consumers)
-            if not consumers:
-                continue
+            consumers = self._watched()
+            if consumers is None:
+                return
             rounds += 1
             try:
                 renew(self.client, self.settings, consumers)
+            except RedisError:
+                renewed_in_a_row = 0
+                logger.warning("lease renewal failed; retrying in %.1f s", interval_s,
+                               exc_info=True)
+                continue
+            renewed_in_a_row += 1
+            if renewed_in_a_row < 2:
+                continue
+            try:
                 for queue in set().union(*consumers.values()):
                     reclaim_dead_consumers(self.client, self.settings, queue)
                     if rounds % forget_every == 0:
                         forget_dead_consumers(self.client, self.settings, queue)
             except RedisError:
-                logger.warning("lease renewal failed; retrying in %.1f s", interval_s,
+                renewed_in_a_row = 0
+                logger.warning("taking over dead consumers' entries failed; retrying later",
                                exc_info=True)
+
+
+_process_keepers: dict[tuple[Any, ...], LeaseKeeper] = {}
+_process_keepers_lock = threading.Lock()
+
+
+def process_keeper(identity: tuple[Any, ...], client_factory: Callable[[], Any],
+                   settings: Settings) -> LeaseKeeper:
+    """The keeper this process uses for ``identity`` (Redis address and key settings).
+
+    A forked child gets keepers of its own: its parent's thread did not survive the fork.
+    """
+    key = (os.getpid(), *identity)
+    with _process_keepers_lock:
+        keeper = _process_keepers.get(key)
+        if keeper is None:
+            keeper = _process_keepers[key] = LeaseKeeper(client_factory, settings)
+        return keeper

@@ -11,6 +11,7 @@ Usable without kombu::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -58,12 +59,17 @@ class Publisher:
             {keys.queue for keys, envelope, _, _ in prepared if not envelope.is_due(now)}
         )
         enqueue = script(self.client, "enqueue")
+        # One token for every try of this call: a try repeated after a lost reply
+        # (kombu_envelope.outages) is absorbed by the scripts.
+        token = os.urandom(8).hex()
+        dedupe_ms = settings.publish_dedupe_ms
         if len(prepared) == 1 and not delayed_queues:
             # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
             # sends SCRIPT EXISTS, a second round trip on every single publish.
             keys, envelope, enc, body = prepared[0]
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
-                                  keys.delayed_data], args=[envelope.task_id, enc, body])
+                                  keys.delayed_data, keys.published(envelope.task_id)],
+                            args=[envelope.task_id, enc, body, token, dedupe_ms])
             return [reply.decode() if isinstance(reply, bytes) else reply]
         pipe = self.client.pipeline(transaction=False)
         if delayed_queues:
@@ -74,10 +80,11 @@ class Publisher:
         for keys, envelope, enc, body in prepared:
             if envelope.is_due(now):
                 enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
-                              keys.delayed_data],
-                        args=[envelope.task_id, enc, body], client=pipe)
+                              keys.delayed_data, keys.published(envelope.task_id)],
+                        args=[envelope.task_id, enc, body, token, dedupe_ms], client=pipe)
             else:
-                schedule_encoded(pipe, self.client, settings, keys, envelope, enc, body)
+                schedule_encoded(pipe, self.client, settings, keys, envelope, enc, body,
+                                 token=token)
         replies = pipe.execute()
         if delayed_queues:
             replies = replies[1:]  # the SADD
@@ -90,14 +97,15 @@ class Publisher:
 
 
 def schedule_encoded(pipe: Any, client: Any, settings: Settings, keys: QueueKeys,
-                     envelope: Envelope, enc: Any, body: Any) -> None:
+                     envelope: Envelope, enc: Any, body: Any, *, token: str) -> None:
     """Queue schedule.lua on ``pipe`` for an Envelope already encoded as ``enc``/``body``.
 
-    The caller adds the queue to the registry (``SADD <prefix>:queues``) in the same pipe.
+    ``token`` is the publish token (the same for every try of one publish). The
+    caller adds the queue to the registry (``SADD <prefix>:queues``) in the same pipe.
     """
     script(client, "schedule")(
-        keys=[keys.delayed, keys.delayed_data],
+        keys=[keys.delayed, keys.delayed_data, keys.published(envelope.task_id)],
         args=[envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value, enc,
-              body, settings.keys.wakeup_channel],
+              body, settings.keys.wakeup_channel, token, settings.publish_dedupe_ms],
         client=pipe,
     )

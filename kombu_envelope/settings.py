@@ -31,8 +31,9 @@ class Settings:
     block_ms: int = 1_000
     #: Largest number of entries fetched by one read when prefetch is unlimited.
     max_batch: int = 100
-    #: How long a channel reuses an exchange's binding table before reading it again
-    #: (ms). A routing key that matches nothing always reads it again at once.
+    #: How long a channel reuses a direct exchange's binding table before reading it
+    #: again (ms). A routing key that matches nothing always reads it again at once;
+    #: topic and fanout tables are read on every publish.
     binding_cache_ms: int = 1_000
     #: How long a consumer trusts that a queue has no cancel marks before looking again
     #: (ms); while a queue has marks, every read batch is checked.
@@ -53,6 +54,10 @@ class Settings:
     max_redeliveries: int = 10
     #: ``module:attribute`` of the message adapter, or None for the default.
     message_adapter: str | None = None
+    #: How long a command waits for an unreachable, restarting or loading Redis to
+    #: come back before it fails (seconds; 0: fail at once). Only commands that are
+    #: safe to repeat are retried (see :mod:`kombu_envelope.outages`).
+    outage_tolerance_s: float = 30.0
     #: Seconds to wait for a reply on command connections (None: forever).
     socket_timeout: float | None = None
     #: Seconds to wait when connecting (None: forever).
@@ -70,6 +75,11 @@ class Settings:
     def keys(self) -> KeySpace:
         """Key builder for :attr:`key_prefix`."""
         return KeySpace(self.key_prefix)
+
+    @property
+    def publish_dedupe_ms(self) -> int:
+        """How long a publish token is remembered (ms): past the retries of one publish."""
+        return int(self.outage_tolerance_s * 1000) + 60_000
 
     @cached_property
     def limits(self) -> Limits:

@@ -39,7 +39,7 @@ from kombu.utils.objects import cached_property
 from kombu_envelope.adapter import MessageAdapter
 from kombu_envelope.channel import Channel
 from kombu_envelope.connection import connection_pool
-from kombu_envelope.lease import LeaseKeeper
+from kombu_envelope.lease import LeaseKeeper, process_keeper
 from kombu_envelope.settings import Settings
 
 
@@ -166,9 +166,23 @@ class Transport(virtual.Transport):
 
     @cached_property
     def lease_keeper(self) -> LeaseKeeper:
-        """Keeps this connection's consumers alive (started on first consume)."""
-        return LeaseKeeper(lambda: redis.Redis(connection_pool=connection_pool(
-            self.client, self.settings)), self.settings)
+        """Keeps this process's consumers alive, across reconnections (see LeaseKeeper)."""
+        conninfo, settings = self.client, self.settings
+        identity = (conninfo.as_uri(include_password=True), settings.key_prefix,
+                    settings.consumer_group, settings.lease_ms)
+        return process_keeper(
+            identity, lambda: redis.Redis(connection_pool=connection_pool(conninfo, settings)),
+            settings)
+
+    def keeps_running(self, message: Any) -> bool:
+        """Whether a delivered, unacknowledged ``message`` is still being run.
+
+        When its channel closes (the connection broke, or was replaced), such a
+        message is neither put back nor given up: its consumer stays alive until
+        the message is settled. The base transport cannot know (False); Celery's
+        (:class:`celery_ext.transport.Transport`) asks the worker.
+        """
+        return False
 
     def queue_of_stream(self, stream: str) -> str:
         """The queue a stream key belongs to (the hash tag between the braces)."""
@@ -221,7 +235,5 @@ class Transport(virtual.Transport):
             super().close_connection(connection)
         finally:  # also when a channel could not reach Redis while closing
             self.poller.close()
-            if "lease_keeper" in self.__dict__:
-                self.lease_keeper.stop()
             if "pool" in self.__dict__:
                 self.pool.disconnect()

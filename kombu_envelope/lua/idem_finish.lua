@@ -8,10 +8,18 @@
 -- ARGV[4]  for "done": finish time, RFC 3339
 --
 -- Acts only while the claim is still this holder's. Returns 1, or 0 when the
--- claim had been taken over (the task may have run twice: log it).
+-- claim had been taken over (the task may have run twice: log it). A "done"
+-- repeated after its reply was lost finds the task's own done marker and
+-- answers 1 again.
 
 local value = redis.call('GET', KEYS[1])
-if value ~= 'running ' .. ARGV[1] then return 0 end
+if value ~= 'running ' .. ARGV[1] then
+    local task_id = string.match(ARGV[1], '([^ ]*)$') or ''
+    if ARGV[2] == 'done' and value and string.sub(value, 1, 6 + #task_id) == 'done ' .. task_id .. ' ' then
+        return 1
+    end
+    return 0
+end
 if ARGV[2] == 'done' then
     local task_id = string.match(ARGV[1], '([^ ]*)$') or ''
     redis.call('SET', KEYS[1], 'done ' .. task_id .. ' ' .. ARGV[4], 'PX', tonumber(ARGV[3]))

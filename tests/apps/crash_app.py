@@ -7,14 +7,16 @@ apps.crash_app ...`` command finds the ``envelope://`` transport through the
 Configured from the environment when loaded by a worker:
 
 * ``TEST_BROKER_URL`` - ``envelope://...`` broker URL.
-* ``TEST_REDIS_URL`` - ``redis://...`` URL of the Redis holding the run records.
+* ``TEST_REDIS_URL`` - ``redis://...`` URL of the Redis holding the run records
+  (it may be another server than the broker's, one that never goes away).
 * ``TEST_KEY_PREFIX`` - key prefix isolating one test's keys (broker and records).
 * ``TEST_LEASE_MS`` - consumer lease of the ``envelope://`` transport.
 * ``TEST_PREFETCH`` - ``worker_prefetch_multiplier``.
 
 Run records of :func:`record` (``<prefix>:...`` keys): ``started:<key>`` lists the
 worker hostnames that started the task, ``done:<key>`` those that finished it,
-``effect:<key>`` counts the finished runs.
+``effect:<key>`` counts the finished runs. :func:`close_order` records the same
+under its ``order_id``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ def create_app(
         pipe = records().pipeline(transaction=True)
         pipe.incr(effect_key(key_prefix, key))
         pipe.rpush(done_key(key_prefix, key), self.request.hostname)
+        pipe.execute()
+
+    @app.task(name="crash_app.close_order", shared=False, bind=True,
+              idempotency_fields=("order_id",))
+    def close_order(self: Task, order_id: str, seconds: float = 0.0) -> None:
+        """``record`` for an order, with the order id as idempotency key: its effect
+        must happen once however often it is delivered."""
+        records().rpush(started_key(key_prefix, order_id), self.request.hostname)
+        time.sleep(seconds)
+        pipe = records().pipeline(transaction=True)
+        pipe.incr(effect_key(key_prefix, order_id))
+        pipe.rpush(done_key(key_prefix, order_id), self.request.hostname)
         pipe.execute()
 
     return app

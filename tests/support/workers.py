@@ -58,9 +58,9 @@ class CeleryWorker:
         pythonpath: Sequence[str | os.PathLike[str]] = (),
         log_path: str | os.PathLike[str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
-        gossip: bool = False,
-        mingle: bool = False,
-        heartbeat: bool = False,
+        gossip: bool = True,
+        mingle: bool = True,
+        heartbeat: bool = True,
         ready_timeout: float = 60.0,
         stop_timeout: float = 30.0,
     ) -> None:
@@ -75,8 +75,9 @@ class CeleryWorker:
         :param extra_args: appended to the ``celery worker`` command line.
         :param pythonpath: extra entries prepended to PYTHONPATH.
         :param log_path: log file; default a temp file removed by :meth:`close`.
-        :param gossip: enable gossip (``--without-gossip`` otherwise); same
-            for ``mingle`` and ``heartbeat``.
+        :param gossip: Celery's default (on); False adds ``--without-gossip``, same
+            for ``mingle`` and ``heartbeat``. Users run with them on, so tests do
+            too unless they say why not.
         """
         self.app = app
         self.pool = pool

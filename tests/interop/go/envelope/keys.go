@@ -93,6 +93,10 @@ func (q QueueKeys) TaskStreams() []string {
 // Delayed is the sorted set of delayed task ids by due time (ms).
 func (q QueueKeys) Delayed() string { return q.Base() + ":delayed" }
 
+// Published is the marker of the last publish of taskID, which absorbs a
+// publish retried after its reply was lost.
+func (q QueueKeys) Published(taskID string) string { return q.Base() + ":published:" + taskID }
+
 // DelayedData is the hash of delayed task id to stored entry.
 func (q QueueKeys) DelayedData() string { return q.Base() + ":delayed:data" }
 

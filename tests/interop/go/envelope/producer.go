@@ -2,6 +2,8 @@ package envelope
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"strconv"
 	"time"
 
@@ -64,11 +66,12 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	bucket := BucketFor(e.Priority)
 	if e.IsDue(now) {
 		return p.Scripts.Get("enqueue").Run(ctx, p.Client,
-			[]string{keys.Stream(bucket), keys.Delayed(), keys.DelayedData()},
-			e.TaskID, enc, string(body)).Text()
+			[]string{keys.Stream(bucket), keys.Delayed(), keys.DelayedData(), keys.Published(e.TaskID)},
+			e.TaskID, enc, string(body), PublishToken(), PublishDedupeMS).Text()
 	}
 	_, err = p.Client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
-		StoreDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body)
+		StoreDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body,
+			PublishToken())
 		return nil
 	})
 	return "", err
@@ -78,10 +81,23 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 // trip: SADD <prefix>:queues <queue> (so a registry lost with a Redis restart
 // is rebuilt) and schedule.lua. The script is sent with EVAL, which never
 // answers NOSCRIPT, so the pipeline may be a MULTI transaction.
+// token is the publish token, the same for every try of one store.
 func StoreDelayed(ctx context.Context, pipe redis.Pipeliner, scripts Scripts, ks KeySpace, queue,
-	taskID string, dueMS int64, bucket Bucket, enc string, body []byte) {
+	taskID string, dueMS int64, bucket Bucket, enc string, body []byte, token string) {
 	q := ks.Queue(queue)
 	pipe.SAdd(ctx, ks.Queues(), queue)
-	scripts.Get("schedule").Eval(ctx, pipe, []string{q.Delayed(), q.DelayedData()},
-		taskID, strconv.FormatInt(dueMS, 10), string(bucket), enc, string(body), ks.Wakeup())
+	scripts.Get("schedule").Eval(ctx, pipe, []string{q.Delayed(), q.DelayedData(), q.Published(taskID)},
+		taskID, strconv.FormatInt(dueMS, 10), string(bucket), enc, string(body), ks.Wakeup(),
+		token, PublishDedupeMS)
+}
+
+// PublishDedupeMS is how long enqueue.lua and schedule.lua remember a publish
+// token (docs/protocol.md section 4).
+const PublishDedupeMS = 90_000
+
+// PublishToken is a new publish token: one per publish, the same for every try of it.
+func PublishToken() string {
+	b := make([]byte, 8)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
 }

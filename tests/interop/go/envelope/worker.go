@@ -998,7 +998,7 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 	w.settle(e, "reschedule", func() error {
 		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
 			StoreDelayed(ctx, p, w.scripts, w.keys, w.cfg.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
-				e.fields[FieldEncoding], []byte(e.fields[FieldBody]))
+				e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id)
 			p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 			p.XDel(ctx, e.stream, e.id)
 			return nil

@@ -54,6 +54,11 @@ export class QueueKeys {
     Object.freeze(this);
   }
 
+  /** The marker of the last publish of `taskId` (absorbs a publish retried after a lost reply). */
+  published(taskId) {
+    return `${this.base}:published:${taskId}`;
+  }
+
   stream(bucket) {
     if (!BUCKETS.includes(bucket)) throw new Error(`unknown bucket ${bucket}`);
     return `${this.base}:${bucket}`;

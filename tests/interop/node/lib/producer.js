@@ -4,10 +4,17 @@
 // delayed copy of the same task_id), or SADD <prefix>:queues + schedule.lua
 // into the delayed set, in one round trip, when ahead.
 
+import crypto from 'node:crypto';
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
 import { DEFAULT_LIMITS, dueMs, isDue, newEnvelope } from './envelope.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { Scripts } from './scripts.js';
+
+/** How long enqueue.lua and schedule.lua remember a publish token (ms, docs/protocol.md section 4). */
+export const PUBLISH_DEDUPE_MS = 90_000;
+
+/** A new publish token: one per publish, the same for every try of it. */
+export const publishToken = () => crypto.randomBytes(8).toString('hex');
 
 export class Producer {
   constructor(client, { prefix, limits = DEFAULT_LIMITS, gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, scripts } = {}) {
@@ -33,8 +40,9 @@ export class Producer {
     if (isDue(envelope, nowMs)) {
       // enqueue.lua: an XADD that also removes a delayed copy of the same task_id,
       // so a task first scheduled and then published to run now is delivered once.
-      const entryId = await this.scripts.run('enqueue', [qk.stream(bucket), qk.delayed, qk.delayedData],
-        [envelope.task_id, enc, body]);
+      const entryId = await this.scripts.run('enqueue',
+        [qk.stream(bucket), qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
+        [envelope.task_id, enc, body, publishToken(), PUBLISH_DEDUPE_MS]);
       return { taskId: envelope.task_id, envelope, entryId, delayed: false, dueMs: nowMs };
     }
     // Register the queue on every delayed publish, in the same round trip and
@@ -42,8 +50,9 @@ export class Producer {
     // restart is rebuilt by the next publish.
     const due = dueMs(envelope, nowMs);
     const pipeline = this.client.pipeline().sadd(this.keys.queues, queue);
-    this.scripts.run('schedule', [qk.delayed, qk.delayedData],
-      [envelope.task_id, due, bucket, enc, body, this.keys.wakeup], pipeline);
+    this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
+      [envelope.task_id, due, bucket, enc, body, this.keys.wakeup, publishToken(), PUBLISH_DEDUPE_MS],
+      pipeline);
     for (const [err] of await pipeline.exec()) if (err) throw err;
     return { taskId: envelope.task_id, envelope, entryId: null, delayed: true, dueMs: due };
   }

@@ -30,6 +30,7 @@ import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js
 import { DEFAULT_LIMITS, Timestamp, dueMs } from './envelope.js';
 import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
+import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
 import {
   FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, backoffDelayMs,
@@ -614,8 +615,9 @@ export class Worker {
     const qk = this.queueKeys;
     await this.pipelined((p) => {
       p.sadd(this.keys.queues, this.opts.queue);
-      this.scripts.run('schedule', [qk.delayed, qk.delayedData],
-        [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'), this.keys.wakeup], p);
+      this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(env.task_id)],
+        [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'),
+          this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS], p);
     });
     await this.ack(entry, log);
     this.stats.scheduled += 1;

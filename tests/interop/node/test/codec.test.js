@@ -179,7 +179,7 @@ describe('shared Lua scripts', () => {
     const scripts = loadScripts();
     for (const name of SCRIPT_NAMES) assert.ok(scripts.has(name), name);
     const expected = {
-      schedule: 2, promote: 5, read: null, requeue: 3, dead_letter: 2, retry: 4, cancel: 3,
+      enqueue: 4, schedule: 3, promote: 5, read: null, requeue: 3, dead_letter: 2, retry: 4, cancel: 3,
       idem_begin: 1, idem_finish: 1, retry_slot: 1,
     };
     for (const [name, { lua, numberOfKeys }] of scripts) {

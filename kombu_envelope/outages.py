@@ -1,0 +1,126 @@
+"""Riding out a Redis outage: commands wait for Redis to come back, for a bounded time.
+
+Every client the package builds (:func:`kombu_envelope.connection.connection_kwargs`)
+retries a command that failed because Redis was unreachable, restarting or still
+loading its data, until ``outage_tolerance_s`` has passed since the first failure,
+with a capped exponential backoff. A command is repeated only when repeating it is
+safe:
+
+* reads, acks (``XACK``/``XDEL``), liveness renewals and every script but
+  ``enqueue.lua`` have the same effect when applied twice;
+* ``enqueue.lua`` (the ``XADD`` of a due task) is given a publish token and
+  absorbs a repeated call with the same token (docs/protocol.md, section 4);
+* ``read.lua`` is repeated, but a reply lost with the connection may have
+  assigned entries to the consumer that it never saw, so the channel reads its
+  own pending entries again after any retried read (:func:`retries_seen` tells).
+
+The blocking ``XREADGROUP`` a channel keeps on its own connection is never
+retried: its failure reaches the event loop, whose owner (Celery) reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Longest wait between two tries (seconds).
+MAX_BACKOFF_S = 1.0
+#: First wait after a failure (seconds).
+FIRST_BACKOFF_S = 0.05
+
+_seen = threading.local()
+
+#: Errors that no waiting cures.
+_REFUSED = (AuthenticationError, AuthorizationError)
+
+
+def retries_seen() -> int:
+    """How many failed tries the current thread's commands retried so far."""
+    return int(getattr(_seen, "count", 0))
+
+
+class OutageRetry(Retry):
+    """redis-py ``Retry`` bounded by time, not by count, shared by a pool's connections.
+
+    An outage has one clock for every command of the pool: once Redis has been
+    unreachable for ``tolerance_s``, each command tries once and fails at once,
+    until one succeeds again. So a caller that issues many commands while Redis
+    is away (a channel closing) is not held ``tolerance_s`` per command.
+
+    Only a Redis that answered the pool before can have an outage: until then
+    (a wrong address, port or TLS setting) and whenever credentials are refused,
+    commands fail at once, and connecting is left to the caller's own retries
+    (kombu's ``ensure_connection``, Celery's ``broker_connection_retry``).
+
+    :param tolerance_s: how long after the first failure commands keep trying
+        (seconds); 0 fails at once.
+    """
+
+    def __init__(self, tolerance_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=MAX_BACKOFF_S, base=FIRST_BACKOFF_S), -1,
+                         (RedisConnectionError, RedisTimeoutError, ConnectionError,
+                          TimeoutError, socket.timeout))
+        self.tolerance_s = tolerance_s
+        #: When the current outage began (time.monotonic()), None while Redis answers.
+        self.down_since: float | None = None
+        #: Whether Redis has answered a command of this pool yet.
+        self.has_answered = False
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutageRetry:
+        return self  # every connection of a pool shares the outage clock
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, OutageRetry) and other.tolerance_s == self.tolerance_s
+
+    __hash__ = Retry.__hash__
+
+    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any],
+                        is_retryable: Callable[[Exception], bool] | None = None,
+                        with_failure_count: bool = False) -> T:
+        """Call ``do`` until it succeeds or the outage is ``tolerance_s`` old."""
+        failures = 0
+        while True:
+            try:
+                result = do()
+            except self._supported_errors as error:
+                if not self.has_answered or isinstance(error, _REFUSED):
+                    raise
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                now = time.monotonic()
+                if self.down_since is None:
+                    self.down_since = now
+                    if self.tolerance_s > 0:
+                        logger.warning("Redis unreachable (%s); commands wait up to %.0f s "
+                                       "for it to come back", error, self.tolerance_s)
+                deadline = self.down_since + self.tolerance_s
+                if now >= deadline:
+                    raise
+                _seen.count = retries_seen() + 1
+                time.sleep(min(self._backoff.compute(failures), deadline - now))
+            else:
+                self.has_answered = True
+                if self.down_since is not None:
+                    logger.warning("Redis answers again after %.1f s",
+                                   time.monotonic() - self.down_since)
+                    self.down_since = None
+                return result
