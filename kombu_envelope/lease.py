@@ -203,10 +203,14 @@ class LeaseKeeper:
                 self._thread.start()
 
     def _watched(self) -> dict[str, frozenset[str]] | None:
-        """The consumers to renew, or None (and the thread is done) when there are none."""
+        """The consumers to renew, or None (the thread is done, its client closed) when
+        there are none."""
         with self._lock:
             if not self._consumers:
                 self._thread = None
+                client, self._client = self._client, None
+                if client is not None:
+                    client.close()
                 return None
             return dict(self._consumers)
 

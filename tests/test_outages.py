@@ -27,6 +27,7 @@ from kombu_envelope.redis_server import PrivateRedisServer
 from kombu_envelope.settings import Settings
 
 QUEUE = "orders"
+ADAPTER = "kombu_envelope.adapter:MessageAdapter"
 
 
 @pytest.fixture
@@ -85,8 +86,11 @@ def test_a_read_retried_after_its_reply_was_lost_delivers_what_it_took(
     proxy: LossyProxy, redis_client: redis.Redis, key_prefix: str,
 ) -> None:
     settings = Settings(key_prefix=key_prefix)
+    # The plain transport and adapter: a message's body is its Envelope.
     with kombu.Connection(proxy.url.replace("redis://", "envelope://"),
-                          transport_options={"key_prefix": key_prefix}) as conn:
+                          transport="kombu_envelope.transport:Transport",
+                          transport_options={"key_prefix": key_prefix,
+                                             "message_adapter": ADAPTER}) as conn:
         channel = conn.default_channel
         kombu.Queue(QUEUE, channel=channel).declare()
         assert channel.basic_get(QUEUE) is None  # registers the consumer
