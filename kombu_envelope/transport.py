@@ -16,11 +16,26 @@ Connection String
 
 Transport Options
 =================
-See :class:`kombu_envelope.settings.Settings`: ``key_prefix``, ``consumer_group``,
-``lease_ms``, ``block_ms``, ``max_batch``, ``gzip_min_bytes``, ``max_delay_s``,
-``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
-``max_redeliveries``, ``message_adapter``, ``socket_timeout``,
-``socket_connect_timeout``, ``connection_kwargs``.
+Fields of :class:`kombu_envelope.settings.Settings` (docs/operations.md has their
+defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_ms``,
+``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
+``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
+``max_redeliveries``, ``message_adapter``, ``connection_kwargs``, and the redis-py
+connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
+``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
+``retry_on_timeout``, ``health_check_interval``, ``client_name``, ``max_connections``.
+
+Any other key raises :class:`~kombu_envelope.errors.InvalidTransportOption` naming it,
+as does a value of the wrong type, except the keys kombu reads itself
+(:data:`~kombu_envelope.settings.KOMBU_OPTIONS`: a publish's retry policy,
+``body_encoding``, ``deadletter_queue``...). The other options of ``redis://`` are
+refused with what to use instead (:data:`~kombu_envelope.settings.STOCK_REDIS_OPTIONS`):
+``visibility_timeout`` is not needed, as a live worker's lease keeps its tasks however
+long they run and ``lease_ms`` is how soon a dead worker's are taken over;
+``global_keyprefix`` is ``key_prefix``; ``ack_emulation``, ``unacked_*``,
+``priority_steps``, ``queue_order_strategy``, ``sep``, ``fanout_prefix``,
+``fanout_patterns``, ``polling_interval``, ``reauth_check_interval`` and the Sentinel
+options have no use here.
 """
 
 from __future__ import annotations
