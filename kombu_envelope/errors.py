@@ -80,3 +80,12 @@ class InvalidTransportOption(EnvelopeError, ValueError):
         """The offending option names, in the order they were found."""
         return list(self.problems)
 
+
+#: How to make Celery tasks Envelopes: said by every :class:`CeleryExtensionMissing`.
+CELERY_FIX = ("add `import celery_ext` to the module that creates the Celery app (the "
+              "`celery` command line imports it for you)")
+
+
+class CeleryExtensionMissing(EnvelopeError, RuntimeError):
+    """Celery uses envelope:// without ``celery_ext``: its tasks would not become Envelopes,
+    so no other language would read them."""

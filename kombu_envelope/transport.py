@@ -36,12 +36,20 @@ long they run and ``lease_ms`` is how soon a dead worker's are taken over;
 ``priority_steps``, ``queue_order_strategy``, ``sep``, ``fanout_prefix``,
 ``fanout_patterns``, ``polling_interval``, ``reauth_check_interval`` and the Sentinel
 options have no use here.
+
+Celery
+======
+Celery apps must import ``celery_ext`` (the ``celery`` command line does): this
+transport raises :class:`~kombu_envelope.errors.CeleryExtensionMissing` when Celery is
+loaded without it, and its default adapter refuses Celery task messages, rather than
+store them where no other language reads them. Celery is looked for, never imported.
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import sys
 from time import monotonic
 from typing import Any
 
@@ -54,6 +62,7 @@ from kombu.utils.objects import cached_property
 from kombu_envelope.adapter import MessageAdapter
 from kombu_envelope.channel import Channel
 from kombu_envelope.connection import connection_pool
+from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
 from kombu_envelope.lease import LeaseKeeper
 from kombu_envelope.settings import Settings
 
@@ -156,8 +165,24 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.settings = Settings.from_transport_options(client.transport_options)
+        self._refuse_celery_without_extension()
         self.poller = Poller()
         self._stream_queues: dict[str, str] = {}
+
+    def _refuse_celery_without_extension(self) -> None:
+        """Fail at once when a Celery app would use this transport without ``celery_ext``.
+
+        Celery is looked for in ``sys.modules``, never imported: this package does not
+        depend on it. Naming ``message_adapter`` says which adapter is meant, and skips this.
+        """
+        if (self.default_adapter is MessageAdapter and self.settings.message_adapter is None
+                and "celery" in sys.modules and "celery_ext" not in sys.modules):
+            raise CeleryExtensionMissing(
+                "Celery is loaded but celery_ext is not: envelope:// would store Celery "
+                "tasks as plain kombu messages that no other language reads, and workers "
+                f"would run no delayed-task promoter; {CELERY_FIX}. A process that sends "
+                "no Celery task over envelope:// may set the transport option "
+                "message_adapter instead")
 
     def driver_version(self) -> str:
         return str(redis.__version__)
