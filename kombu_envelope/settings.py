@@ -19,7 +19,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cache, cached_property
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from kombu.transport import virtual
 
@@ -224,9 +224,12 @@ def _accepts(hint: Any, value: Any) -> bool:
     """Whether ``value`` has the type ``hint`` (a number may be an int; a bool is no number)."""
     for member in _union_members(hint):
         kind = get_origin(member) or member
-        if kind is Any:
-            return True
-        if kind is type(None):
+        if kind is Literal:
+            if value in get_args(member):
+                return True
+        elif kind is Any or not isinstance(kind, type):
+            return True  # a hint this check does not model: left to the field's user
+        elif kind is type(None):
             if value is None:
                 return True
         elif isinstance(value, bool):
@@ -241,6 +244,11 @@ def _accepts(hint: Any, value: Any) -> bool:
 
 
 def _describe(hint: Any) -> str:
-    words = [_TYPE_WORDS.get(get_origin(m) or m, getattr(m, "__name__", str(m)))
-             for m in _union_members(hint)]
+    words = []
+    for member in _union_members(hint):
+        kind = get_origin(member) or member
+        if kind is Literal:
+            words.append(" or ".join(repr(v) for v in get_args(member)))
+        else:
+            words.append(_TYPE_WORDS.get(kind, getattr(kind, "__name__", str(kind))))
     return " or ".join(words)

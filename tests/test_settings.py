@@ -11,7 +11,7 @@ import re
 import socket
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import kombu
 import pytest
@@ -27,6 +27,8 @@ from kombu_envelope.settings import (
     KOMBU_OPTIONS,
     STOCK_REDIS_OPTIONS,
     Settings,
+    _accepts,
+    _describe,
     option_names,
 )
 
@@ -111,6 +113,21 @@ def test_a_value_of_the_wrong_type_names_the_option_and_its_type(
     error = refusal({option: value})
     assert error.options == [option]
     assert str(error) == f"transport option {option!r}: {rule}"
+
+
+@pytest.mark.parametrize(("hint", "good", "bad", "described"), [
+    (float | None, [0, 2.5, None], [True, "1"], "a number or None"),
+    (tuple[int, ...], [(1, 2)], [[1, 2]], "a tuple"),
+    (Literal["fast", "slow"], ["fast"], ["medium", None], "'fast' or 'slow'"),
+    (Literal["off"] | int, ["off", 3], ["on", 1.5], "'off' or an integer"),
+])
+def test_the_type_check_follows_the_field_annotation(
+    hint: Any, good: list[Any], bad: list[Any], described: str
+) -> None:
+    """What a field added later (a duration, a mode) is checked with."""
+    assert all(_accepts(hint, value) for value in good)
+    assert not any(_accepts(hint, value) for value in bad)
+    assert _describe(hint) == described
 
 
 def test_settings_made_directly_are_checked_too() -> None:
