@@ -1,7 +1,9 @@
 """kombu-envelope: one canonical task Envelope on Redis Streams, for every language.
 
 Importing this package registers the kombu transport aliases ``envelope``
-and ``envelopes`` (TLS).
+and ``envelopes`` (TLS) for plain kombu. It never imports Celery: a Celery app
+imports ``celery_ext`` instead, and the transport refuses to serve one that did not
+(:class:`~kombu_envelope.errors.CeleryExtensionMissing`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ replies, plain kombu messages) stays in the queue's ``kombu`` stream.
 The default adapter treats messages whose content type is
 :data:`ENVELOPE_CONTENT_TYPE` as tasks: publish with ``serializer="envelope"``
 and a body that is an :class:`~kombu_envelope.envelope.Envelope` or a dict of
-its fields. ``celery_ext`` provides the adapter for Celery task messages.
+its fields. ``celery_ext`` provides the adapter for Celery task messages; the
+default one refuses them (headers ``task`` and ``id``, Celery's task protocol 2)
+with :class:`~kombu_envelope.errors.CeleryExtensionMissing`, as it would store
+them where no other language reads them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ from kombu.serialization import register
 from pydantic_core import to_json
 
 from kombu_envelope.envelope import Envelope, Limits
-from kombu_envelope.errors import EnvelopeError, InvalidEnvelope
+from kombu_envelope.errors import (
+    CELERY_FIX,
+    CeleryExtensionMissing,
+    EnvelopeError,
+    InvalidEnvelope,
+)
 
 #: Content type of a kombu message whose body is an Envelope.
 ENVELOPE_CONTENT_TYPE = "application/vnd.kombu-envelope+json"
@@ -46,6 +54,12 @@ class MessageAdapter:
         ``content-type``...), ``body`` its decoded body. Raise
         :class:`~kombu_envelope.errors.InvalidEnvelope` to refuse the publish.
         """
+        headers = message.get("headers") or {}
+        if "task" in headers and "id" in headers:
+            raise CeleryExtensionMissing(
+                f"Celery task {headers['task']!r} refused: without celery_ext, envelope:// "
+                f"would store it as a plain kombu message that no other language reads; "
+                f"{CELERY_FIX}")
         if message.get("content-type") != ENVELOPE_CONTENT_TYPE:
             return None
         try:

@@ -49,7 +49,12 @@ def connection_kwargs(conninfo: Any, settings: Settings) -> dict[str, Any]:
         "password": conninfo.password or None,
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.socket_connect_timeout,
-        "socket_keepalive": True,
+        "socket_keepalive": settings.socket_keepalive,
+        "socket_keepalive_options": settings.socket_keepalive_options,
+        "retry_on_timeout": settings.retry_on_timeout,
+        "health_check_interval": settings.health_check_interval,
+        "client_name": settings.client_name,
+        "max_connections": settings.max_connections,
         "protocol": 2,  # replies are parsed as RESP2 arrays whatever the redis-py default
         "retry": OutageRetry(settings.outage_tolerance_s),
     }

@@ -62,3 +62,30 @@ class UnsupportedMessage(EnvelopeError, EncodeError):
 
 class InvalidQueueName(EnvelopeError, ValueError):
     """A queue name cannot be used in a Redis Cluster hash tag."""
+
+
+class InvalidTransportOption(EnvelopeError, ValueError):
+    """Transport options that are unknown, of the wrong type, or of no use on envelope://.
+
+    :attr:`problems` maps each offending option to what is wrong with it.
+    """
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        self.problems = dict(problems)
+        super().__init__("; ".join(f"transport option {name!r}: {why}"
+                                   for name, why in self.problems.items()))
+
+    @property
+    def options(self) -> list[str]:
+        """The offending option names, in the order they were found."""
+        return list(self.problems)
+
+
+#: How to make Celery tasks Envelopes: said by every :class:`CeleryExtensionMissing`.
+CELERY_FIX = ("add `import celery_ext` to the module that creates the Celery app (the "
+              "`celery` command line imports it for you)")
+
+
+class CeleryExtensionMissing(EnvelopeError, RuntimeError):
+    """Celery uses envelope:// without ``celery_ext``: its tasks would not become Envelopes,
+    so no other language would read them."""

