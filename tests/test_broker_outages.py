@@ -9,7 +9,6 @@ that no worker exited.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,7 +19,7 @@ from apps.crash_app import create_app, done_key, effect_key, started_key
 from celery import Celery
 from support import wait_for
 from support.envelope_streams import dead_letters, envelope_url, pending_count
-from support.workers import CeleryWorker
+from support.workers import CeleryWorker, worker_fleet
 
 import celery_ext  # noqa: F401  (envelope:// for the publishing side)
 from kombu_envelope.keys import KeySpace
@@ -72,8 +71,6 @@ def workers(request: pytest.FixtureRequest, broker: PrivateRedisServer, redis_ur
     """Makes crash_app workers on ``broker`` with Celery's defaults (mingle, gossip and
     heartbeat on), recording in the session Redis; stopped afterwards, their logs
     printed when the test failed."""
-    created: list[CeleryWorker] = []
-    failed_before = request.session.testsfailed
 
     def make(*, lease_ms: int, pool: str = "solo", concurrency: int = 1,
              **kwargs: Any) -> CeleryWorker:
@@ -84,13 +81,8 @@ def workers(request: pytest.FixtureRequest, broker: PrivateRedisServer, redis_ur
         created.append(worker)
         return worker
 
-    yield make
-    failed = request.session.testsfailed > failed_before
-    for worker in created:
-        if failed:
-            sys.stderr.write(f"\n--- log of celery worker {worker.hostname} ---\n"
-                             f"{worker.log_tail()}\n")
-        worker.close()
+    with worker_fleet(request) as created:
+        yield make
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from apps.crash_app import create_app, done_key, effect_key, started_key
 from celery import Celery
 from support import wait_for
 from support.envelope_streams import dead_letters, envelope_url, pending_count
-from support.workers import PROJECT_ROOT, CeleryWorker
+from support.workers import PROJECT_ROOT, CeleryWorker, worker_fleet
 
 import celery_ext  # noqa: F401  (envelope:// for the publishing side)
 from kombu_envelope.codec import decode_entry
@@ -76,8 +76,6 @@ def workers(request: pytest.FixtureRequest, redis_url: str, key_prefix: str
             ) -> Iterator[Callable[..., CeleryWorker]]:
     """Creates crash_app workers (not started); all are stopped afterwards and their
     logs printed when the test failed."""
-    created: list[CeleryWorker] = []
-    failed_before = request.session.testsfailed
 
     def make(*, lease_ms: int, url: str = redis_url, prefetch: int = 1, pool: str = "solo",
              **kwargs: Any) -> CeleryWorker:
@@ -86,13 +84,8 @@ def workers(request: pytest.FixtureRequest, redis_url: str, key_prefix: str
         created.append(worker)
         return worker
 
-    yield make
-    failed = request.session.testsfailed > failed_before
-    for worker in created:
-        if failed:
-            sys.stderr.write(f"\n--- log of celery worker {worker.hostname} ---\n"
-                             f"{worker.log_tail()}\n")
-        worker.close()
+    with worker_fleet(request) as created:
+        yield make
 
 
 @pytest.fixture

@@ -13,14 +13,14 @@ import tempfile
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
-__all__ = ["PROJECT_ROOT", "TESTS_DIR", "CeleryWorker"]
+__all__ = ["PROJECT_ROOT", "TESTS_DIR", "CeleryWorker", "worker_fleet"]
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 """The ``tests/`` directory (always on the worker's PYTHONPATH)."""
@@ -274,8 +274,12 @@ class CeleryWorker:
         tb: TracebackType | None,
     ) -> None:
         if exc_type is not None:
-            sys.stderr.write(f"\n--- log of celery worker {self.hostname} ---\n{self.log_tail()}\n")
+            self.print_log()
         self.close()
+
+    def print_log(self) -> None:
+        """Write the tail of the worker's log to stderr (pytest shows it for a failure)."""
+        sys.stderr.write(f"\n--- log of celery worker {self.hostname} ---\n{self.log_tail()}\n")
 
     def __repr__(self) -> str:
         state = "alive" if self.is_alive() else "stopped"
@@ -333,3 +337,19 @@ def _kill_leftover_workers() -> None:
     for worker in list(_LIVE):
         with contextlib.suppress(Exception):
             worker.kill()
+
+
+@contextlib.contextmanager
+def worker_fleet(request: Any) -> Iterator[list[CeleryWorker]]:
+    """The workers a test adds to the yielded list are closed afterwards, and their logs
+    printed when the test failed (``request`` is pytest's fixture request)."""
+    created: list[CeleryWorker] = []
+    failed_before = request.session.testsfailed
+    try:
+        yield created
+    finally:
+        failed = request.session.testsfailed > failed_before
+        for worker in created:
+            if failed:
+                worker.print_log()
+            worker.close()
