@@ -12,7 +12,10 @@ safe:
   absorbs a repeated call with the same token (docs/protocol.md, section 4);
 * ``read.lua`` is repeated, but a reply lost with the connection may have
   assigned entries to the consumer that it never saw, so the channel reads its
-  own pending entries again after any retried read (:func:`retries_seen` tells).
+  own pending entries again after any retried read (:func:`retries_seen` tells);
+* the ``XADD`` of a non-task kombu message (an event, a remote-control command
+  or reply) is repeated as it is: one of them may then arrive twice, which
+  Celery's events and remote control tolerate.
 
 The blocking ``XREADGROUP`` a channel keeps on its own connection is never
 retried: its failure reaches the event loop, whose owner (Celery) reconnects.
