@@ -144,8 +144,8 @@ class Supervisor(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        try:
-            while not self.stopping.wait(CHECK_INTERVAL_S):
+        while not self.stopping.wait(CHECK_INTERVAL_S):
+            try:
                 self.fleet.replace_exited()
                 now = time.time()
                 if self.next_kill <= now < self.kill_until:
@@ -154,9 +154,9 @@ class Supervisor(threading.Thread):
                     elif now >= self.next_kill + self.interval_s:
                         self.fleet.timeline.note("kill-skipped", "no worker was ready")
                         self.next_kill += self.interval_s
-        except BaseException as exc:  # reported by the drill, never lost with the thread
-            self.error = exc
-            self.fleet.timeline.note("supervisor-error", repr(exc))
+            except Exception as exc:  # the drill fails on it, but supervision goes on
+                self.error = self.error or exc
+                self.fleet.timeline.note("supervisor-error", repr(exc))
 
     def stop(self) -> None:
         """Stop supervising (workers keep running)."""

@@ -29,7 +29,11 @@ def _same(line: str) -> str:
 
 def exit_reason(worker: DrillWorker) -> str:
     """The last fatal line of a worker that exited on its own."""
-    lines = [line for line in worker.log_tail(20_000).splitlines() if _EXIT_LINE.search(line)]
+    try:
+        text = worker.log_path.read_text(errors="replace")
+    except OSError:
+        text = ""
+    lines = [line for line in text.splitlines() if _EXIT_LINE.search(line)]
     return _same(lines[-1]) if lines else f"no fatal line; status {worker.exit_code()}"
 
 

@@ -8,8 +8,8 @@
    SIGKILLed (its whole process group) every ``kill_interval_s`` and replaced, and the
    broker's redis-server is SIGKILLed once and started again from its AOF.
 4. Once publishing ends the kills stop (a worker that exits on its own is still
-   replaced); the drill waits, up to ``settle_timeout_s``, until every published
-   task's order has had an effect, then until no task has started for a lease.
+   replaced); the drill waits until every published task's order has had an effect,
+   then until no task has started for a lease (each wait at most ``settle_timeout_s``).
 5. The workers get a warm shutdown, and the ledger, the dead letters and what the
    broker still holds are counted (:mod:`bench.drill.tally`).
 """
@@ -32,7 +32,7 @@ from bench.drill.app import create_app
 from bench.drill.brokers import Broker
 from bench.drill.config import ENVELOPE, DrillConfig
 from bench.drill.faults import Fleet, RedisOutage, Supervisor, Timeline
-from bench.drill.ledger import KINDS, Ledger
+from bench.drill.ledger import KINDS, Ledger, Record
 from bench.drill.producer import Producer, plan
 from bench.drill.report import DrillReport, log_problems
 from bench.drill.tally import tally
@@ -116,11 +116,12 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
         f"(at most {config.settle_timeout_s:g} s)")
     deadline = time.monotonic() + config.settle_timeout_s
     orders = {p.task.order_id for p in producer.published}
-    last_effect = _wait_for_effects(ledger, orders, deadline)
-    if last_effect is not None:
+    if _wait_for_effects(ledger, orders, deadline):
         timeline.note("all-effects")
-        _wait_for_quiet(ledger, config.quiet_s, deadline)
-        timeline.note("quiet")
+        quiet = _wait_for_quiet(ledger, config.quiet_s,
+                                time.monotonic() + config.settle_timeout_s)
+        timeline.note("quiet" if quiet else "quiet-timeout", "" if quiet else
+                      "tasks kept starting")
     else:
         timeline.note("settle-timeout")
     supervisor.stop()
@@ -136,7 +137,7 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
     report = DrillReport(
         config=config, broker=broker.label, tally=counted, timeline=timeline,
         seconds=time.time() - timeline.started,
-        drain_s=None if last_effect is None else last_effect - published_at_end,
+        drain_s=_last_effect(records, published_at_end),
         published=producer.published, not_published=producer.not_published,
         dead_letters=dead, leftovers=leftovers, killed=fleet.killed, exited=fleet.exited,
         log_problems=log_problems(list(fleet.all.values())),
@@ -147,28 +148,33 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
     return report
 
 
-def _wait_for_effects(ledger: Ledger, orders: set[str], deadline: float) -> float | None:
-    """Wait until every order in ``orders`` had an effect; return when the last one did."""
+def _wait_for_effects(ledger: Ledger, orders: set[str], deadline: float) -> bool:
+    """Wait until every order in ``orders`` had an effect; False at the deadline."""
     key = ledger.key("effect-count")
     while True:
-        done = {as_text(o) for o in ledger.client.hkeys(key)}
-        if orders <= done:
-            effects = ledger.records("effects")
-            return max((r["t"] for r in effects if r["order"] in orders), default=time.time())
+        if orders <= {as_text(o) for o in ledger.client.hkeys(key)}:
+            return True
         if time.monotonic() > deadline:
-            return None
+            return False
         time.sleep(POLL_S)
 
 
-def _wait_for_quiet(ledger: Ledger, quiet_s: float, deadline: float) -> None:
+def _last_effect(records: dict[str, list[Record]], since: float) -> float | None:
+    """Seconds from ``since`` to the last effect recorded (None without any)."""
+    last = max((r["t"] for r in records["effects"]), default=None)
+    return None if last is None else last - since
+
+
+def _wait_for_quiet(ledger: Ledger, quiet_s: float, deadline: float) -> bool:
     """Wait until no task started for ``quiet_s`` (a late redelivery would show by then)."""
     key = ledger.key("deliveries")
     while time.monotonic() < deadline:
         raw = ledger.client.lindex(key, -1)
         last = float(json.loads(raw)["t"]) if raw else 0.0
         if time.time() - last >= quiet_s:
-            return
+            return True
         time.sleep(POLL_S)
+    return False
 
 
 def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervisor,

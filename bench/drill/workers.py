@@ -84,7 +84,7 @@ class DrillWorker:
             return []
         members = []
         for proc in psutil.process_iter(["pid"]):
-            with contextlib.suppress(psutil.Error):
+            with contextlib.suppress(psutil.Error, OSError):  # gone while we looked
                 if os.getpgid(proc.pid) == pid and proc.status() != psutil.STATUS_ZOMBIE:
                     members.append(proc)
         return members
