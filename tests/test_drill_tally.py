@@ -14,6 +14,7 @@ from bench.drill.producer import NotPublished, Planned, Published
 from bench.drill.tally import tally
 
 KILLED_AT = 100.0  # when the drill SIGKILLed worker "w2"
+EXITED_AT = 70.0  # when worker "w4" exited on its own
 
 
 def planned(n: int) -> Planned:
@@ -36,11 +37,12 @@ class Story:
         if runs and effect:
             self.records["effects"].append({**base, "order": f"order-{n}", "t": t + 0.2})
         if outcome is not None:
-            self.records["outcomes"].append({**base, "state": outcome, "t": t + 0.21})
+            error = {"error": "ConnectionError: refused"} if outcome == "failure" else {}
+            self.records["outcomes"].append({**base, "state": outcome, "t": t + 0.21, **error})
 
 
 def test_every_failure_is_counted_and_classed() -> None:
-    published = [Published(planned(n), 1.0, 0.01) for n in range(6)]
+    published = [Published(planned(n), 1.0, 0.01) for n in range(8)]
     not_published = [NotPublished(planned(9), 2.0, "OperationalError: down")]
     story = Story()
     story.attempt(0, "w1", 11, 10.0)  # ran once: fine
@@ -55,6 +57,12 @@ def test_every_failure_is_counted_and_classed() -> None:
     story.attempt(3, "w3", 31, 112.0)
     # Started, never finished anywhere: lost, and the broker dead-lettered it.
     story.attempt(4, "w2", 21, 99.8, effect=False, outcome=None)
+    # Effect on w4, which exited on its own before the attempt ended; then again on w3.
+    story.attempt(6, "w4", 41, 69.0, outcome=None)
+    story.attempt(6, "w3", 31, 113.0)
+    # Two runs at once (the first still running when the second began).
+    story.attempt(7, "w1", 12, 80.0)
+    story.attempt(7, "w3", 32, 80.1)
     # Order 5 never started at all: lost. Order 9 was not published, yet it ran.
     story.attempt(9, "w1", 11, 60.0)
     # A delivery whose idempotency key was done: started, body not run.
@@ -62,22 +70,26 @@ def test_every_failure_is_counted_and_classed() -> None:
 
     counted = tally(published, not_published, story.records,
                     [DeadLetterRecord("task-4", "redelivery_limit", "its consumer kept dying")],
-                    {"w2": KILLED_AT})
+                    {"w2": KILLED_AT}, {"w4": EXITED_AT})
 
     assert not counted.passed
     assert counted.lost == ["order-4", "order-5"]
     assert counted.lost_dead_lettered == 1
-    assert [(d.order_id, d.extra, d.after_kill) for d in counted.duplicates] == [
-        ("order-2", 1, 1), ("order-3", 1, 0)]
+    assert [(d.order_id, d.extra, d.after_kill, d.causes) for d in counted.duplicates] == [
+        ("order-2", 1, 1, ["killed between its effect and its done marker"]),
+        ("order-3", 1, 0, ["failed after its effect: ConnectionError"]),
+        ("order-6", 1, 0, ["its worker exited on its own before the attempt ended"]),
+        ("order-7", 1, 0, ["concurrent: the next run began before this effect"]),
+    ]
     assert counted.figures() == {
-        "published": 6, "not_published": 1, "effects": 4, "lost": 2,
-        "lost_dead_lettered": 1, "duplicate_effects": 2, "duplicate_effects_after_kill": 1,
-        "duplicated_orders": 2, "deliveries": 10, "redelivered_starts": 4, "body_runs": 9,
-        "body_reruns": 3, "dead_lettered": 1, "celery_failures": 1, "runs_without_key": 0,
+        "published": 8, "not_published": 1, "effects": 6, "lost": 2,
+        "lost_dead_lettered": 1, "duplicate_effects": 4, "duplicate_effects_after_kill": 1,
+        "duplicated_orders": 4, "deliveries": 14, "redelivered_starts": 6, "body_runs": 13,
+        "body_reruns": 5, "dead_lettered": 1, "celery_failures": 1, "runs_without_key": 0,
         "effects_of_unpublished": 1, "starts_cut_by_kills": 3,
     }
     assert counted.effects_of_unpublished == ["order-9"]
-    assert set(counted.history) == {"order-2", "order-3", "order-4", "order-5"}
+    assert set(counted.history) == {f"order-{n}" for n in (2, 3, 4, 5, 6, 7)}
     assert counted.history["order-5"] == []
     assert [line.split()[1:3] for line in counted.history["order-3"]] == [
         ["start", "w1"], ["run", "w1"], ["effect", "w1"], ["outcome", "w1"],

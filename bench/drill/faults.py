@@ -95,6 +95,7 @@ class Fleet:
     def replace_exited(self) -> None:
         """Note every worker that exited on its own, and start one in its place."""
         for worker in [w for w in self.running if w.exit_code() is not None]:
+            worker.exited_at = time.time()
             worker.stop()  # its pool processes may outlive it
             self.running.remove(worker)
             self.exited.append(worker)

@@ -69,6 +69,7 @@ class DrillReport:
     exited: list[DrillWorker]
     log_problems: Counter[str]
     harness_errors: list[str] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -95,18 +96,24 @@ class DrillReport:
 
     def to_json(self) -> dict[str, Any]:
         """JSON form: config, figures, findings."""
-        return {"config": self.config.to_json(), "figures": self.figures(),
+        return {"machine": self.machine, "config": self.config.to_json(),
+                "figures": self.figures(),
                 "passed": self.passed, "harness_errors": self.harness_errors,
                 "lost": self.tally.lost,
                 "duplicated": {d.order_id: d.extra for d in self.tally.duplicates},
                 "dead_letters": [vars(d) for d in self.dead_letters],
                 "leftovers": self.leftovers, "timeline": self.timeline.lines(),
                 "exit_reasons": dict(self.exit_reasons()),
+                "duplicate_causes": dict(self.duplicate_causes()),
                 "log_problems": dict(self.log_problems.most_common(30))}
 
     def exit_reasons(self) -> Counter[str]:
         """Why the workers that exited on their own did, counted."""
         return Counter(exit_reason(worker) for worker in self.exited)
+
+    def duplicate_causes(self) -> Counter[str]:
+        """Why the duplicate effects happened, counted."""
+        return Counter(cause for dup in self.tally.duplicates for cause in dup.causes)
 
     def summary(self) -> str:
         """The figures in a few lines."""
@@ -131,6 +138,7 @@ class DrillReport:
             f"  worker kills {f['worker_kills']}, workers exited on their own "
             f"{f['worker_exits']}, Redis restarts {f['redis_restarts']}; "
             f"{f['seconds']} s in all, last effect {f['drain_s']} s after the last publish",
+            *(f"  duplicate: {n} x {cause}" for cause, n in self.duplicate_causes().most_common()),
             *(f"  exited: {n} x {reason}" for reason, n in self.exit_reasons().most_common()),
         ])
 
@@ -153,8 +161,7 @@ class DrillReport:
             parts.append("duplicated orders: " + " ".join(
                 f"{d.order_id}x{len(d.effects)}" for d in self.tally.duplicates[:200]))
             for dup in self.tally.duplicates[:DETAILED]:
-                parts.append("\n    ".join([f"  {dup.order_id} ({dup.after_kill} of "
-                                            f"{dup.extra} after a kill)",
+                parts.append("\n    ".join([f"  {dup.order_id}: {'; '.join(dup.causes)}",
                                             *self.tally.history.get(dup.order_id, [])]))
         if self.not_published:
             parts.append("not published:\n  " + "\n  ".join(

@@ -37,6 +37,7 @@ from bench.drill.producer import Producer, plan
 from bench.drill.report import DrillReport, log_problems
 from bench.drill.tally import tally
 from bench.drill.workers import DrillWorker
+from bench.sysinfo import machine_info
 from kombu_envelope.redis_server import PrivateRedisServer
 from kombu_envelope.replies import as_text
 
@@ -133,7 +134,9 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
         dead = broker.dead_letters(client)
         leftovers = broker.leftovers(client)
     killed_at = {w.hostname: w.killed_at for w in fleet.killed if w.killed_at is not None}
-    counted = tally(producer.published, producer.not_published, records, dead, killed_at)
+    exited_at = {w.hostname: w.exited_at for w in fleet.exited if w.exited_at is not None}
+    counted = tally(producer.published, producer.not_published, records, dead, killed_at,
+                    exited_at)
     report = DrillReport(
         config=config, broker=broker.label, tally=counted, timeline=timeline,
         seconds=time.time() - timeline.started,
@@ -143,6 +146,7 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
         log_problems=log_problems(list(fleet.all.values())),
         harness_errors=_harness_errors(config, producer, supervisor, outage, fleet,
                                        timeline, counted.runs_without_key),
+        machine=machine_info(broker_server.url, None),
     )
     log(report.summary())
     return report

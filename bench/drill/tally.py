@@ -2,18 +2,21 @@
 
 * **lost**: a published task whose order never had an effect (those the broker
   dead-lettered are counted among them, and also reported apart).
-* **duplicate effects**: effects of an order beyond its first. Each is also classed:
-  *after a kill* when the attempt that made the earlier effect never ended (no
-  success, failure or retry recorded for it) because its worker was SIGKILLed after
-  the effect: the window between an effect and its done marker, which no broker
-  closes unless the effect and the marker are one transaction. Every other one is
-  *unexplained*.
+* **duplicate effects**: effects of an order beyond its first. Each gets a cause, from
+  how the attempt that made the earlier effect ended: *killed* when it never ended
+  (no success, failure or retry recorded) because the drill SIGKILLed its worker after
+  the effect, the window between an effect and its done marker, which no broker closes
+  unless the effect and the marker are one transaction; *worker exited* when its
+  worker exited on its own instead; *failed after its effect* (with the error) or
+  *succeeded, then delivered again* when it ended; *concurrent* when the next run
+  began before the effect.
 * **redelivered starts**: starts of a task beyond its first (``task_prerun``).
 * **body reruns**: task bodies that ran again for an order that had already run.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,19 +26,27 @@ from bench.drill.brokers import DeadLetterRecord
 from bench.drill.ledger import Record
 from bench.drill.producer import NotPublished, Published
 
+#: Cause of a duplicate effect that only a transaction around effect and marker prevents.
+KILLED = "killed between its effect and its done marker"
+
 
 @dataclass(frozen=True)
 class Duplicate:
-    """An order whose effect happened more than once."""
+    """An order whose effect happened more than once; one cause per extra effect."""
 
     order_id: str
     effects: list[Record]
-    after_kill: int  # extra effects explained by a kill after the earlier effect
+    causes: list[str]
 
     @property
     def extra(self) -> int:
         """Effects beyond the first."""
         return len(self.effects) - 1
+
+    @property
+    def after_kill(self) -> int:
+        """Extra effects explained by a kill after the earlier effect."""
+        return self.causes.count(KILLED)
 
 
 @dataclass
@@ -98,21 +109,41 @@ def _by(records: Iterable[Record], name: str) -> dict[str, list[Record]]:
     return grouped
 
 
-def _ended(outcomes: list[Record], effect: Record) -> bool:
-    """Whether the attempt that made ``effect`` recorded how it ended."""
-    return any(o["pid"] == effect["pid"] and o["t"] >= effect["t"] for o in outcomes)
+def _ending(outcomes: list[Record], effect: Record) -> Record | None:
+    """How the attempt that made ``effect`` ended, if it recorded it."""
+    return next((o for o in sorted(outcomes, key=lambda o: o["t"])
+                 if o["pid"] == effect["pid"] and o["t"] >= effect["t"]), None)
 
 
-def _explained_by_kill(effect: Record, outcomes: list[Record],
-                       killed_at: dict[str, float]) -> bool:
-    at = killed_at.get(str(effect.get("host")))
-    return at is not None and at >= effect["t"] and not _ended(outcomes, effect)
+def _cause(effect: Record, later: Record, runs: list[Record], outcomes: list[Record],
+           killed_at: dict[str, float], exited_at: dict[str, float]) -> str:
+    """Why the effect after ``effect`` (``later``) happened at all."""
+    began = max((r["t"] for r in runs if r["pid"] == later["pid"]
+                 and r["task"] == later["task"] and r["t"] <= later["t"]), default=None)
+    if began is not None and began < effect["t"]:
+        return "concurrent: the next run began before this effect"
+    ending = _ending(outcomes, effect)
+    host = str(effect.get("host"))
+    if ending is None:
+        if killed_at.get(host, -1.0) >= effect["t"]:
+            return KILLED
+        if exited_at.get(host, -1.0) >= effect["t"]:
+            return "its worker exited on its own before the attempt ended"
+        return "the attempt never ended"
+    if ending.get("state") == "failure":
+        error = str(ending.get("error") or "").split(":", 1)[0]
+        return f"failed after its effect: {error}" if error else "failed after its effect"
+    if ending.get("state") == "retry":
+        return "retried after its effect"
+    return "succeeded, then delivered again"
 
 
 def tally(published: list[Published], not_published: list[NotPublished],
           records: dict[str, list[Record]], dead_letters: list[DeadLetterRecord],
-          killed_at: dict[str, float]) -> Tally:
-    """Count a drill; ``killed_at``: hostname -> when the drill SIGKILLed that worker."""
+          killed_at: dict[str, float], exited_at: dict[str, float] | None = None) -> Tally:
+    """Count a drill; ``killed_at`` and ``exited_at``: hostname -> when the drill SIGKILLed
+    that worker, or saw that it had exited on its own."""
+    exited_at = exited_at or {}
     deliveries, runs = records["deliveries"], records["runs"]
     effects, outcomes = records["effects"], records["outcomes"]
     outcomes_of = _by(outcomes, "task")
@@ -127,9 +158,10 @@ def tally(published: list[Published], not_published: list[NotPublished],
     for order, found in sorted(effects_of.items()):
         if len(found) > 1:
             found = sorted(found, key=lambda r: r["t"])
-            after_kill = sum(_explained_by_kill(e, outcomes_of[str(e["task"])], killed_at)
-                             for e in found[:-1])
-            duplicates.append(Duplicate(order, found, after_kill))
+            runs_of = [r for r in runs if r.get("order") == order]
+            causes = [_cause(e, later, runs_of, outcomes_of[str(e["task"])], killed_at,
+                             exited_at) for e, later in itertools.pairwise(found)]
+            duplicates.append(Duplicate(order, found, causes))
 
     starts = Counter(str(r["task"]) for r in deliveries)
     ran = Counter(str(r["order"]) for r in runs)

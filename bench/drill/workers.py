@@ -40,6 +40,8 @@ class DrillWorker:
         self.log_path = log_dir / f"{hostname.split('@', 1)[0]}.log"
         self.started_at: float | None = None
         self.killed_at: float | None = None
+        #: When the drill saw that it had exited on its own.
+        self.exited_at: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
