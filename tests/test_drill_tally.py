@@ -86,7 +86,7 @@ def test_every_failure_is_counted_and_classed() -> None:
         "lost_dead_lettered": 1, "duplicate_effects": 4, "duplicate_effects_after_kill": 1,
         "duplicated_orders": 4, "deliveries": 14, "redelivered_starts": 6, "body_runs": 13,
         "body_reruns": 5, "dead_lettered": 1, "celery_failures": 1, "runs_without_key": 0,
-        "effects_of_unpublished": 1, "starts_cut_by_kills": 3,
+        "effects_of_unpublished": 1, "starts_cut_by_kills": 3, "started_early": 0,
     }
     assert counted.effects_of_unpublished == ["order-9"]
     assert set(counted.history) == {f"order-{n}" for n in (2, 3, 4, 5, 6, 7)}
@@ -94,6 +94,19 @@ def test_every_failure_is_counted_and_classed() -> None:
     assert [line.split()[1:3] for line in counted.history["order-3"]] == [
         ["start", "w1"], ["run", "w1"], ["effect", "w1"], ["outcome", "w1"],
         ["start", "w3"], ["run", "w3"], ["effect", "w3"], ["outcome", "w3"]]
+
+
+def test_a_delayed_task_that_starts_before_it_is_due_is_counted() -> None:
+    due_in_2s = Planned(0, "order-0", "task-0", 2.0, 100)
+    published = [Published(due_in_2s, 10.0, 0.01), Published(planned(1), 10.0, 0.01)]
+    story = Story()
+    story.attempt(0, "w1", 11, 11.5)  # 0.5 s before it was due
+    story.attempt(1, "w1", 11, 10.1)  # not delayed: at once is right
+    assert tally(published, [], story.records, [], {}).started_early == 1
+    story = Story()
+    story.attempt(0, "w1", 11, 12.0)
+    story.attempt(1, "w1", 11, 10.1)
+    assert tally(published, [], story.records, [], {}).started_early == 0
 
 
 def test_a_clean_drill_passes() -> None:

@@ -131,7 +131,8 @@ class DrillReport:
             "a kill between effect and done marker)",
             f"  starts {f['deliveries']}, redelivered starts {f['redelivered_starts']}, "
             f"body runs {f['body_runs']}, body reruns {f['body_reruns']}, "
-            f"starts cut by kills {f['starts_cut_by_kills']}",
+            f"starts cut by kills {f['starts_cut_by_kills']}, delayed tasks started early "
+            f"{f['started_early']}",
             f"  dead-lettered {f['dead_lettered']}, Celery failures {f['celery_failures']}, "
             f"runs without idempotency key {f['runs_without_key']}, effects of unpublished "
             f"tasks {f['effects_of_unpublished']}",

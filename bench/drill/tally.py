@@ -12,6 +12,8 @@
   began before the effect.
 * **redelivered starts**: starts of a task beyond its first (``task_prerun``).
 * **body reruns**: task bodies that ran again for an order that had already run.
+* **started early**: delayed tasks whose first start came before their countdown ran
+  out (counted from the moment ``apply_async`` was called, less 50 ms of clock slack).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from bench.drill.brokers import DeadLetterRecord
 from bench.drill.ledger import Record
 from bench.drill.producer import NotPublished, Published
 
+#: Clock slack allowed before a delayed task counts as started early (seconds).
+EARLY_SLACK_S = 0.05
 #: Cause of a duplicate effect that only a transaction around effect and marker prevents.
 KILLED = "killed between its effect and its done marker"
 
@@ -68,6 +72,7 @@ class Tally:
     runs_without_key: int
     effects_of_unpublished: list[str]
     starts_cut_by_kills: int
+    started_early: int = 0
     history: dict[str, list[str]] = field(default_factory=dict)
 
     @property
@@ -98,7 +103,7 @@ class Tally:
             "body_reruns": self.body_reruns, "dead_lettered": self.dead_lettered,
             "celery_failures": self.celery_failures, "runs_without_key": self.runs_without_key,
             "effects_of_unpublished": len(self.effects_of_unpublished),
-            "starts_cut_by_kills": self.starts_cut_by_kills,
+            "starts_cut_by_kills": self.starts_cut_by_kills, "started_early": self.started_early,
         }
 
 
@@ -170,6 +175,14 @@ def tally(published: list[Published], not_published: list[NotPublished],
               and not any(o["pid"] == r["pid"] and o["t"] >= r["t"]
                           for o in outcomes_of[str(r["task"])]))
 
+    first_start: dict[str, float] = {}
+    for record in deliveries:
+        task = str(record["task"])
+        first_start[task] = min(first_start.get(task, record["t"]), record["t"])
+    early = sum(1 for p in published if p.task.countdown is not None
+                and first_start.get(p.task.task_id, float("inf"))
+                < p.at + p.task.countdown - EARLY_SLACK_S)
+
     suspects = set(lost) | {d.order_id for d in duplicates}
     history = {order: _history(order, records) for order in sorted(suspects)}
     return Tally(
@@ -183,7 +196,7 @@ def tally(published: list[Published], not_published: list[NotPublished],
         celery_failures=sum(1 for o in outcomes if o.get("state") == "failure"),
         runs_without_key=sum(1 for r in runs if not r.get("key")),
         effects_of_unpublished=sorted(set(effects_of) - published_orders),
-        starts_cut_by_kills=cut, history=history,
+        starts_cut_by_kills=cut, started_early=early, history=history,
     )
 
 
