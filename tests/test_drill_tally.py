@@ -76,7 +76,7 @@ def test_every_failure_is_counted_and_classed() -> None:
     assert counted.lost == ["order-4", "order-5"]
     assert counted.lost_dead_lettered == 1
     assert [(d.order_id, d.extra, d.after_kill, d.causes) for d in counted.duplicates] == [
-        ("order-2", 1, 1, ["killed between its effect and its done marker"]),
+        ("order-2", 1, 1, ["SIGKILLed after its effect, before the attempt ended"]),
         ("order-3", 1, 0, ["failed after its effect: ConnectionError"]),
         ("order-6", 1, 0, ["its worker exited on its own before the attempt ended"]),
         ("order-7", 1, 0, ["concurrent: the next run began before this effect"]),

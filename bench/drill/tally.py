@@ -5,11 +5,11 @@
 * **duplicate effects**: effects of an order beyond its first. Each gets a cause, from
   how the attempt that made the earlier effect ended: *killed* when it never ended
   (no success, failure or retry recorded) because the drill SIGKILLed its worker after
-  the effect, the window between an effect and its done marker, which no broker closes
-  unless the effect and the marker are one transaction; *worker exited* when its
-  worker exited on its own instead; *failed after its effect* (with the error) or
-  *succeeded, then delivered again* when it ended; *concurrent* when the next run
-  began before the effect.
+  the effect (on envelope:// the window between an effect and its done marker, which
+  no broker closes unless the effect and the marker are one transaction); *worker
+  exited* when its worker exited on its own instead; *failed after its effect* (with
+  the error) or *succeeded, then delivered again* when it ended; *concurrent* when the
+  next run began before the effect.
 * **redelivered starts**: starts of a task beyond its first (``task_prerun``).
 * **body reruns**: task bodies that ran again for an order that had already run.
 * **started early**: delayed tasks whose first start came before their countdown ran
@@ -31,7 +31,7 @@ from bench.drill.producer import NotPublished, Published
 #: Clock slack allowed before a delayed task counts as started early (seconds).
 EARLY_SLACK_S = 0.05
 #: Cause of a duplicate effect that only a transaction around effect and marker prevents.
-KILLED = "killed between its effect and its done marker"
+KILLED = "SIGKILLed after its effect, before the attempt ended"
 
 
 @dataclass(frozen=True)
