@@ -127,8 +127,8 @@ class DrillReport:
             f"longest took {f['publish_max_s']} s",
             f"  effects {f['effects']}, lost {f['lost']} (dead-lettered among them "
             f"{f['lost_dead_lettered']}), duplicate effects {f['duplicate_effects']} "
-            f"on {f['duplicated_orders']} orders ({f['duplicate_effects_after_kill']} after "
-            "a kill after the effect, before the attempt ended)",
+            f"on {f['duplicated_orders']} orders ({f['duplicate_effects_after_kill']} of them "
+            "from a SIGKILL after the effect, before the attempt ended)",
             f"  starts {f['deliveries']}, redelivered starts {f['redelivered_starts']}, "
             f"body runs {f['body_runs']}, body reruns {f['body_reruns']}, "
             f"starts cut by kills {f['starts_cut_by_kills']}, delayed tasks started early "
