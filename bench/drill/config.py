@@ -1,0 +1,89 @@
+"""The sizes and timings of one fault drill."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+#: Brokers the drill knows: kombu-envelope's, and Celery's stock Redis transport.
+ENVELOPE = "envelope"
+STOCK = "redis"
+BROKERS = (ENVELOPE, STOCK)
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    """What one drill does; times are seconds from the moment publishing starts."""
+
+    #: ``envelope`` (kombu-envelope) or ``redis`` (Celery's stock transport).
+    broker: str = ENVELOPE
+    #: Tasks the producer tries to publish, at an even pace over ``publish_s``.
+    tasks: int = 200
+    publish_s: float = 16.0
+    #: Share of the tasks published with a countdown drawn from ``countdown_s``.
+    delayed_fraction: float = 0.2
+    countdown_s: tuple[float, float] = (1.0, 5.0)
+    #: How long each task body works between its start and its effect (ms, drawn).
+    work_ms: tuple[int, int] = (100, 400)
+    #: Prefork workers kept running, and pool processes per worker.
+    workers: int = 3
+    concurrency: int = 2
+    #: A random ready worker is SIGKILLed (main process and pool) this often, from
+    #: ``first_kill_s`` until publishing ends, and replaced at once.
+    kill_interval_s: float = 5.0
+    first_kill_s: float = 2.0
+    #: The broker's redis-server is SIGKILLed at ``redis_kill_at_s`` and started again
+    #: from its AOF on the same port ``redis_down_s`` later (once per drill).
+    redis_kill_at_s: float = 8.5
+    redis_down_s: float = 3.0
+    #: ``lease_ms`` of envelope://; stock redis:// gets ``visibility_timeout_s`` instead.
+    lease_ms: int = 3000
+    visibility_timeout_s: float = 10.0
+    #: After publishing: longest wait for every published task's effect, then for the
+    #: broker to be quiet (no new start for a lease, or a visibility timeout).
+    settle_timeout_s: float = 60.0
+    #: Seed of every random choice (delayed tasks, countdowns, work, victims).
+    seed: int = 9
+
+    def __post_init__(self) -> None:
+        if self.broker not in BROKERS:
+            raise ValueError(f"broker must be one of {BROKERS}, not {self.broker!r}")
+        if self.tasks < 1 or self.workers < 1 or self.concurrency < 1:
+            raise ValueError("tasks, workers and concurrency must be at least 1")
+        if not 0 <= self.delayed_fraction <= 1:
+            raise ValueError("delayed_fraction must be between 0 and 1")
+        if self.redis_kill_at_s + self.redis_down_s >= self.publish_s:
+            raise ValueError("Redis must be back before publishing ends: the drill restarts "
+                             "it while the producer keeps publishing")
+        if self.kill_interval_s <= 0 or self.first_kill_s >= self.publish_s:
+            raise ValueError("at least one worker must be killed while publishing")
+
+    @property
+    def delayed(self) -> int:
+        """How many of the tasks are published with a countdown."""
+        return round(self.tasks * self.delayed_fraction)
+
+    @property
+    def quiet_s(self) -> float:
+        """How long no task may start before the broker counts as settled."""
+        if self.broker == ENVELOPE:
+            return self.lease_ms / 1000 + 2.0
+        return self.visibility_timeout_s + 2.0
+
+    def replace(self, **changes: Any) -> DrillConfig:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return dataclasses.asdict(self)
+
+
+#: The suite's drill: small enough for CI (about a minute on two cores).
+SMALL = DrillConfig()
+
+#: The drill whose figures docs/operations.md reports.
+LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,
+                    kill_interval_s=5.0, first_kill_s=3.0, redis_kill_at_s=44.0,
+                    redis_down_s=3.0, settle_timeout_s=180.0)

@@ -1,0 +1,208 @@
+"""The drill's faults: workers SIGKILLed and replaced, the broker's Redis SIGKILLed and
+restarted from its AOF; and the timeline of what happened when."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import redis
+
+from bench.drill.ledger import Ledger
+from bench.drill.workers import DrillWorker
+from kombu_envelope.redis_server import PrivateRedisServer
+
+#: How often the supervisor looks at its workers (seconds).
+CHECK_INTERVAL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the drill did or saw, ``at`` seconds (epoch)."""
+
+    at: float
+    kind: str
+    detail: str
+
+
+@dataclass
+class Timeline:
+    """Events of one drill, from any thread."""
+
+    started: float = field(default_factory=time.time)
+    events: list[Event] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def note(self, kind: str, detail: str = "") -> Event:
+        """Record an event now."""
+        event = Event(time.time(), kind, detail)
+        with self._lock:
+            self.events.append(event)
+        return event
+
+    def of(self, kind: str) -> list[Event]:
+        """Events of ``kind``, oldest first."""
+        with self._lock:
+            return [event for event in self.events if event.kind == kind]
+
+    def lines(self) -> list[str]:
+        """One line per event, ``+seconds kind detail``."""
+        with self._lock:
+            return [f"+{e.at - self.started:6.1f}s {e.kind} {e.detail}".rstrip()
+                    for e in self.events]
+
+
+class Fleet:
+    """Keeps ``size`` workers running; kills one on demand and replaces it at once."""
+
+    def __init__(self, make_worker: Callable[[int], DrillWorker], size: int, ledger: Ledger,
+                 timeline: Timeline) -> None:
+        self.make_worker = make_worker
+        self.size = size
+        self.ledger = ledger
+        self.timeline = timeline
+        self.running: list[DrillWorker] = []
+        #: Every worker ever started, for the report (hostname -> worker).
+        self.all: dict[str, DrillWorker] = {}
+        self.killed: list[DrillWorker] = []
+        self.exited: list[DrillWorker] = []
+        self._started = 0
+
+    def start_one(self) -> DrillWorker:
+        """Start a new worker (not waiting for it to be ready)."""
+        self._started += 1
+        worker = self.make_worker(self._started).start()
+        self.running.append(worker)
+        self.all[worker.hostname] = worker
+        self.timeline.note("worker-start", worker.hostname)
+        return worker
+
+    def start(self, timeout: float) -> None:
+        """Start ``size`` workers and wait until every one is ready."""
+        for _ in range(self.size):
+            self.start_one()
+        deadline = time.monotonic() + timeout
+        while not all(w.hostname in self.ledger.ready_hosts() for w in self.running):
+            self.replace_exited()
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {w.hostname} ---\n{w.log_tail()}" for w in self.running)
+                raise RuntimeError(f"workers not ready within {timeout:.0f} s:\n{tails}")
+            time.sleep(CHECK_INTERVAL_S)
+
+    def replace_exited(self) -> None:
+        """Note every worker that exited on its own, and start one in its place."""
+        for worker in [w for w in self.running if w.exit_code() is not None]:
+            worker.exited_at = time.time()
+            worker.stop()  # its pool processes may outlive it
+            self.running.remove(worker)
+            self.exited.append(worker)
+            self.timeline.note("worker-exit", f"{worker.hostname} status {worker.exit_code()}")
+            self.start_one()
+
+    def kill_one(self, rng: random.Random) -> DrillWorker | None:
+        """SIGKILL a random ready worker's process group and start a replacement."""
+        ready = self.ledger.ready_hosts()
+        candidates = [w for w in self.running if w.hostname in ready and w.exit_code() is None]
+        if not candidates:
+            return None
+        victim = rng.choice(candidates)
+        hit = victim.kill()
+        self.running.remove(victim)
+        self.killed.append(victim)
+        self.timeline.note("worker-kill", f"{victim.hostname} ({hit} processes)")
+        self.start_one()
+        return victim
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Warm shutdown of every running worker at once."""
+        for worker in self.running:
+            worker.terminate()
+        deadline = time.monotonic() + timeout
+        for worker in self.running:
+            worker.stop(timeout=max(deadline - time.monotonic(), 0.1))
+        self.running = []
+
+
+class Supervisor(threading.Thread):
+    """Replaces workers that exit; kills one every ``interval_s`` within a time window.
+
+    When no worker is ready at a kill's time (all starting, or waiting for Redis), the
+    kill waits for the first one that is, up to the next kill's time.
+    """
+
+    def __init__(self, fleet: Fleet, rng: random.Random, *, first_kill_at: float,
+                 interval_s: float, kill_until: float) -> None:
+        super().__init__(name="drill-supervisor", daemon=True)
+        self.fleet = fleet
+        self.rng = rng
+        self.next_kill = first_kill_at
+        self.interval_s = interval_s
+        self.kill_until = kill_until
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while not self.stopping.wait(CHECK_INTERVAL_S):
+            try:
+                self.fleet.replace_exited()
+                now = time.time()
+                if self.next_kill <= now < self.kill_until:
+                    if self.fleet.kill_one(self.rng) is not None:
+                        self.next_kill += self.interval_s
+                    elif now >= self.next_kill + self.interval_s:
+                        self.fleet.timeline.note("kill-skipped", "no worker was ready")
+                        self.next_kill += self.interval_s
+            except Exception as exc:  # the drill fails on it, but supervision goes on
+                self.error = self.error or exc
+                self.fleet.timeline.note("supervisor-error", repr(exc))
+
+    def stop(self) -> None:
+        """Stop supervising (workers keep running)."""
+        self.stopping.set()
+        self.join(timeout=60)
+
+
+class RedisOutage(threading.Thread):
+    """SIGKILL the broker's redis-server at ``kill_at``; start it again ``down_s`` later."""
+
+    def __init__(self, server: PrivateRedisServer, timeline: Timeline, *, kill_at: float,
+                 down_s: float) -> None:
+        super().__init__(name="drill-redis-outage", daemon=True)
+        self.server = server
+        self.timeline = timeline
+        self.kill_at = kill_at
+        self.down_s = down_s
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None
+        self.keys_before = self.keys_after = -1
+
+    def run(self) -> None:
+        try:
+            if self.cancelled.wait(max(self.kill_at - time.time(), 0)):
+                return
+            port = self.server.port
+            self.keys_before = self._dbsize()
+            self.server.kill()
+            self.timeline.note("redis-kill", f"port {port}, {self.keys_before} keys")
+            time.sleep(self.down_s)  # the outage itself
+            self.server.start()
+            if self.server.port != port:
+                raise RuntimeError(f"redis-server came back on port {self.server.port}, "
+                                   f"not {port}")
+            self.keys_after = self._dbsize()
+            self.timeline.note("redis-start", f"port {port}, {self.keys_after} keys from AOF")
+        except BaseException as exc:
+            self.error = exc
+            self.timeline.note("redis-error", repr(exc))
+
+    def _dbsize(self) -> int:
+        with redis.Redis.from_url(self.server.url) as client:
+            return int(client.dbsize())
+
+    def finish(self) -> None:
+        """Wait for the outage to be over (or cancel it if it has not begun)."""
+        self.cancelled.set()
+        self.join(timeout=60)

@@ -1,0 +1,115 @@
+"""The drill's producer: publishes at an even pace, and keeps publishing through faults.
+
+Each task gets its own order id (the idempotency key) and task id, chosen before
+``apply_async`` so that a task whose publish raised can still be traced. Publishing
+retries for longer than the Redis outage lasts; a task counts as published only when
+``apply_async`` returned, and one whose ``apply_async`` raised after every retry is
+reported as not published, never as lost.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+from bench.drill.app import TASK
+from bench.drill.config import DrillConfig
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One task the producer will publish."""
+
+    index: int
+    order_id: str
+    task_id: str
+    countdown: float | None
+    work_ms: int
+
+
+@dataclass(frozen=True)
+class Published:
+    """A task whose ``apply_async`` returned (``at``: epoch seconds)."""
+
+    task: Planned
+    at: float
+    seconds: float  # how long apply_async took, retries included
+
+
+@dataclass(frozen=True)
+class NotPublished:
+    """A task whose ``apply_async`` raised after every retry."""
+
+    task: Planned
+    at: float
+    error: str
+
+
+def plan(config: DrillConfig, rng: random.Random) -> list[Planned]:
+    """The tasks of a drill; exactly ``config.delayed`` of them get a countdown."""
+    delayed = set(rng.sample(range(config.tasks), config.delayed))
+    low, high = config.countdown_s
+    return [Planned(index, f"order-{index:05d}", str(uuid.UUID(int=rng.getrandbits(128))),
+                    round(rng.uniform(low, high), 2) if index in delayed else None,
+                    rng.randint(*config.work_ms))
+            for index in range(config.tasks)]
+
+
+def retry_policy(config: DrillConfig) -> dict[str, Any]:
+    """kombu retry policy outlasting the outage: a try every second for down time + 20 s."""
+    return {"max_retries": math.ceil(config.redis_down_s) + 20, "interval_start": 0,
+            "interval_step": 0.5, "interval_max": 1.0}
+
+
+class Producer(threading.Thread):
+    """Publishes ``tasks`` evenly over ``publish_s`` seconds from ``start_at`` (epoch)."""
+
+    def __init__(self, app: Celery, tasks: list[Planned], config: DrillConfig,
+                 start_at: float) -> None:
+        super().__init__(name="drill-producer", daemon=True)
+        self.app = app
+        self.tasks = tasks
+        self.start_at = start_at
+        self.step_s = config.publish_s / max(len(tasks), 1)
+        self.policy = retry_policy(config)
+        self.published: list[Published] = []
+        self.not_published: list[NotPublished] = []
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        # The before_task_publish receiver that derives idempotency keys looks the task
+        # up in the current app, which is per thread.
+        self.app.set_current()
+        task = self.app.tasks[TASK]
+        try:
+            for planned in self.tasks:
+                if self.stopping.wait(max(self.start_at + planned.index * self.step_s
+                                          - time.time(), 0)):
+                    return
+                started = time.time()
+                try:
+                    task.apply_async(kwargs={"order_id": planned.order_id,
+                                             "work_ms": planned.work_ms},
+                                     task_id=planned.task_id, countdown=planned.countdown,
+                                     retry=True, retry_policy=self.policy)
+                except Exception as exc:
+                    self.not_published.append(NotPublished(planned, time.time(),
+                                                           f"{type(exc).__name__}: {exc}"))
+                else:
+                    self.published.append(Published(planned, started,
+                                                    time.time() - started))
+        except BaseException as exc:  # reported by the drill, never lost with the thread
+            self.error = exc
+
+    @property
+    def attempted(self) -> int:
+        """Tasks whose apply_async has returned or raised."""
+        return len(self.published) + len(self.not_published)

@@ -1,0 +1,207 @@
+"""One fault drill, from two private redis-servers to its report.
+
+1. A ledger Redis (never killed) and a broker Redis with AOF (``appendfsync always``:
+   every write Redis acknowledged is on disk when it is SIGKILLed, so what the restart
+   brings back is exactly what clients were told was stored).
+2. ``workers`` prefork workers, all ready before anything is published.
+3. The producer publishes ``tasks`` over ``publish_s``; meanwhile a random worker is
+   SIGKILLed (its whole process group) every ``kill_interval_s`` and replaced, and the
+   broker's redis-server is SIGKILLed once and started again from its AOF.
+4. Once publishing ends the kills stop (a worker that exits on its own is still
+   replaced); the drill waits until every published task's order has had an effect,
+   then until no task has started for a lease (each wait at most ``settle_timeout_s``).
+5. The workers get a warm shutdown, and the ledger, the dead letters and what the
+   broker still holds are counted (:mod:`bench.drill.tally`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from bench.drill.app import create_app
+from bench.drill.brokers import Broker
+from bench.drill.config import ENVELOPE, DrillConfig
+from bench.drill.faults import Fleet, RedisOutage, Supervisor, Timeline
+from bench.drill.ledger import KINDS, Ledger, Record
+from bench.drill.producer import Producer, plan
+from bench.drill.report import DrillReport, log_problems
+from bench.drill.tally import tally
+from bench.drill.workers import DrillWorker
+from bench.sysinfo import machine_info
+from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.replies import as_text
+
+#: Longest wait for the first workers to be ready (seconds).
+READY_TIMEOUT_S = 120.0
+#: Pause between two looks at the ledger while settling (seconds).
+POLL_S = 0.25
+
+Log = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"[drill {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stderr
+              ) -> DrillReport:
+    """Run one drill; worker logs, ``report.json`` and ``diagnostics.txt`` go to ``workdir``
+    (default a new temporary directory)."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="drill-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = uuid.uuid4().hex[:10]
+    rng = random.Random(config.seed)
+    with PrivateRedisServer() as ledger_server, \
+            PrivateRedisServer(appendonly=True) as broker_server:
+        ledger = Ledger(redis.Redis.from_url(ledger_server.url), run)
+        broker = Broker(config.broker, f"127.0.0.1:{broker_server.port}", f"drill-{run}")
+        options = broker.transport_options(config)
+        timeline = Timeline()
+
+        def make_worker(number: int) -> DrillWorker:
+            return DrillWorker(f"w{number}.{run}@localhost", broker_url=broker.url,
+                               transport_options=options, ledger_url=ledger_server.url,
+                               run=run, concurrency=config.concurrency, log_dir=workdir)
+
+        fleet = Fleet(make_worker, config.workers, ledger, timeline)
+        app = create_app(broker.url, options)
+        try:
+            log(f"{broker.label}: starting {config.workers} workers (logs in {workdir})")
+            fleet.start(READY_TIMEOUT_S)
+            report = _drill(config, broker, broker_server, ledger, fleet, app, timeline,
+                            rng, log)
+        finally:
+            fleet.stop()
+            app.close()
+            ledger.client.close()
+    (workdir / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n",
+                                         encoding="utf-8")
+    (workdir / "diagnostics.txt").write_text(report.diagnostics() + "\n", encoding="utf-8")
+    return report
+
+
+def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServer,
+           ledger: Ledger, fleet: Fleet, app: Celery, timeline: Timeline,
+           rng: random.Random, log: Log) -> DrillReport:
+    tasks = plan(config, rng)
+    t0 = time.time() + 0.2
+    producer = Producer(app, tasks, config, t0)
+    supervisor = Supervisor(fleet, rng, first_kill_at=t0 + config.first_kill_s,
+                            interval_s=config.kill_interval_s,
+                            kill_until=t0 + config.publish_s)
+    outage = RedisOutage(broker_server, timeline, kill_at=t0 + config.redis_kill_at_s,
+                         down_s=config.redis_down_s)
+    log(f"publishing {config.tasks} tasks over {config.publish_s:g} s; a worker killed every "
+        f"{config.kill_interval_s:g} s, Redis down at +{config.redis_kill_at_s:g} s for "
+        f"{config.redis_down_s:g} s")
+    timeline.note("publish-start")
+    for thread in (producer, supervisor, outage):
+        thread.start()
+    producer.join(timeout=config.publish_s + 300)
+    producer.stopping.set()
+    timeline.note("publish-end", f"{len(producer.published)} published, "
+                                 f"{len(producer.not_published)} not")
+    published_at_end = time.time()
+    outage.finish()
+    log(f"published {len(producer.published)}; waiting for every effect "
+        f"(at most {config.settle_timeout_s:g} s)")
+    deadline = time.monotonic() + config.settle_timeout_s
+    orders = {p.task.order_id for p in producer.published}
+    if _wait_for_effects(ledger, orders, deadline):
+        timeline.note("all-effects")
+        quiet = _wait_for_quiet(ledger, config.quiet_s,
+                                time.monotonic() + config.settle_timeout_s)
+        timeline.note("quiet" if quiet else "quiet-timeout", "" if quiet else
+                      "tasks kept starting")
+    else:
+        timeline.note("settle-timeout")
+    supervisor.stop()
+    fleet.stop()
+    timeline.note("workers-stopped")
+
+    records = {kind: ledger.records(kind) for kind in KINDS}
+    with redis.Redis.from_url(broker_server.url) as client:
+        dead = broker.dead_letters(client)
+        leftovers = broker.leftovers(client)
+    killed_at = {w.hostname: w.killed_at for w in fleet.killed if w.killed_at is not None}
+    exited_at = {w.hostname: w.exited_at for w in fleet.exited if w.exited_at is not None}
+    counted = tally(producer.published, producer.not_published, records, dead, killed_at,
+                    exited_at)
+    report = DrillReport(
+        config=config, broker=broker.label, tally=counted, timeline=timeline,
+        seconds=time.time() - timeline.started,
+        drain_s=_last_effect(records, published_at_end),
+        published=producer.published, not_published=producer.not_published,
+        dead_letters=dead, leftovers=leftovers, killed=fleet.killed, exited=fleet.exited,
+        log_problems=log_problems(list(fleet.all.values())),
+        harness_errors=_harness_errors(config, producer, supervisor, outage, fleet,
+                                       timeline, counted.runs_without_key),
+        machine=machine_info(broker_server.url, None),
+    )
+    log(report.summary())
+    return report
+
+
+def _wait_for_effects(ledger: Ledger, orders: set[str], deadline: float) -> bool:
+    """Wait until every order in ``orders`` had an effect; False at the deadline."""
+    key = ledger.key("effect-count")
+    while True:
+        if orders <= {as_text(o) for o in ledger.client.hkeys(key)}:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+
+
+def _last_effect(records: dict[str, list[Record]], since: float) -> float | None:
+    """Seconds from ``since`` to the last effect recorded (None without any)."""
+    last = max((r["t"] for r in records["effects"]), default=None)
+    return None if last is None else last - since
+
+
+def _wait_for_quiet(ledger: Ledger, quiet_s: float, deadline: float) -> bool:
+    """Wait until no task started for ``quiet_s`` (a late redelivery would show by then)."""
+    key = ledger.key("deliveries")
+    while time.monotonic() < deadline:
+        raw = ledger.client.lindex(key, -1)
+        last = float(json.loads(raw)["t"]) if raw else 0.0
+        if time.time() - last >= quiet_s:
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervisor,
+                    outage: RedisOutage, fleet: Fleet, timeline: Timeline,
+                    runs_without_key: int) -> list[str]:
+    """What kept the drill from testing what it claims to (then it fails, saying so)."""
+    errors = [f"{name} thread failed: {thread.error!r}"
+              for name, thread in (("producer", producer), ("supervisor", supervisor),
+                                   ("Redis outage", outage)) if thread.error is not None]
+    if producer.is_alive():
+        errors.append("the producer did not finish")
+    if not fleet.killed:
+        errors.append("no worker was killed")
+    starts = timeline.of("redis-start")
+    if not timeline.of("redis-kill") or not starts:
+        errors.append("the broker's Redis was not killed and restarted")
+    else:
+        if outage.keys_after <= 0:
+            errors.append(f"Redis came back with {outage.keys_after} keys: the AOF was "
+                          "not loaded")
+        if not any(p.at > starts[0].at for p in producer.published):
+            errors.append("nothing was published after Redis came back")
+    if config.broker == ENVELOPE and runs_without_key:
+        errors.append(f"{runs_without_key} task runs had no idempotency key: the drill "
+                      "would not test idempotency")
+    return errors
