@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Longest wait between two tries (seconds).
-MAX_BACKOFF_S = 1.0
+#: Longest wait between two tries (seconds): a command goes through this soon at
+#: most after Redis is back.
+MAX_BACKOFF_S = 0.25
 #: First wait after a failure (seconds).
 FIRST_BACKOFF_S = 0.05
 

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from kombu_envelope.deadletter import Failure, FailureClass, dead_letter_pending
 from kombu_envelope.delivery_info import (
     INFO_ENTRY_ID,
@@ -119,10 +121,15 @@ class Settler:
         for queue in queues:
             keys = self.settings.keys.queue(queue)
             for stream in keys.all_streams:
-                pending = self.client.xpending_range(
-                    stream, self.settings.consumer_group, min="-", max="+", count=10_000,
-                    consumername=self.consumer_name,
-                )
+                try:
+                    pending = self.client.xpending_range(
+                        stream, self.settings.consumer_group, min="-", max="+", count=10_000,
+                        consumername=self.consumer_name,
+                    )
+                except ResponseError as exc:
+                    if not str(exc).startswith("NOGROUP"):
+                        raise
+                    continue  # the queue was deleted (a reply queue): nothing to give back
                 for item in pending:
                     requeue(keys=[stream, stream, keys.dead],
                             args=[self.settings.consumer_group, as_text(item["message_id"]),

@@ -20,8 +20,8 @@ Fields of :class:`kombu_envelope.settings.Settings` (docs/operations.md has thei
 defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_ms``,
 ``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
 ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
-``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``connection_kwargs``, and the redis-py
-connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
+``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``connection_kwargs``,
+and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
 ``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
 ``retry_on_timeout``, ``health_check_interval``, ``client_name``, ``max_connections``.
 

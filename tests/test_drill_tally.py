@@ -117,3 +117,14 @@ def test_a_clean_drill_passes() -> None:
     counted = tally(published, [], story.records, [], {})
     assert counted.passed
     assert (counted.effects, counted.duplicate_effects, counted.redelivered_starts) == (3, 0, 0)
+
+
+def test_a_drill_whose_only_duplicate_followed_a_kill_after_the_effect_passes() -> None:
+    published = [Published(planned(n), 1.0, 0.01) for n in range(2)]
+    story = Story()
+    story.attempt(0, "w2", 21, 95.0, outcome=None)  # effect, then SIGKILLed at KILLED_AT
+    story.attempt(0, "w1", 11, 110.0)
+    story.attempt(1, "w1", 11, 111.0)
+    counted = tally(published, [], story.records, [], {"w2": KILLED_AT})
+    assert counted.passed
+    assert (counted.duplicate_effects, counted.duplicates_after_kill) == (1, 1)

@@ -87,8 +87,16 @@ class Tally:
 
     @property
     def passed(self) -> bool:
-        """No task lost and no effect duplicated."""
-        return not self.lost and not self.duplicates
+        """No task lost, and no effect duplicated but by a kill after the effect.
+
+        A worker SIGKILLed after a task's effect and before its attempt ended (its
+        done marker written, its entry acknowledged) leaves an attempt nobody saw
+        succeed: the broker must deliver it again, and only an effect that is one
+        transaction with its done marker (or is itself conditional on the key) can
+        tell. Those are reported (``duplicate_effects_after_kill``), not failed;
+        every other duplicate is a broken promise.
+        """
+        return not self.lost and self.duplicate_effects == self.duplicates_after_kill
 
     def figures(self) -> dict[str, Any]:
         """The counts, as reported."""
