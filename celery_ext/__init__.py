@@ -9,7 +9,8 @@ Enable it in the module that creates the Celery app::
 Importing this package makes ``envelope://`` and ``envelopes://`` URLs use
 :class:`celery_ext.transport.Transport` and calls :func:`install`, which also
 gives workers on ``envelope://`` the delayed-task promoter
-(:mod:`celery_ext.bootsteps`), so ``countdown`` and ``eta`` need nothing else. Tasks
+(:mod:`celery_ext.bootsteps`), so ``countdown`` and ``eta`` need nothing else,
+under ``celery worker`` and in Celery's test worker alike. Tasks
 must use the JSON serializer (Celery's default) and task protocol 2 (the
 default). The mapping is described in :mod:`celery_ext.protocol`, trace ids
 and their log field in :mod:`celery_ext.tracing`.
@@ -63,7 +64,7 @@ _RECEIVERS = (
     (signals.after_setup_logger, add_log_filter),
     (signals.after_setup_task_logger, add_log_filter),
     (signals.worker_init, serve_worker_app),
-    (signals.celeryd_init, install_worker_steps),
+    (signals.worker_init, install_worker_steps),
     *EXECUTION_RECEIVERS,
 )
 
