@@ -16,10 +16,11 @@ default). The mapping is described in :mod:`celery_ext.protocol`, trace ids
 and their log field in :mod:`celery_ext.tracing`.
 
 Workers also run every task through the reliable-execution shell
-(:mod:`celery_ext.execution`: idempotency keys, tiered retries, time limits,
-dead letters), run the app's ``beat_schedule`` in the shared scheduler
-(:mod:`celery_ext.periodic`), and a revoke cancels still-delayed tasks
-(:mod:`celery_ext.revoke`).
+(:mod:`celery_ext.execution`: idempotency keys, tiered retries for the tasks
+that ask for them (:mod:`celery_ext.retry_policy`), time limits, dead
+letters; otherwise tasks behave as Celery documents), run the app's
+``beat_schedule`` in the shared scheduler (:mod:`celery_ext.periodic`), and a
+revoke cancels still-delayed tasks (:mod:`celery_ext.revoke`).
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
         return {"retries": self.request.retries,
                 "fast": (self.request.headers or {}).get("x-fast-retries")}
 
-    @app.task(name="reliable.explicit", shared=False, bind=True, max_retries=5)
+    @app.task(name="reliable.explicit", shared=False, bind=True, max_retries=5,
+              default_retry_delay=0.2)
     def explicit(self: Task, name: str, failures: int) -> dict[str, Any]:
         """``self.retry()`` ``failures`` times, then the request's retry state."""
         if record_attempt(self, name) <= failures:
@@ -106,7 +107,7 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
                 "fast": (self.request.headers or {}).get("x-fast-retries")}
 
     @app.task(name="reliable.auto", shared=False, bind=True, max_retries=5,
-              autoretry_for=(ConnectionError,))
+              autoretry_for=(ConnectionError,), default_retry_delay=0.2)
     def auto(self: Task, name: str, failures: int) -> dict[str, Any]:
         """``autoretry_for`` ``failures`` times, then the request's retry state."""
         if record_attempt(self, name) <= failures:
