@@ -22,6 +22,11 @@ The shell adds what a task asks for (docs/protocol.md, sections 7-9):
    to the dead-letter stream and is raised again, so the result backend
    records ``FAILURE``.
 
+A Redis error in steps 1 and 2, before the body runs, never fails the task:
+the attempt is handed back, published again ``envelope_idempotency_defer``
+seconds later without running (waiting for Redis to take it), and this
+delivery is acknowledged.
+
 A retry without its own ``max_retries`` is capped by the delivered
 Envelope's ``max_retries`` when that is not the task's (see
 :mod:`celery_ext.protocol`), so an Envelope with ``0`` or ``null`` keeps its
@@ -43,17 +48,22 @@ import os
 import random
 import socket
 import sys
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import wraps
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from celery import signals
 from celery.concurrency import get_implementation
 from celery.concurrency.solo import TaskPool as SoloPool
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.exceptions import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_ext import metrics
 from celery_ext.bootsteps import uses_envelope_broker
@@ -93,12 +103,20 @@ logger = logging.getLogger(__name__)
 ENABLED_SETTING = "envelope_execution_enabled"
 #: Celery setting: seconds a done idempotency marker is kept.
 DONE_TTL_SETTING = "envelope_idempotency_done_ttl"
-#: Celery setting: seconds a task whose key is busy waits before it runs again.
+#: Celery setting: seconds a task that could not start (key busy, Redis failing) waits.
 DEFER_SETTING = "envelope_idempotency_defer"
 DEFAULT_DEFER_S = 5.0
 
+#: Errors of a Redis that failed or went away while a task was being claimed.
+BROKER_ERRORS: tuple[type[BaseException], ...] = (RedisError, OperationalError, OSError)
+# Errors of a Redis that is away: a step that failed with one is tried again.
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OperationalError, OSError)
+# Longest wait between two tries of a step while Redis is away (seconds).
+_MAX_WAIT_S = 5.0
+
 _current: ContextVar[Attempt | None] = ContextVar("envelope_attempt", default=None)
 _UNSET = object()
+T = TypeVar("T")
 
 
 @dataclass
@@ -211,7 +229,8 @@ class ExecutionShell:
     def _claimed(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         task, request = attempt.task, attempt.request
-        claim = self._claim(attempt)
+        claim = self._before_body(attempt, "claiming its idempotency key",
+                                  lambda: self._claim(attempt))
         if claim is not None and claim.state is ClaimState.DONE:
             logger.info("task %s[%s] is a duplicate (idempotency key done: %s); not run",
                         task.name, request.id, claim.other)
@@ -228,8 +247,10 @@ class ExecutionShell:
         task, request = attempt.task, attempt.request
         slots = RetrySlots(self.client, self.settings)
         slotted = attempt.tiered and request.retries > 0
-        if slotted and not slots.take(task.name, request.id, attempt.policy.retry_concurrency,
-                                      attempt.timeout_ms):
+        if slotted and not self._before_body(
+                attempt, "taking a retry slot",
+                lambda: slots.take(task.name, request.id, attempt.policy.retry_concurrency,
+                                   attempt.timeout_ms)):
             decision = attempt.policy.reschedule(
                 retry_count=request.retries,
                 fast_retries_taken=fast_retries_taken(attempt.headers), rng=self.rng)
@@ -239,7 +260,11 @@ class ExecutionShell:
             return self._run(attempt, run, args, kwargs)
         finally:
             if slotted:
-                slots.release(task.name, request.id)
+                try:
+                    slots.release(task.name, request.id)
+                except BROKER_ERRORS as exc:  # the slot expires on its own
+                    logger.warning("task %s[%s]: releasing its retry slot failed: %r",
+                                   task.name, request.id, exc)
 
     def _run(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -256,7 +281,7 @@ class ExecutionShell:
         metrics.count("succeeded", attempt.task.name)
         return result
 
-    # ------------------------------------------------------------------ claims
+    # ------------------------------------------------- claims and handing back
 
     def _idempotency(self) -> Idempotency:
         return Idempotency(self.client, self.settings, done_ttl_s=self.done_ttl_s)
@@ -268,8 +293,12 @@ class ExecutionShell:
             self._idempotency().finish(claim, succeeded=succeeded)
 
     def _release_claim(self, attempt: Attempt, why: str) -> None:
-        """Release the attempt's key before another attempt (``why``) is published."""
-        self._settle_claim(attempt, succeeded=False)
+        """Release the attempt's key before another attempt is published, waiting for Redis."""
+        if attempt.claim is not None:
+            claim = attempt.claim
+            _until_done(f"{_name(attempt)}: releasing its idempotency key before {why}",
+                        lambda: self._idempotency().finish(claim, succeeded=False))
+            attempt.claim = None
 
     def _claim(self, attempt: Attempt) -> Claim | None:
         key = attempt.headers.get(KEY_HEADER)
@@ -279,11 +308,25 @@ class ExecutionShell:
         return self._idempotency().claim(attempt.task.name, str(key), holder,
                                          timeout_ms=attempt.timeout_ms)
 
+    def _before_body(self, attempt: Attempt, what: str, step: Callable[[], T]) -> T:
+        """``step()``; a Redis error hands the attempt back instead of failing the task."""
+        try:
+            return step()
+        except BROKER_ERRORS as exc:
+            logger.warning("task %s: Redis failed while %s (%r); handing it back",
+                           _name(attempt), what, exc)
+            self._publish_again(attempt, self.defer_s, f"Redis failed while {what}")
+
     def _publish_again(self, attempt: Attempt, countdown: float, why: str) -> NoReturn:
-        """Publish the same task (same id and retries) ``countdown`` s later; Ignore this one."""
+        """Publish the same task (same id and retries) ``countdown`` s later; Ignore this one.
+
+        The body has not run. While Redis is away, waits and tries again: this
+        delivery may be acknowledged already (early acks), so it is the last copy.
+        """
         task, request = attempt.task, attempt.request
         self._release_claim(attempt, "it runs again")  # the next attempt claims it
-        task.signature_from_request(request, countdown=countdown).apply_async()
+        signature = task.signature_from_request(request, countdown=countdown)
+        _until_done(f"{_name(attempt)}: publishing it again", signature.apply_async)
         attempt.settled = True
         logger.info("task %s not run now: %s; runs again in %.1f s", _name(attempt), why,
                     countdown)
@@ -391,6 +434,18 @@ class ExecutionShell:
 
 def _name(attempt: Attempt) -> str:
     return f"{attempt.task.name}[{attempt.request.id}]"
+
+
+def _until_done(what: str, step: Callable[[], T]) -> T:
+    """``step()``, tried again while Redis is away (waits up to 5 s between tries)."""
+    wait = 0.5
+    while True:
+        try:
+            return step()
+        except _UNREACHABLE as exc:
+            logger.warning("%s failed (%r); trying again in %.1f s", what, exc, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, _MAX_WAIT_S)
 
 
 def _reason(failure_class: FailureClass, decision: Decision, exc: BaseException | None) -> str:
