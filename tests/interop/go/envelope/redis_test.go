@@ -375,14 +375,22 @@ func TestBusyIdempotencyKeyIsDeferredThenTakenOverFromADeadHolder(t *testing.T) 
 	}
 }
 
-func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
+// withRetrySlotTaken is a worker running jobs.run (counting its runs) that allows one
+// retry of it at a time, the one slot being held by another consumer.
+func withRetrySlotTaken(t *testing.T) (*env, *Worker, *atomic.Int32, string) {
 	e := newEnv(t)
-	var runs atomic.Int32
+	runs := new(atomic.Int32)
 	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
 	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
-	ctx := context.Background()
 	slots := e.keys.Retrying("jobs.run")
-	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
+	e.client.ZAdd(context.Background(), slots,
+		redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
+	return e, w, runs, slots
+}
+
+func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
+	e, w, runs, slots := withRetrySlotTaken(t)
+	ctx := context.Background()
 	task := tiered(New("jobs.run", nil))
 	task.RetryCount = 1
 	e.publish(task)
@@ -400,13 +408,8 @@ func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
 }
 
 func TestARetryWithoutTheTieredPolicyTakesNoRetrySlot(t *testing.T) {
-	e := newEnv(t)
-	var runs atomic.Int32
-	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
-	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	e, w, runs, slots := withRetrySlotTaken(t)
 	ctx := context.Background()
-	slots := e.keys.Retrying("jobs.run")
-	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
 	task := New("jobs.run", nil) // e.g. a Celery self.retry(): the cap is the tiered policy's
 	task.RetryCount = 1
 	e.publish(task)
@@ -418,13 +421,8 @@ func TestARetryWithoutTheTieredPolicyTakesNoRetrySlot(t *testing.T) {
 }
 
 func TestIdempotencyIsCheckedBeforeTheRetrySlot(t *testing.T) {
-	e := newEnv(t)
-	var runs atomic.Int32
-	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
-	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	e, w, runs, _ := withRetrySlotTaken(t)
 	ctx := context.Background()
-	slots := e.keys.Retrying("jobs.run")
-	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
 	k1, k2 := "done-key", "free-key"
 	e.client.Set(ctx, e.keys.Idempotency("jobs.run", k1), "done earlier 2025-09-11T04:40:00Z", time.Minute)
 	dup, waiting := tiered(New("jobs.run", nil)), tiered(New("jobs.run", nil))
