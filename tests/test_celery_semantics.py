@@ -12,6 +12,7 @@ language asks for them.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -163,6 +164,16 @@ def test_a_retry_keeps_expires_priority_and_headers(app: Celery, worker: CeleryW
     assert expiring.get(timeout=RESULT_TIMEOUT)["retries"] == 1
     assert urgent.get(timeout=RESULT_TIMEOUT)["priority"] == 7
     assert tagged.get(timeout=RESULT_TIMEOUT)["headers"]["x-test-header"] == "test-value"
+
+
+def test_a_retry_without_throw_lets_the_attempt_go_on(
+        app: Celery, worker: CeleryWorker, redis_client: redis.Redis, prefix: str) -> None:
+    name = new_name()
+    app.tasks["plain.retry_without_throw"].delay(name)
+    seen = wait_for(lambda: attempts(redis_client, prefix, name)[1:] and
+                    attempts(redis_client, prefix, name), message=worker.log_tail)
+    assert [a["retries"] for a in seen] == [0, 1]
+    worker.wait_for_log(re.compile(r"plain\.retry_without_throw\[\S+\] succeeded in \S+: 0"))
 
 
 def test_reject_with_requeue_redelivers(app: Celery, worker: CeleryWorker) -> None:

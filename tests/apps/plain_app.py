@@ -98,6 +98,14 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
                     "headers": self.request.headers or {}}
         raise self.retry(countdown=0.1, expires=expires, max_retries=1)
 
+    @app.task(name="plain.retry_without_throw", shared=False, bind=True)
+    def retry_without_throw(self: Task, name: str) -> int:
+        """``self.retry(throw=False)`` publishes the retry and lets the attempt go on."""
+        record(self, name)
+        if not self.request.retries:
+            self.retry(countdown=0.1, throw=False)
+        return int(self.request.retries)
+
     @app.task(name="plain.reject_then_succeed", shared=False, bind=True, acks_late=True)
     def reject_then_succeed(self: Task) -> str:
         if not self.request.delivery_info.get("redelivered"):
