@@ -237,6 +237,10 @@ def test_promoter_keeps_running_while_a_solo_worker_runs_a_long_task(
     env = {"TEST_BROKER_URL": envelope_url(redis_url), "TEST_KEY_PREFIX": key_prefix}
     with CeleryWorker("promoter_app", pool="solo", env=env, pythonpath=[tmp_path],
                       queues=[QUEUE]) as worker:
+        # The app adds the step itself and celery_ext adds it on worker_init: one promoter.
+        channel = Settings(key_prefix=key_prefix).keys.wakeup_channel
+        wait_for(lambda: subscribers(redis_client, channel) >= 1, message=worker.log_tail)
+        assert subscribers(redis_client, channel) == 1
         app.send_task("promoter_app.sleep", args=[4], queue=QUEUE)
         worker.wait_for_log("sleep task started", timeout=20)
         busy_since = time.monotonic()
