@@ -9,16 +9,18 @@ Enable it in the module that creates the Celery app::
 Importing this package makes ``envelope://`` and ``envelopes://`` URLs use
 :class:`celery_ext.transport.Transport` and calls :func:`install`, which also
 gives workers on ``envelope://`` the delayed-task promoter
-(:mod:`celery_ext.bootsteps`), so ``countdown`` and ``eta`` need nothing else. Tasks
+(:mod:`celery_ext.bootsteps`), so ``countdown`` and ``eta`` need nothing else,
+under ``celery worker`` and in Celery's test worker alike. Tasks
 must use the JSON serializer (Celery's default) and task protocol 2 (the
 default). The mapping is described in :mod:`celery_ext.protocol`, trace ids
 and their log field in :mod:`celery_ext.tracing`.
 
 Workers also run every task through the reliable-execution shell
-(:mod:`celery_ext.execution`: idempotency keys, tiered retries, time limits,
-dead letters), run the app's ``beat_schedule`` in the shared scheduler
-(:mod:`celery_ext.periodic`), and a revoke cancels still-delayed tasks
-(:mod:`celery_ext.revoke`).
+(:mod:`celery_ext.execution`: idempotency keys, tiered retries for the tasks
+that ask for them (:mod:`celery_ext.retry_policy`), time limits, dead
+letters; otherwise tasks behave as Celery documents), run the app's
+``beat_schedule`` in the shared scheduler (:mod:`celery_ext.periodic`), and a
+revoke cancels still-delayed tasks (:mod:`celery_ext.revoke`).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ _RECEIVERS = (
     (signals.after_setup_logger, add_log_filter),
     (signals.after_setup_task_logger, add_log_filter),
     (signals.worker_init, serve_worker_app),
-    (signals.celeryd_init, install_worker_steps),
+    (signals.worker_init, install_worker_steps),
     *EXECUTION_RECEIVERS,
 )
 

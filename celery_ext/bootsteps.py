@@ -22,8 +22,13 @@ for example when ``python -m kombu_envelope.scheduler`` runs on its own, with::
 The promoter also publishes the app's periodic tasks (``beat_schedule``, see
 :mod:`celery_ext.periodic`) unless ``envelope_periodic_enabled = False``.
 
-Add it to a worker with :func:`add_worker_steps`, or connect
-:func:`install_worker_steps` to :data:`celery.signals.celeryd_init`.
+``celery_ext`` connects :func:`install_worker_steps` to
+:data:`celery.signals.worker_init`, which every ``WorkController`` sends
+before it builds its blueprint: the ``celery worker`` command and Celery's
+test worker (``celery.contrib.testing.worker.start_worker``, the
+``celery_worker`` pytest fixture) alike. The app's worker steps are a set, so
+a worker runs one promoter however often the step is added
+(:func:`add_worker_steps` does it by hand).
 """
 
 from __future__ import annotations
@@ -112,7 +117,11 @@ def add_worker_steps(app: Any) -> None:
     app.steps["worker"].add(DelayedTaskPromoter)
 
 
-def install_worker_steps(sender: Any = None, instance: Any = None, **kwargs: Any) -> None:
-    """``celeryd_init`` receiver: add the worker steps before the blueprint is built."""
-    if instance is not None:
-        add_worker_steps(instance.app)
+def install_worker_steps(sender: Any = None, **_: Any) -> None:
+    """``worker_init`` receiver: add the worker steps before the worker builds its blueprint.
+
+    ``sender`` is the worker (any ``WorkController``, test workers included).
+    """
+    app = getattr(sender, "app", None)
+    if app is not None:
+        add_worker_steps(app)

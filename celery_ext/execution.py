@@ -2,35 +2,43 @@
 
 At worker start, :func:`install_execution_shell` wraps each registered task's
 ``run`` and ``retry`` (instance attributes, the way Celery's ``autoretry_for``
-does), so ``@app.task`` code stays as it is. Each attempt then follows
-docs/protocol.md, sections 7-9:
+does), so ``@app.task`` code stays as it is and behaves as Celery documents.
+The shell adds what a task asks for (docs/protocol.md, sections 7-9):
 
 1. a task with an ``idempotency_key`` claims it: a key already done returns
    at once (a duplicate, logged and counted), a key busy on a live worker is
    published again ``envelope_idempotency_defer`` seconds later (never run
    twice at once), a key held by a dead worker is taken over;
-2. a retry (``request.retries > 0``) takes one of the ``retry_concurrency``
-   slots of its task type; when all are taken it gives its claim back and is
-   published again on the backoff tier, with the same ``retries``, without
-   running;
+2. a retry under the tiered policy (:mod:`celery_ext.retry_policy`) takes one
+   of the ``retry_concurrency`` slots of its task type; when all are taken it
+   gives its claim back and is published again on the backoff tier, with the
+   same ``retries``, without running;
 3. the task runs; with the solo pool the soft time limit (``timeout_ms``) is
    enforced here (prefork enforces it itself);
-4. on failure the error is classified and :class:`RetryPolicy` decides:
-   retries go through ``Task.retry`` (so plain raises, ``autoretry_for`` and
-   ``self.retry()`` share one ``retries`` count and the policy's countdown
-   unless the task chose its own), terminal failures go to the dead-letter
-   stream and the exception is raised again, so the result backend records
-   ``FAILURE``.
+4. on failure, ``self.retry()`` and ``autoretry_for`` retry as in Celery (their
+   countdown, Celery's ``max_retries`` check); a plain raise fails at once,
+   unless the tiered policy applies: then it is retried on the fast tier or
+   with backoff, up to ``max_retries``. A failure that no retry follows goes
+   to the dead-letter stream and is raised again, so the result backend
+   records ``FAILURE``.
 
-Settings: ``envelope_retry_policy`` (a dict of :class:`RetryPolicy` fields,
-also a task option merged over it), ``envelope_idempotency_done_ttl``
-(seconds, default 24 h), ``envelope_idempotency_defer`` (seconds, default 5)
-and ``envelope_execution_enabled`` (default True). Tasks named ``celery.*``
+A Redis error in steps 1 and 2, before the body runs, never fails the task:
+the attempt is handed back, published again ``envelope_idempotency_defer``
+seconds later without running (waiting for Redis to take it), and this
+delivery is acknowledged.
+
+A retry without its own ``max_retries`` is capped by the delivered
+Envelope's ``max_retries`` when that is not the task's (see
+:mod:`celery_ext.protocol`), so an Envelope with ``0`` or ``null`` keeps its
+meaning. Settings: ``envelope_retry_policy`` (see
+:mod:`celery_ext.retry_policy`), ``envelope_idempotency_done_ttl`` (seconds,
+default 24 h), ``envelope_idempotency_defer`` (seconds, default 5) and
+``envelope_execution_enabled`` (default True). Tasks named ``celery.*``
 (chord unlocks, canvas helpers) are left alone.
 
 Like Celery, the next attempt is published before the failed one is
 acknowledged; a crash in between may run it twice, which idempotency keys make
-harmless. ``Task.default_retry_delay`` is replaced by the policy.
+harmless.
 """
 
 from __future__ import annotations
@@ -40,17 +48,22 @@ import os
 import random
 import socket
 import sys
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import wraps
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from celery import signals
 from celery.concurrency import get_implementation
 from celery.concurrency.solo import TaskPool as SoloPool
 from celery.exceptions import Ignore, Reject, Retry
+from kombu.exceptions import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_ext import metrics
 from celery_ext.bootsteps import uses_envelope_broker
@@ -58,6 +71,13 @@ from celery_ext.broker import broker_redis, broker_settings
 from celery_ext.failures import Delivery, classify, dead_letter_task, describe
 from celery_ext.headers import timeout_ms_of
 from celery_ext.idempotency import KEY_HEADER, derive_idempotency_key
+from celery_ext.protocol import MAX_RETRIES_HEADER
+from celery_ext.retry_policy import (
+    RETRY_POLICY_SETTING,
+    TaskRetries,
+    mark_tiered_tasks,
+    task_retries,
+)
 from celery_ext.time_limits import soft_time_limit
 from kombu_envelope.deadletter import Failure, FailureClass
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339, utcnow
@@ -71,22 +91,32 @@ from kombu_envelope.retrying import (
     Decision,
     ErrorKind,
     RetryPolicy,
+    asks_for_tiered,
+    exhausted,
     fast_retries_taken,
+    not_retried,
 )
 
 logger = logging.getLogger(__name__)
 
-#: Celery setting (and task option) holding the retry policy as a dict.
-RETRY_POLICY_SETTING = "envelope_retry_policy"
 #: Celery setting: False keeps the shell out of the worker.
 ENABLED_SETTING = "envelope_execution_enabled"
 #: Celery setting: seconds a done idempotency marker is kept.
 DONE_TTL_SETTING = "envelope_idempotency_done_ttl"
-#: Celery setting: seconds a task whose key is busy waits before it runs again.
+#: Celery setting: seconds a task that could not start (key busy, Redis failing) waits.
 DEFER_SETTING = "envelope_idempotency_defer"
 DEFAULT_DEFER_S = 5.0
 
+#: Errors of a Redis that failed or went away while a task was being claimed.
+BROKER_ERRORS: tuple[type[BaseException], ...] = (RedisError, OperationalError, OSError)
+# Errors of a Redis that is away: a step that failed with one is tried again.
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OperationalError, OSError)
+# Longest wait between two tries of a step while Redis is away (seconds).
+_MAX_WAIT_S = 5.0
+
 _current: ContextVar[Attempt | None] = ContextVar("envelope_attempt", default=None)
+_UNSET = object()
+T = TypeVar("T")
 
 
 @dataclass
@@ -95,7 +125,10 @@ class Attempt:
 
     task: Any
     request: Any
+    retry: Callable[..., Any]  # the task's own Task.retry
     policy: RetryPolicy
+    tiered: bool  # plain raises are retried under the policy
+    max_retries: int | None  # the cap of retries without their own max_retries
     delivery: Delivery
     timeout_ms: int | None
     claim: Claim | None = None  # the idempotency claim held while the task runs
@@ -116,18 +149,18 @@ class Attempt:
 
 
 class ExecutionShell:
-    """Runs the tasks of one worker app through slots, claims, time limits and retries."""
+    """Runs the tasks of one worker app through claims, slots, time limits and retries."""
 
     def __init__(self, app: Any, *, enforce_soft_limits: bool = False,
                  rng: Callable[[], float] = random.random) -> None:
         self.app = app
         self.settings = broker_settings(app)
-        self.policy = RetryPolicy.from_config(app.conf.get(RETRY_POLICY_SETTING))
+        self.setting = app.conf.get(RETRY_POLICY_SETTING)
         self.done_ttl_s = float(app.conf.get(DONE_TTL_SETTING) or DEFAULT_DONE_TTL_S)
         self.defer_s = float(app.conf.get(DEFER_SETTING) or DEFAULT_DEFER_S)
         self.enforce_soft_limits = enforce_soft_limits
         self.rng = rng
-        self._policies: dict[str, RetryPolicy] = {}
+        self._retries: dict[str, TaskRetries] = {}
         self._client: Any = None
         self._client_pid: int | None = None
 
@@ -139,13 +172,13 @@ class ExecutionShell:
             self._client_pid = os.getpid()
         return self._client
 
-    def policy_for(self, task: Any) -> RetryPolicy:
-        """The global policy with the task's ``envelope_retry_policy`` option applied."""
-        policy = self._policies.get(task.name)
-        if policy is None:
-            policy = self._policies[task.name] = RetryPolicy.from_config(
-                getattr(task, RETRY_POLICY_SETTING, None), base=self.policy)
-        return policy
+    def retries_for(self, task: Any) -> TaskRetries:
+        """How ``task`` retries: the setting with its ``envelope_retry_policy`` option."""
+        retries = self._retries.get(task.name)
+        if retries is None:
+            retries = self._retries[task.name] = task_retries(
+                self.setting, getattr(task, RETRY_POLICY_SETTING, None))
+        return retries
 
     # ------------------------------------------------------------- installing
 
@@ -160,7 +193,7 @@ class ExecutionShell:
             request = task.request
             if request.called_directly or request.is_eager:
                 return run(*args, **kwargs)
-            return self.execute(task, run, args, kwargs)
+            return self.execute(task, run, retry, args, kwargs)
 
         @wraps(retry)
         def shell_retry(*args: Any, **kwargs: Any) -> Any:
@@ -173,15 +206,20 @@ class ExecutionShell:
 
     # -------------------------------------------------------------- executing
 
-    def execute(self, task: Any, run: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
+    def execute(self, task: Any, run: Callable[..., Any], retry: Callable[..., Any],
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run one attempt of ``task`` (see the module documentation)."""
         request = task.request
+        headers = request.headers or {}
         fallback = f"{socket.gethostname()}-{os.getpid()}"
         timeout_ms = (timeout_ms_of(request.timelimit)
                       or timeout_ms_of([task.time_limit, task.soft_time_limit]))
-        attempt = Attempt(task, request, self.policy_for(task), Delivery.of(request, fallback),
-                          timeout_ms)
+        retries = self.retries_for(task)
+        attempt = Attempt(
+            task, request, retry, retries.policy,
+            tiered=retries.tiered or asks_for_tiered(headers),
+            max_retries=headers.get(MAX_RETRIES_HEADER, task.max_retries),
+            delivery=Delivery.of(request, fallback), timeout_ms=timeout_ms)
         token = _current.set(attempt)
         try:
             return self._claimed(attempt, run, args, kwargs)
@@ -191,7 +229,8 @@ class ExecutionShell:
     def _claimed(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         task, request = attempt.task, attempt.request
-        claim = self._claim(attempt)
+        claim = self._before_body(attempt, "claiming its idempotency key",
+                                  lambda: self._claim(attempt))
         if claim is not None and claim.state is ClaimState.DONE:
             logger.info("task %s[%s] is a duplicate (idempotency key done: %s); not run",
                         task.name, request.id, claim.other)
@@ -207,10 +246,11 @@ class ExecutionShell:
                  kwargs: dict[str, Any]) -> Any:
         task, request = attempt.task, attempt.request
         slots = RetrySlots(self.client, self.settings)
-        slotted = request.retries > 0
-        if slotted and not slots.take(task.name, request.id, attempt.policy.retry_concurrency,
-                                      attempt.timeout_ms):
-            self._settle_claim(attempt, succeeded=False)  # the rescheduled attempt claims again
+        slotted = attempt.tiered and request.retries > 0
+        if slotted and not self._before_body(
+                attempt, "taking a retry slot",
+                lambda: slots.take(task.name, request.id, attempt.policy.retry_concurrency,
+                                   attempt.timeout_ms)):
             decision = attempt.policy.reschedule(
                 retry_count=request.retries,
                 fast_retries_taken=fast_retries_taken(attempt.headers), rng=self.rng)
@@ -220,7 +260,11 @@ class ExecutionShell:
             return self._run(attempt, run, args, kwargs)
         finally:
             if slotted:
-                slots.release(task.name, request.id)
+                try:
+                    slots.release(task.name, request.id)
+                except BROKER_ERRORS as exc:  # the slot expires on its own
+                    logger.warning("task %s[%s]: releasing its retry slot failed: %r",
+                                   task.name, request.id, exc)
 
     def _run(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
@@ -237,6 +281,8 @@ class ExecutionShell:
         metrics.count("succeeded", attempt.task.name)
         return result
 
+    # ------------------------------------------------- claims and handing back
+
     def _idempotency(self) -> Idempotency:
         return Idempotency(self.client, self.settings, done_ttl_s=self.done_ttl_s)
 
@@ -246,6 +292,14 @@ class ExecutionShell:
             claim, attempt.claim = attempt.claim, None
             self._idempotency().finish(claim, succeeded=succeeded)
 
+    def _release_claim(self, attempt: Attempt, why: str) -> None:
+        """Release the attempt's key before another attempt is published, waiting for Redis."""
+        if attempt.claim is not None:
+            claim = attempt.claim
+            _until_done(f"{_name(attempt)}: releasing its idempotency key before {why}",
+                        lambda: self._idempotency().finish(claim, succeeded=False))
+            attempt.claim = None
+
     def _claim(self, attempt: Attempt) -> Claim | None:
         key = attempt.headers.get(KEY_HEADER)
         if not key:
@@ -254,68 +308,110 @@ class ExecutionShell:
         return self._idempotency().claim(attempt.task.name, str(key), holder,
                                          timeout_ms=attempt.timeout_ms)
 
+    def _before_body(self, attempt: Attempt, what: str, step: Callable[[], T]) -> T:
+        """``step()``; a Redis error hands the attempt back instead of failing the task."""
+        try:
+            return step()
+        except BROKER_ERRORS as exc:
+            logger.warning("task %s: Redis failed while %s (%r); handing it back",
+                           _name(attempt), what, exc)
+            self._publish_again(attempt, self.defer_s, f"Redis failed while {what}")
+
     def _publish_again(self, attempt: Attempt, countdown: float, why: str) -> NoReturn:
-        """Publish the same task (same id and retries) ``countdown`` s later; Ignore this one."""
+        """Publish the same task (same id and retries) ``countdown`` s later; Ignore this one.
+
+        The body has not run. While Redis is away, waits and tries again: this
+        delivery may be acknowledged already (early acks), so it is the last copy.
+        """
         task, request = attempt.task, attempt.request
-        task.signature_from_request(request, countdown=countdown).apply_async()
+        self._release_claim(attempt, "it runs again")  # the next attempt claims it
+        signature = task.signature_from_request(request, countdown=countdown)
+        _until_done(f"{_name(attempt)}: publishing it again", signature.apply_async)
         attempt.settled = True
-        logger.info("task %s[%s] not run now: %s; runs again in %.1f s", task.name,
-                    request.id, why, countdown)
+        logger.info("task %s not run now: %s; runs again in %.1f s", _name(attempt), why,
+                    countdown)
         raise Ignore()
 
     # ---------------------------------------------------------------- failing
 
     def _failed(self, attempt: Attempt, exc: BaseException) -> None:
-        """Classify a failed attempt; retry (raises Retry) or dead-letter it."""
+        """A failed attempt: dead-lettered, or retried under the tiered policy (raises Retry)."""
         if attempt.settled or isinstance(exc, (Retry, Ignore)) or not isinstance(exc, Exception):
             return
-        task = attempt.task
+        request = attempt.request
         if isinstance(exc, Reject):
             if not exc.requeue:
-                self._dead_letter(attempt, exc, self._decide(attempt, ErrorKind.REJECTED, None))
+                self._dead_letter(attempt, exc, not_retried(ErrorKind.REJECTED,
+                                                            retry_count=request.retries))
             return
-        metrics.count("failed", task.name)
+        metrics.count("failed", attempt.task.name)
         kind = classify(exc, attempt.policy)
-        if kind in NEVER_RETRIED:
-            self._dead_letter(attempt, exc, self._decide(attempt, kind, None))
+        fast = fast_retries_taken(attempt.headers)
+        if kind in NEVER_RETRIED or not attempt.tiered:
+            self._dead_letter(attempt, exc, not_retried(kind, retry_count=request.retries,
+                                                        fast_retries_taken=fast))
             return
-        task.retry(exc=exc)  # the shell's retry: raises Retry, or exc once dead-lettered
-
-    def _decide(self, attempt: Attempt, kind: ErrorKind, max_retries: int | None) -> Decision:
-        limit = attempt.task.max_retries if max_retries is None else max_retries
-        return attempt.policy.decide(kind, retry_count=attempt.request.retries,
-                                     max_retries=limit,
-                                     fast_retries_taken=fast_retries_taken(attempt.headers),
-                                     rng=self.rng)
+        decision = attempt.policy.decide(kind, retry_count=request.retries,
+                                         max_retries=attempt.max_retries,
+                                         fast_retries_taken=fast, rng=self.rng)
+        if decision.action is Action.DEAD_LETTER:
+            self._dead_letter(attempt, exc, decision)
+            return
+        headers = ({FAST_RETRIES_HEADER: str(decision.fast_retries)}
+                   if decision.action is Action.RETRY_NOW else {})
+        self._retrying(attempt, "an automatic retry", headers)
+        self._celery_retry(attempt, None, exc=exc, countdown=decision.delay_s, headers=headers)
 
     def retry(self, task: Any, original: Callable[..., Any], args: Any = None,
               kwargs: Any = None, exc: BaseException | None = None, throw: bool = True,
               eta: Any = None, countdown: float | None = None, max_retries: int | None = None,
               **options: Any) -> Any:
-        """``Task.retry`` under the policy: its countdown unless the task chose one."""
+        """``Task.retry`` as Celery does it, capped by the Envelope; dead-letters when done."""
         attempt = _current.get()
         if attempt is None or attempt.task is not task or attempt.request is not task.request:
             return original(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
-        error = exc if exc is not None else sys.exc_info()[1]
-        kind = classify(error, attempt.policy) if error is not None else ErrorKind.TASK_ERROR
-        decision = self._decide(attempt, kind, max_retries)
-        if decision.action is Action.DEAD_LETTER:
-            self._dead_letter(attempt, error, decision)
-            if error is not None:
-                raise error
-            raise task.MaxRetriesExceededError(
-                f"Can't retry {task.name}[{attempt.request.id}]: no retries left")
-        headers = {**attempt.headers, **(options.pop("headers", None) or {})}
-        headers.setdefault(FIRST_FAILURE_HEADER, format_rfc3339(attempt.first_failure_at(utcnow())))
-        if eta is None and countdown is None:
-            countdown = decision.delay_s
-            if decision.action is Action.RETRY_NOW:
-                headers[FAST_RETRIES_HEADER] = str(decision.fast_retries)
+        request = attempt.request
+        limit = attempt.max_retries if max_retries is None else max_retries
+        headers = dict(options.pop("headers", None) or {})
+        if limit is not None and request.retries + 1 > limit:  # Celery's own check
+            error = exc if exc is not None else sys.exc_info()[1]
+            kind = classify(error, attempt.policy) if error is not None else ErrorKind.TASK_ERROR
+            self._dead_letter(attempt, error, exhausted(
+                kind, retry_count=request.retries,
+                fast_retries_taken=fast_retries_taken(attempt.headers)))
+        else:
+            self._retrying(attempt, "a retry", headers)
+        return self._celery_retry(attempt, max_retries, args=args, kwargs=kwargs, exc=exc,
+                                  throw=throw, eta=eta, countdown=countdown, headers=headers,
+                                  **options)
+
+    def _retrying(self, attempt: Attempt, what: str, headers: dict[str, Any]) -> None:
+        """Before a retry is published: give the key back, carry the first failure's time."""
         attempt.settled = True
-        self._settle_claim(attempt, succeeded=False)  # so that the retry may claim it
-        metrics.count("retried", task.name)
-        return original(args, kwargs, exc, throw, eta, countdown, max_retries, headers=headers,
-                        **options)
+        self._release_claim(attempt, what)  # so that the retry may claim it
+        headers.update({**attempt.headers, **headers})
+        headers.setdefault(FIRST_FAILURE_HEADER,
+                           format_rfc3339(attempt.first_failure_at(utcnow())))
+        metrics.count("retried", attempt.task.name)
+
+    def _celery_retry(self, attempt: Attempt, max_retries: int | None, **arguments: Any) -> Any:
+        """Celery's ``Task.retry``; without ``max_retries`` it checks the attempt's cap.
+
+        Celery keeps a ``max_retries`` passed to it on the task instance (for
+        ``autoretry_for``); one the shell passes for the Envelope is not kept.
+        """
+        task, retries = attempt.task, attempt.request.retries
+        if max_retries is not None or attempt.max_retries == task.max_retries:
+            return attempt.retry(max_retries=max_retries, **arguments)
+        kept = task.__dict__.get("override_max_retries", _UNSET)
+        cap = attempt.max_retries if attempt.max_retries is not None else retries + 1
+        try:
+            return attempt.retry(max_retries=cap, **arguments)
+        finally:
+            if kept is _UNSET:
+                task.__dict__.pop("override_max_retries", None)
+            else:
+                task.override_max_retries = kept
 
     def _dead_letter(self, attempt: Attempt, exc: BaseException | None,
                      decision: Decision) -> None:
@@ -332,8 +428,24 @@ class ExecutionShell:
         attempt.settled = True
         if dead is not None:
             metrics.count("dead_lettered", task.name, failure_class.value)
-            logger.error("task %s[%s] dead-lettered as %s (%s): %s", task.name, request.id,
-                         dead, failure_class.value, failure.reason)
+            logger.error("task %s dead-lettered as %s (%s): %s", _name(attempt), dead,
+                         failure_class.value, failure.reason)
+
+
+def _name(attempt: Attempt) -> str:
+    return f"{attempt.task.name}[{attempt.request.id}]"
+
+
+def _until_done(what: str, step: Callable[[], T]) -> T:
+    """``step()``, tried again while Redis is away (waits up to 5 s between tries)."""
+    wait = 0.5
+    while True:
+        try:
+            return step()
+        except _UNREACHABLE as exc:
+            logger.warning("%s failed (%r); trying again in %.1f s", what, exc, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, _MAX_WAIT_S)
 
 
 def _reason(failure_class: FailureClass, decision: Decision, exc: BaseException | None) -> str:
@@ -342,6 +454,8 @@ def _reason(failure_class: FailureClass, decision: Decision, exc: BaseException 
         return f"invalid payload: {exc}"
     if failure_class is FailureClass.REJECTED:
         return f"rejected by the task: {getattr(exc, 'reason', exc)}"
+    if decision.attempts == 1:
+        return f"failed; {error}"
     return f"gave up after {decision.attempts} attempts; last {error}"
 
 
@@ -357,9 +471,9 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
     """``worker_init`` receiver: run every task of the worker's app through the shell.
 
     Only for workers on ``envelope://``, unless ``envelope_execution_enabled`` is False.
-    Every task's ``envelope_retry_policy`` is checked before any task is wrapped:
-    Celery logs an exception raised here (a bad policy) and starts the worker
-    anyway, without the shell.
+    The setting and every task's ``envelope_retry_policy`` are checked before any
+    task is wrapped: Celery logs an exception raised here (a bad policy) and
+    starts the worker anyway, without the shell.
     """
     app = getattr(sender, "app", None)
     if app is None or not app.conf.get(ENABLED_SETTING, True) or not uses_envelope_broker(app):
@@ -367,7 +481,7 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
     shell = ExecutionShell(app, enforce_soft_limits=_is_solo(getattr(sender, "pool_cls", None)))
     tasks = list(app.tasks.values())
     for task in tasks:
-        shell.policy_for(task)  # raises on a bad option before anything is wrapped
+        shell.retries_for(task)  # raises on a bad policy before anything is wrapped
     installed = [task.name for task in tasks if shell.install(task)]
     logger.debug("reliable execution for %d tasks: %s", len(installed), ", ".join(installed))
     return shell
@@ -376,5 +490,6 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
 #: Signal receivers to connect (``celery_ext`` does).
 RECEIVERS = (
     (signals.before_task_publish, derive_idempotency_key),
+    (signals.before_task_publish, mark_tiered_tasks),
     (signals.worker_init, install_execution_shell),
 )

@@ -13,8 +13,13 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * ``task``, ``id`` -> ``task_type``, ``task_id``.
 * ``kwargs`` and the named positional ``args`` -> ``payload`` (see below).
 * ``retries`` -> ``retry_count``; the task's ``max_retries`` -> ``max_retries``
-  (raised to ``retries`` when below it, the task's value then kept as
-  ``ext.celery.max_retries``).
+  (raised to ``retries`` when below it), the value written also kept as
+  ``ext.celery.max_retries``. On delivery, the ``max_retries`` of an Envelope
+  written by another language, or changed since Celery wrote it (``dlq
+  replay --max-retries``), becomes the header ``max_retries``: Celery retries
+  without their own ``max_retries`` are capped by it (``null``: unlimited),
+  and a retry publishes it again instead of the task's value. Otherwise the
+  worker's task decides, as in Celery.
 * ``timelimit`` ``[hard, soft]`` (seconds) -> ``timeout_ms``: the soft limit,
   else the hard one; delivered as ``[soft + grace, soft]`` (see
   :mod:`celery_ext.headers`).
@@ -88,6 +93,9 @@ EXT_NAMESPACE = "celery"
 JSON_CONTENT_TYPE = "application/json"
 #: Payload versions a task accepts when it has no ``payload_versions`` option.
 DEFAULT_PAYLOAD_VERSIONS = (1,)
+
+#: Celery header carrying an Envelope's ``max_retries`` that differs from the task's.
+MAX_RETRIES_HEADER = "max_retries"
 
 # Headers that become Envelope fields and are not kept in ext.celery.headers.
 _FIELD_HEADERS = ("task", "id", "retries", "trace_id")
@@ -196,10 +204,11 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         ext["args"] = bound.rest
 
     retries = headers.get("retries", 0)
-    max_retries = getattr(task, "max_retries", MAX_RETRIES_DEFAULT)
+    max_retries = (headers[MAX_RETRIES_HEADER] if MAX_RETRIES_HEADER in headers
+                   else getattr(task, "max_retries", MAX_RETRIES_DEFAULT))
     if _is_int(retries) and _is_int(max_retries) and retries > max_retries:
-        ext["max_retries"] = max_retries
         max_retries = retries
+    ext["max_retries"] = max_retries  # so that a change by another language shows
 
     fields: dict[str, Any] = {
         "task_id": headers["id"],
@@ -311,6 +320,8 @@ def _delivered_headers(envelope: Envelope, celery: dict[str, Any] | None) -> dic
     headers.update(celery_headers_of(envelope.headers))
     headers.update(task=envelope.task_type, id=envelope.task_id,
                    retries=envelope.retry_count, trace_id=envelope.trace_id)
+    if celery is None or celery.get("max_retries", envelope.max_retries) != envelope.max_retries:
+        headers[MAX_RETRIES_HEADER] = envelope.max_retries  # the Envelope's cap, not the task's
     if envelope.schedule_time is not None or "eta" in headers:
         headers["eta"] = eta_header(headers.get("eta"), envelope.schedule_time)
     if "timelimit" in headers or envelope.timeout_ms is not None:

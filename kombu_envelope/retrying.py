@@ -9,10 +9,14 @@ clock and the random source are arguments, so tests need no sleeping::
                              fast_retries_taken=2, rng=lambda: 0.5)
     # Decision(action=RETRY_LATER, delay_s=30.0, ...)
 
-Tiers: a transient error retries at once while the header ``x-fast-retries``
-is below ``fast_retries``; every other retry waits
-``min(backoff_s * 2 ** (next - f - 1) * j, max_backoff_s)`` with ``f`` the fast
-retries taken and ``j`` uniform in ``jitter`` (applied before the cap).
+The policy applies to a task whose Envelope asks for automatic retries with
+the header ``x-retry-policy: tiered`` (:func:`asks_for_tiered`); any other
+failure no retry follows is :func:`not_retried`. Tiers: a transient error
+retries at once while the header ``x-fast-retries`` is below ``fast_retries``;
+every other retry waits ``min(backoff_s * 2 ** (next - f - 1) * j,
+max_backoff_s)`` with ``f`` the fast retries taken and ``j`` uniform in
+``jitter`` (applied before the cap). ``max_retries`` caps every retry, automatic
+or explicit; it never turns retries on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from kombu_envelope.envelope import utcnow
 FAST_RETRIES_HEADER = "x-fast-retries"
 #: Header holding the RFC 3339 time of a task's first failure, set on its first retry.
 FIRST_FAILURE_HEADER = "x-first-failure-at"
+#: Envelope header asking for automatic retries; :data:`TIERED` is the one policy defined.
+RETRY_POLICY_HEADER = "x-retry-policy"
+TIERED = "tiered"
 
 #: Errors that are transient in every policy; a policy's ``transient_exceptions`` adds more.
 DEFAULT_TRANSIENT_EXCEPTIONS: tuple[type[BaseException], ...] = (
@@ -98,6 +105,29 @@ class Decision:
     delay_s: float = 0.0
     due_at: datetime | None = None
     failure_class: FailureClass | None = None
+
+
+def asks_for_tiered(headers: Mapping[str, Any] | None) -> bool:
+    """True when Envelope (or Celery) headers ask for automatic retries under this policy."""
+    return (headers or {}).get(RETRY_POLICY_HEADER) == TIERED
+
+
+def not_retried(kind: ErrorKind, *, retry_count: int, fast_retries_taken: int = 0) -> Decision:
+    """A failure no automatic retry follows: dead-lettered as ``timeout`` or ``task_error``.
+
+    Kinds that are never retried keep their own failure class.
+    """
+    failure_class = NEVER_RETRIED.get(kind) or (
+        FailureClass.TIMEOUT if kind is ErrorKind.TIMEOUT else FailureClass.TASK_ERROR)
+    return Decision(Action.DEAD_LETTER, retry_count, retry_count + 1, fast_retries_taken,
+                    failure_class=failure_class)
+
+
+def exhausted(kind: ErrorKind, *, retry_count: int, fast_retries_taken: int = 0) -> Decision:
+    """A retry asked for past ``max_retries``: dead-lettered by the kind of the last error."""
+    failure_class = NEVER_RETRIED.get(kind) or EXHAUSTED[kind]
+    return Decision(Action.DEAD_LETTER, retry_count, retry_count + 1, fast_retries_taken,
+                    failure_class=failure_class)
 
 
 def fast_retries_taken(headers: Mapping[str, Any] | None) -> int:
@@ -179,12 +209,8 @@ class RetryPolicy:
                clock: Callable[[], datetime] = utcnow) -> Decision:
         """What to do after an attempt with ``retry_count`` failed with ``kind``."""
         next_count = retry_count + 1
-        if kind in NEVER_RETRIED:
-            return Decision(Action.DEAD_LETTER, retry_count, next_count, fast_retries_taken,
-                            failure_class=NEVER_RETRIED[kind])
-        if max_retries is not None and next_count > max_retries:
-            return Decision(Action.DEAD_LETTER, retry_count, next_count, fast_retries_taken,
-                            failure_class=EXHAUSTED[kind])
+        if kind in NEVER_RETRIED or (max_retries is not None and next_count > max_retries):
+            return exhausted(kind, retry_count=retry_count, fast_retries_taken=fast_retries_taken)
         if kind is ErrorKind.TRANSIENT and fast_retries_taken < self.fast_retries:
             return Decision(Action.RETRY_NOW, next_count, next_count, fast_retries_taken + 1)
         return self._later(next_count, next_count, next_count, fast_retries_taken, rng, clock)

@@ -14,11 +14,13 @@ from types import SimpleNamespace
 import pytest
 import redis
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 from kombu.transport import TRANSPORT_ALIASES
 from support import wait_for
 from support.workers import CeleryWorker
 
 import kombu_envelope
+from celery_ext import protocol
 from celery_ext.bootsteps import (
     DelayedTaskPromoter,
     add_worker_steps,
@@ -150,16 +152,49 @@ def test_step_is_left_out_for_other_brokers() -> None:
     assert worker.steps == []
 
 
-def test_add_worker_steps_and_the_celeryd_init_receiver(app: Celery) -> None:
+def test_add_worker_steps_and_the_worker_init_receiver(app: Celery) -> None:
     assert DelayedTaskPromoter not in app.steps["worker"]
     add_worker_steps(app)
     assert DelayedTaskPromoter in app.steps["worker"]
 
     other = Celery("other", broker="memory://", set_as_current=False)
-    install_worker_steps(sender="w1@host", instance=SimpleNamespace(app=other), conf=other.conf)
-    install_worker_steps(sender="w1@host", instance=SimpleNamespace(app=other))
+    install_worker_steps(sender=SimpleNamespace(app=other))
+    install_worker_steps(sender=SimpleNamespace(app=other))
+    add_worker_steps(other)
     assert [s for s in other.steps["worker"] if s is DelayedTaskPromoter] == [DelayedTaskPromoter]
-    install_worker_steps(sender="w1@host")  # no instance: nothing to do
+    install_worker_steps(sender=None)  # no worker: nothing to do
+
+
+# The worker runs in this process: Celery's Redis result backend calls redis-py's setex.
+@pytest.mark.filterwarnings("ignore:Call to deprecated setex:DeprecationWarning")
+def test_celery_test_worker_runs_countdown_and_eta_tasks(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str,
+) -> None:
+    """``start_worker`` (the ``celery_worker`` fixture) sends worker_init, not celeryd_init."""
+    app = Celery("test_worker_app", broker=envelope_url(redis_url), backend=redis_url,
+                 set_as_current=False)
+    app.conf.update(broker_transport_options={"key_prefix": key_prefix},
+                    result_backend_transport_options={"global_keyprefix": f"{key_prefix}:"})
+    app.loader.import_task_module("celery.contrib.testing.tasks")  # celery.ping
+
+    @app.task(name="test_worker_app.add")
+    def add(x: int, y: int) -> int:
+        return x + y
+
+    channel = Settings(key_prefix=key_prefix).keys.wakeup_channel
+    try:
+        with start_worker(app, pool="solo"):
+            assert subscribers(redis_client, channel) == 1  # one promoter in this worker
+            started = time.monotonic()
+            by_countdown = add.apply_async((1, 2), countdown=1)
+            by_eta = add.apply_async((2, 3), eta=utcnow() + timedelta(seconds=1))
+            assert by_countdown.get(timeout=20) == 3
+            assert by_eta.get(timeout=20) == 5
+            assert time.monotonic() - started >= 1
+        wait_for(lambda: subscribers(redis_client, channel) == 0)  # stopped with the worker
+    finally:
+        protocol.set_worker_app(None)  # worker_init made it this process's worker app
+        app.close()
 
 
 WORKER_APP = """
@@ -168,6 +203,7 @@ import time
 
 import celery_ext  # noqa: F401
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 
 from celery_ext.bootsteps import add_worker_steps
 
@@ -201,6 +237,10 @@ def test_promoter_keeps_running_while_a_solo_worker_runs_a_long_task(
     env = {"TEST_BROKER_URL": envelope_url(redis_url), "TEST_KEY_PREFIX": key_prefix}
     with CeleryWorker("promoter_app", pool="solo", env=env, pythonpath=[tmp_path],
                       queues=[QUEUE]) as worker:
+        # The app adds the step itself and celery_ext adds it on worker_init: one promoter.
+        channel = Settings(key_prefix=key_prefix).keys.wakeup_channel
+        wait_for(lambda: subscribers(redis_client, channel) >= 1, message=worker.log_tail)
+        assert subscribers(redis_client, channel) == 1
         app.send_task("promoter_app.sleep", args=[4], queue=QUEUE)
         worker.wait_for_log("sleep task started", timeout=20)
         busy_since = time.monotonic()

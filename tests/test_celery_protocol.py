@@ -299,8 +299,49 @@ def test_retries_above_max_retries_keep_the_envelope_valid(app: Celery, publishe
     app.send_task("proto.add", args=[1, 2], retries=7)
     envelope, delivered = assert_lossless(published[0])
     assert (envelope.retry_count, envelope.max_retries) == (7, 7)
-    assert envelope.ext["celery"]["max_retries"] == 5
+    assert envelope.ext["celery"]["max_retries"] == 7  # as written: a later change shows
+    assert "max_retries" not in delivered["headers"]  # the task's max_retries decides
     assert delivered["headers"]["retries"] == 7
+
+
+@pytest.mark.parametrize("max_retries", [0, None, 9])
+def test_max_retries_of_another_language_caps_celery_and_survives_a_retry(
+        app: Celery, published: list, max_retries: int | None) -> None:
+    foreign = Envelope.new(task_type="proto.add", payload={"x": 1, "y": 2},
+                           max_retries=max_retries)
+    delivered = ADAPTER.to_message(foreign, "celery")
+    assert delivered["headers"]["max_retries"] == max_retries  # the cap, not the task's 5
+    request = celery_request(app, delivered)
+    assert request.request_dict["max_retries"] == max_retries
+    # A retry (Task.retry keeps the custom headers) writes it again, never the task's 5.
+    app.tasks["proto.add"].apply_async((1, 2), retries=1, headers={"max_retries": max_retries})
+    retried = store(published[0])
+    assert retried.max_retries == (1 if max_retries == 0 else max_retries)  # >= retry_count
+    assert ADAPTER.to_message(retried, "celery")["headers"]["max_retries"] == max_retries
+
+
+def test_max_retries_changed_after_celery_wrote_it_caps_celery(app: Celery,
+                                                                published: list) -> None:
+    app.tasks["proto.add"].delay(1, 2)
+    written = store(published[0])
+    assert written.max_retries == 5
+    assert "max_retries" not in ADAPTER.to_message(written, "celery")["headers"]
+    replayed = written.model_copy(update={"max_retries": 0})  # dlq replay --max-retries 0
+    assert ADAPTER.to_message(replayed, "celery")["headers"]["max_retries"] == 0
+
+
+def test_a_task_unknown_to_its_producer_retries_by_the_workers_max_retries(
+        app: Celery, published: list) -> None:
+    producer = Celery("producer", broker="memory://", set_as_current=True)  # no tasks
+    try:
+        producer.send_task("proto.unlimited")
+        written = store(published[0])
+    finally:
+        app.set_current()
+        producer.close()
+    assert written.max_retries == 3  # the protocol's default: the producer cannot know
+    # The worker's task (max_retries=None) decides, as in Celery.
+    assert "max_retries" not in ADAPTER.to_message(written, "celery")["headers"]
 
 
 def test_unlimited_retries_map_to_null(app: Celery, published: list) -> None:

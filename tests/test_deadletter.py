@@ -218,7 +218,8 @@ def test_without_acks_late_the_entry_is_rebuilt_from_the_request(
             assert entry.envelope is not None
             assert entry.envelope.task_type == "reliable.invalid"
             assert entry.envelope.payload == {"name": "early", "delay": 0.5}
-            assert entry.envelope.headers == {"x-tenant": "acme"}
+            # reliable_app asks for the tiered policy: its producer says so in a header.
+            assert entry.envelope.headers == {"x-tenant": "acme", "x-retry-policy": "tiered"}
             assert json.loads(entry.raw["body"])["task_id"] == result.id
             # It replays like any other entry: the task runs (and fails) again.
             assert dead.replay(QUEUE, entry.entry_id) is not None

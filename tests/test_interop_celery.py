@@ -261,7 +261,8 @@ def test_node_dead_letter_matches_python_and_replays_on_go(
                                       "--max-backoff-ms", "1000", "--lease-ms", "3000")
     py_worker = interop.celery_worker(py_queue)
     node_task = interop.node.run("produce", "--queue", node_queue, "--task-type", "test.fail",
-                                 "--payload", '{"n": 1}', "--max-retries", "2").strip()
+                                 "--payload", '{"n": 1}', "--max-retries", "2",
+                                 "--retry-policy", "tiered").strip()
     py_task = celery_app.send_task("test.fail", kwargs={"n": 1}, queue=py_queue)
 
     tools = DeadLetters(client, Settings(key_prefix=prefix))

@@ -228,7 +228,8 @@ def test_malformed_entries_are_dead_lettered_and_the_go_worker_goes_on(
 def test_failing_task_exhausts_its_retries_into_the_dead_letter_stream(
     peer: GoPeer, client: redis.Redis
 ) -> None:
-    env = Envelope.new(task_type="test.fail", payload={"n": 1}, max_retries=2)
+    env = Envelope.new(task_type="test.fail", payload={"n": 1}, max_retries=2,
+                       headers={"x-retry-policy": "tiered"})
     publisher(client, peer.prefix).publish(peer.queue, env)
     worker = peer.worker("--backoff-ms", "200", "--fast-retries", "2")
     wait_for(lambda: dead_entries(client, peer.prefix, peer.queue), timeout=15,

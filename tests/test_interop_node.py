@@ -161,7 +161,7 @@ def test_node_worker_dead_letters_exhausted_task(
                          "--lease-ms", "3000")
     started = time.monotonic()
     task_id = node.run("produce", "--queue", queue, "--task-type", "test.fail",
-                       "--max-retries", "2").strip()
+                       "--max-retries", "2", "--retry-policy", "tiered").strip()
     dead = wait_for(lambda: dead_entries(client, key_prefix, queue), timeout=15,
                     message=worker.log_tail)
     elapsed = time.monotonic() - started

@@ -49,6 +49,11 @@ def attempts(client: redis.Redis, prefix: str, name: str) -> list[dict[str, Any]
     return [json.loads(item) for item in client.lrange(probe_key(prefix, "attempts", name), 0, -1)]
 
 
+def gaps_of(seen: list[dict[str, Any]]) -> list[float]:
+    """Seconds between consecutive attempts."""
+    return [later["at"] - earlier["at"] for earlier, later in pairwise(seen)]
+
+
 def counter(client: redis.Redis, prefix: str, *parts: Any) -> int:
     return int(client.get(probe_key(prefix, *parts)) or 0)
 
@@ -130,17 +135,23 @@ def test_redelivered_after_a_kill_has_its_effect_once(redis_url: str, key_prefix
 # ---------------------------------------------------------------------- retries
 
 
-@pytest.mark.parametrize("task", ["reliable.flaky", "reliable.explicit", "reliable.auto"])
+@pytest.mark.parametrize(("task", "fast"), [
+    ("reliable.flaky", ["1", "2"]),  # a plain raise: the tiered policy's fast tier
+    ("reliable.explicit", [None, None]),  # self.retry(): Celery's default_retry_delay
+    ("reliable.auto", [None, None]),  # autoretry_for: the same
+])
 def test_every_way_to_fail_counts_retries_alike(app: Celery, worker: CeleryWorker,
                                                 redis_client: redis.Redis, prefix: str,
-                                                task: str) -> None:
+                                                task: str, fast: list[str | None]) -> None:
     name = f"{task}-{uuid.uuid4().hex[:6]}"
     result = app.tasks[task].delay(name, 2)
-    assert result.get(timeout=RESULT_TIMEOUT) == {"retries": 2, "fast": "2"}
+    assert result.get(timeout=RESULT_TIMEOUT) == {"retries": 2, "fast": fast[-1]}
     seen = attempts(redis_client, prefix, name)
-    assert [(a["retries"], a["fast"]) for a in seen] == [(0, None), (1, "1"), (2, "2")]
+    assert [(a["retries"], a["fast"]) for a in seen] == [(0, None), (1, fast[0]), (2, fast[1])]
     assert seen[0]["first"] is None and seen[1]["first"] == seen[2]["first"]
     assert parse_rfc3339(seen[1]["first"]).timestamp() >= seen[0]["at"] - 1
+    if fast[0] is None:
+        assert all(gap >= 0.15 for gap in gaps_of(seen))  # the task's countdown, not at once
 
 
 def test_fast_then_backoff_retries_then_the_dead_letter_stream(
@@ -152,7 +163,7 @@ def test_fast_then_backoff_retries_then_the_dead_letter_stream(
         result.get(timeout=RESULT_TIMEOUT)
     seen = attempts(redis_client, prefix, name)
     assert [a["retries"] for a in seen] == [0, 1, 2, 3, 4]
-    gaps = [later["at"] - earlier["at"] for earlier, later in pairwise(seen)]
+    gaps = gaps_of(seen)
     assert gaps[0] < 0.7 and gaps[1] < 0.7  # fast tier: at once
     assert gaps[2] >= 0.75 and gaps[3] >= 1.55  # backoff tier: ~1 s, then ~2 s
     assert gaps[3] > gaps[2]

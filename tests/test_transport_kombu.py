@@ -353,6 +353,8 @@ class EnvelopeTransportBehaviour:
             for message in got.messages[2:]:
                 message.ack()
         assert sorted(map(json.dumps, got.bodies[2:])) == sorted(map(json.dumps, first_bodies))
+        # Put back by a live consumer: redelivered, as with AMQP and kombu's redis transport.
+        assert [m.delivery_info["redelivered"] for m in got.messages] == [False] * 2 + [True] * 2
         assert total_length(redis_client, keys.queue("retried").all_streams) == 0
         assert dead_letters(redis_client, key_prefix, "retried") == []
 

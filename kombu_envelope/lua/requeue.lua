@@ -15,6 +15,9 @@
 --
 -- Used for reject(requeue=True), for returning prefetched entries on shutdown
 -- and for taking over the entries of a consumer whose liveness key expired.
+-- A copy put back by a live consumer (ARGV[5] = 0) counts it in field "r", so
+-- its next consumer sees it as redelivered, as AMQP and kombu's redis
+-- transport do; a taken-over copy counts in "n".
 -- The entry is copied, acknowledged and deleted in one step, so two callers
 -- racing over the same entry requeue it once.
 -- Returns the new entry id, "dead:<id>" when it was dead-lettered, or false
@@ -31,9 +34,12 @@ if #found == 0 then return false end
 local fields = found[1][2]
 local copy = {}
 local redeliveries = 0
+local requeues = 0
 for i = 1, #fields, 2 do
     if fields[i] == 'n' then
         redeliveries = tonumber(fields[i + 1]) or 0
+    elseif fields[i] == 'r' then
+        requeues = tonumber(fields[i + 1]) or 0
     else
         copy[#copy + 1] = fields[i]
         copy[#copy + 1] = fields[i + 1]
@@ -57,5 +63,10 @@ end
 if redeliveries > 0 then
     copy[#copy + 1] = 'n'
     copy[#copy + 1] = tostring(redeliveries)
+end
+if ARGV[5] ~= '1' then requeues = requeues + 1 end
+if requeues > 0 then
+    copy[#copy + 1] = 'r'
+    copy[#copy + 1] = tostring(requeues)
 end
 return redis.call('XADD', KEYS[2], '*', unpack(copy))

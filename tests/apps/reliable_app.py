@@ -6,6 +6,11 @@ counters), ``TEST_KEY_PREFIX``, ``TEST_LEASE_MS``, ``TEST_RETRY_POLICY`` (JSON
 for ``envelope_retry_policy``; short delays by default) and ``TEST_ACKS_LATE``
 (``0`` to acknowledge tasks when they start; late by default). Tasks record
 what they did under ``<prefix>:probe:...`` keys.
+
+A task called with the keyword ``pause_before_claim=<path>`` pauses once, in
+``task_prerun`` (before the execution shell claims its key): it creates
+``<path>.ready`` and waits until ``<path>.go`` exists, so a test can stop Redis
+at that moment.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from functools import cache
 from typing import Any
 
 import redis
-from celery import Celery, Task
+from celery import Celery, Task, signals
 from celery.exceptions import Reject
 
 import celery_ext  # noqa: F401  (envelope:// URLs)
@@ -32,6 +37,22 @@ local best = tonumber(redis.call('GET', KEYS[2]) or '0')
 if current > best then redis.call('SET', KEYS[2], current) end
 return current
 """
+
+
+#: Task keyword of :func:`pause_before_claim`.
+PAUSE_KEYWORD = "pause_before_claim"
+
+
+@signals.task_prerun.connect(weak=False)
+def pause_before_claim(kwargs: dict[str, Any] | None = None, **_: Any) -> None:
+    """The first attempt of a task given ``pause_before_claim`` waits for ``<path>.go``."""
+    path = (kwargs or {}).get(PAUSE_KEYWORD)
+    if not path or os.path.exists(f"{path}.ready"):
+        return
+    open(f"{path}.ready", "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{path}.go") and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def create_app(broker_url: str | None = None, result_backend: str | None = None,
@@ -73,7 +94,7 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
         return int(probe().llen(key("attempts", name)))
 
     @app.task(name="reliable.effect", shared=False, idempotency_fields=("order_id",))
-    def effect(order_id: str, hold: bool = False) -> int:
+    def effect(order_id: str, hold: bool = False, pause_before_claim: str | None = None) -> int:
         """The business effect (INCR); waits while ``hold:<order_id>`` is set."""
         probe().incr(key("started", order_id))
         while hold and probe().exists(key("hold", order_id)):
@@ -94,7 +115,8 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
         return {"retries": self.request.retries,
                 "fast": (self.request.headers or {}).get("x-fast-retries")}
 
-    @app.task(name="reliable.explicit", shared=False, bind=True, max_retries=5)
+    @app.task(name="reliable.explicit", shared=False, bind=True, max_retries=5,
+              default_retry_delay=0.2)
     def explicit(self: Task, name: str, failures: int) -> dict[str, Any]:
         """``self.retry()`` ``failures`` times, then the request's retry state."""
         if record_attempt(self, name) <= failures:
@@ -106,7 +128,7 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
                 "fast": (self.request.headers or {}).get("x-fast-retries")}
 
     @app.task(name="reliable.auto", shared=False, bind=True, max_retries=5,
-              autoretry_for=(ConnectionError,))
+              autoretry_for=(ConnectionError,), default_retry_delay=0.2)
     def auto(self: Task, name: str, failures: int) -> dict[str, Any]:
         """``autoretry_for`` ``failures`` times, then the request's retry state."""
         if record_attempt(self, name) <= failures:

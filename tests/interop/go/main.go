@@ -118,6 +118,7 @@ func produce(args []string) error {
 	traceID := fs.String("trace-id", "", "trace_id (default: a new one per task)")
 	taskID := fs.String("task-id", "", "task_id (only with --count 1)")
 	maxRetries := fs.String("max-retries", "", `max_retries: an integer, or "null" for unlimited (default 3)`)
+	retryPolicy := fs.String("retry-policy", "", `"tiered": failures are retried automatically (header x-retry-policy)`)
 	priority := fs.Int("priority", envelope.PriorityDefault, "priority 0-255, higher is more urgent")
 	timeoutMS := fs.Int64("timeout-ms", 0, "timeout_ms of each attempt (0: none)")
 	payloadVersion := fs.Int64("payload-version", 1, "payload_version")
@@ -160,6 +161,9 @@ func produce(args []string) error {
 		}
 		if *timeoutMS != 0 {
 			e.TimeoutMS = timeoutMS
+		}
+		if *retryPolicy != "" {
+			e.Headers[envelope.HeaderRetryPolicy] = *retryPolicy
 		}
 		switch strings.ToLower(*maxRetries) {
 		case "":

@@ -4,7 +4,7 @@
 //   node peer.js produce --redis URL --prefix P --queue Q --task-type T --payload JSON
 //        [--delay-ms N | --schedule-time RFC3339] [--tz-offset +08:00] [--idempotency-key K]
 //        [--trace-id ID] [--task-id ID] [--max-retries N|null] [--priority N] [--timeout-ms N]
-//        [--payload-version N] [--json]
+//        [--payload-version N] [--retry-policy tiered] [--json]
 //   node peer.js produce-malformed --redis URL --prefix P --queue Q
 //        --kind badjson|missingbody|badversion|badgzip|invalid [--priority N]
 //   node peer.js worker --redis URL --prefix P --queue Q [--lease-ms N] [--backoff-ms N]
@@ -20,6 +20,7 @@ import { parseJson } from './lib/json.js';
 import { KeySpace, bucketFor } from './lib/keys.js';
 import { createLogger } from './lib/log.js';
 import { Producer } from './lib/producer.js';
+import { RETRY_POLICY_HEADER } from './lib/retry.js';
 import { parseOffset, TimeError } from './lib/time.js';
 import { Worker, parseRedisUrl } from './lib/worker.js';
 
@@ -96,6 +97,7 @@ async function produce(args) {
   if (args.priority !== undefined) fields.priority = integer(args, 'priority');
   if (args['timeout-ms'] !== undefined) fields.timeout_ms = integer(args, 'timeout-ms', { min: 1 });
   if (args['payload-version'] !== undefined) fields.payload_version = integer(args, 'payload-version', { min: 1 });
+  if (args['retry-policy'] !== undefined) fields.headers = { [RETRY_POLICY_HEADER]: args['retry-policy'] };
 
   const client = redisClient(args);
   try {

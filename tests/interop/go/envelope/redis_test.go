@@ -375,15 +375,23 @@ func TestBusyIdempotencyKeyIsDeferredThenTakenOverFromADeadHolder(t *testing.T) 
 	}
 }
 
-func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
+// withRetrySlotTaken is a worker running jobs.run (counting its runs) that allows one
+// retry of it at a time, the one slot being held by another consumer.
+func withRetrySlotTaken(t *testing.T) (*env, *Worker, *atomic.Int32, string) {
 	e := newEnv(t)
-	var runs atomic.Int32
+	runs := new(atomic.Int32)
 	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
 	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
-	ctx := context.Background()
 	slots := e.keys.Retrying("jobs.run")
-	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
-	task := New("jobs.run", nil)
+	e.client.ZAdd(context.Background(), slots,
+		redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
+	return e, w, runs, slots
+}
+
+func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
+	e, w, runs, slots := withRetrySlotTaken(t)
+	ctx := context.Background()
+	task := tiered(New("jobs.run", nil))
 	task.RetryCount = 1
 	e.publish(task)
 	e.start(w)
@@ -399,17 +407,25 @@ func TestRetryWaitsForAFreeRetrySlot(t *testing.T) {
 	e.waitFor("its slot to be released", func() bool { n, _ := e.client.ZCard(ctx, slots).Result(); return n == 0 })
 }
 
-func TestIdempotencyIsCheckedBeforeTheRetrySlot(t *testing.T) {
-	e := newEnv(t)
-	var runs atomic.Int32
-	w := e.worker(func(c *Config) { c.RetryConcurrency = 1 })
-	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+func TestARetryWithoutTheTieredPolicyTakesNoRetrySlot(t *testing.T) {
+	e, w, runs, slots := withRetrySlotTaken(t)
 	ctx := context.Background()
-	slots := e.keys.Retrying("jobs.run")
-	e.client.ZAdd(ctx, slots, redis.Z{Score: float64(time.Now().Add(time.Minute).UnixMilli()), Member: "other"})
+	task := New("jobs.run", nil) // e.g. a Celery self.retry(): the cap is the tiered policy's
+	task.RetryCount = 1
+	e.publish(task)
+	e.start(w)
+	e.waitFor("the retry to run", func() bool { return runs.Load() == 1 })
+	if n, _ := e.client.ZCard(ctx, slots).Result(); n != 1 {
+		t.Fatalf("%d retry slots held, want only the other one", n)
+	}
+}
+
+func TestIdempotencyIsCheckedBeforeTheRetrySlot(t *testing.T) {
+	e, w, runs, _ := withRetrySlotTaken(t)
+	ctx := context.Background()
 	k1, k2 := "done-key", "free-key"
 	e.client.Set(ctx, e.keys.Idempotency("jobs.run", k1), "done earlier 2025-09-11T04:40:00Z", time.Minute)
-	dup, waiting := New("jobs.run", nil), New("jobs.run", nil)
+	dup, waiting := tiered(New("jobs.run", nil)), tiered(New("jobs.run", nil))
 	dup.RetryCount, dup.IdempotencyKey = 1, &k1
 	waiting.RetryCount, waiting.IdempotencyKey = 1, &k2
 	e.publish(dup)
@@ -475,7 +491,7 @@ func TestTransientErrorsTakeTheFastTierThenBackoff(t *testing.T) {
 		}
 		return nil
 	})
-	task := New("jobs.flaky", nil)
+	task := tiered(New("jobs.flaky", nil))
 	e.publish(task)
 	e.start(w)
 	e.waitFor("four attempts", func() bool { mu.Lock(); defer mu.Unlock(); return len(seen) == 4 })
@@ -515,7 +531,7 @@ func TestTimeoutsAndPermanentErrors(t *testing.T) {
 	zero, one, timeout := int64(0), int64(1), int64(100)
 	slow := New("jobs.slow", nil)
 	slow.MaxRetries, slow.TimeoutMS = &zero, &timeout
-	slower := New("jobs.slow", nil) // one retry: a timeout skips the fast tier
+	slower := tiered(New("jobs.slow", nil)) // one retry: a timeout skips the fast tier
 	slower.MaxRetries, slower.TimeoutMS = &one, &timeout
 	bad := New("jobs.bad", nil)
 	refused := New("jobs.refused", nil)

@@ -19,6 +19,16 @@ const HeaderFastRetries = "x-fast-retries"
 // retries, so its dead-letter entry can report first_failure_at.
 const HeaderFirstFailureAt = "x-first-failure-at"
 
+// HeaderRetryPolicy asks for automatic retries (docs/protocol.md section 8);
+// PolicyTiered is the one policy defined. Without it a failure is final.
+const (
+	HeaderRetryPolicy = "x-retry-policy"
+	PolicyTiered      = "tiered"
+)
+
+// AsksForTiered reports whether e asks for automatic retries under the tiered policy.
+func AsksForTiered(e *Envelope) bool { return e.Headers[HeaderRetryPolicy] == PolicyTiered }
+
 // Failure classes of dead-letter entries (docs/protocol.md section 7).
 const (
 	ClassTransientExhausted        = "transient_exhausted"
@@ -151,10 +161,20 @@ func FastRetriesTaken(e *Envelope) int {
 	return n
 }
 
-// Decide applies the retry rules to a failed attempt of e.
+// Decide applies the retry rules to a failed attempt of e. A task whose
+// Envelope does not ask for the tiered policy is not retried: dead-lettered as
+// timeout or task_error.
 func (p RetryPolicy) Decide(e *Envelope, kind ErrorKind) Decision {
 	next := e.RetryCount + 1
 	fast := FastRetriesTaken(e)
+	if !AsksForTiered(e) {
+		class := ClassTaskError
+		if kind == KindTimeout {
+			class = ClassTimeout
+		}
+		return Decision{Action: DeadLetter, Class: class, Next: next, FastRetries: fast,
+			ExhaustedMsg: fmt.Sprintf("failed; not retried (no %s: %s header)", HeaderRetryPolicy, PolicyTiered)}
+	}
 	if e.MaxRetries != nil && next > *e.MaxRetries {
 		class := ClassTaskError
 		switch kind {

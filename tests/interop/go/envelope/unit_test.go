@@ -219,7 +219,7 @@ func TestRetryDecisions(t *testing.T) {
 	p := RetryPolicy{FastRetries: 2, Backoff: 200 * time.Millisecond, MaxBackoff: time.Second,
 		Jitter: func() float64 { return 1 }}
 	three := int64(3)
-	e := New("a", nil)
+	e := tiered(New("a", nil))
 	e.MaxRetries = &three
 
 	// Transient: two fast retries, then the backoff tier.
@@ -262,7 +262,7 @@ func TestRetryDecisions(t *testing.T) {
 	}
 
 	// Other errors skip the fast tier.
-	f := New("a", nil)
+	f := tiered(New("a", nil))
 	if d = p.Decide(f, KindTaskError); d.Action != RetryLater || d.Delay != 200*time.Millisecond {
 		t.Fatalf("task error: %+v", d)
 	}
@@ -275,6 +275,31 @@ func TestRetryDecisions(t *testing.T) {
 	f.MaxRetries, f.RetryCount = nil, 1_000_000
 	if d = p.Decide(f, KindTaskError); d.Action != RetryLater || d.Delay != time.Second {
 		t.Fatalf("unlimited: %+v", d)
+	}
+}
+
+// tiered is e asking for automatic retries.
+func tiered(e *Envelope) *Envelope {
+	e.Headers[HeaderRetryPolicy] = PolicyTiered
+	return e
+}
+
+func TestWithoutTheTieredPolicyAFailureIsFinal(t *testing.T) {
+	p := DefaultRetryPolicy
+	unlimited := New("a", nil)
+	unlimited.MaxRetries = nil // max_retries caps retries; it never asks for them
+	for _, kind := range []ErrorKind{KindTransient, KindTaskError} {
+		if d := p.Decide(unlimited, kind); d.Action != DeadLetter || d.Class != ClassTaskError || d.Next != 1 {
+			t.Fatalf("kind %v without x-retry-policy: %+v", kind, d)
+		}
+	}
+	if d := p.Decide(unlimited, KindTimeout); d.Action != DeadLetter || d.Class != ClassTimeout {
+		t.Fatalf("timeout without x-retry-policy: %+v", d)
+	}
+	other := New("a", nil)
+	other.Headers[HeaderRetryPolicy] = "something-else"
+	if d := p.Decide(other, KindTransient); d.Action != DeadLetter {
+		t.Fatalf("an unknown policy: %+v", d)
 	}
 }
 

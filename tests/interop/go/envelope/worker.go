@@ -22,9 +22,11 @@ import (
 // Language is written in liveness keys and dead-letter entries.
 const Language = "go"
 
-// HandlerFunc runs one attempt of a task. Return nil on success; wrap an error
-// with Transient to retry it on the fast tier, with InvalidPayload or Reject
-// to dead-letter it at once. ctx ends when timeout_ms passes.
+// HandlerFunc runs one attempt of a task. Return nil on success. An error is
+// final unless the Envelope asks for automatic retries (x-retry-policy:
+// tiered); then wrap it with Transient to retry it on the fast tier, with
+// InvalidPayload or Reject to dead-letter it at once. ctx ends when timeout_ms
+// passes.
 type HandlerFunc func(ctx context.Context, t *Task) error
 
 // Task is what a handler receives.
@@ -709,7 +711,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 		}
 	}
 
-	if env.RetryCount > 0 {
+	if env.RetryCount > 0 && AsksForTiered(env) { // the cap belongs to the tiered policy
 		slot := w.keys.Retrying(env.TaskType)
 		hold := w.cfg.SlotHold
 		if env.TimeoutMS != nil {

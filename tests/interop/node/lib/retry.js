@@ -2,6 +2,8 @@
 //
 //   InvalidPayloadError / RejectedError: dead-lettered at once (invalid_payload /
 //     rejected), never retried (the worker checks them before deciding).
+//   An Envelope without the header x-retry-policy: tiered is not retried: its failure
+//     is final (timeout for a timeout, task_error otherwise).
 //   next = retry_count + 1; past max_retries (unless null) the task is dead:
 //     transient_exhausted (transient error), timeout (timeout), task_error (otherwise).
 //   Fast tier: a transient error (not a timeout) while headers["x-fast-retries"]
@@ -16,6 +18,14 @@ import { Timestamp } from './time.js';
 export const FAST_RETRIES_HEADER = 'x-fast-retries';
 /** When the first attempt failed, carried across attempts for the dead-letter entry. */
 export const FIRST_FAILURE_HEADER = 'x-first-failure-at';
+/** Asks for automatic retries; TIERED is the one policy defined. */
+export const RETRY_POLICY_HEADER = 'x-retry-policy';
+export const TIERED = 'tiered';
+
+/** True when the Envelope asks for automatic retries under the tiered policy. */
+export function asksForTiered(env) {
+  return env.headers?.[RETRY_POLICY_HEADER] === TIERED;
+}
 
 export const RETRY_DEFAULTS = Object.freeze({
   fastRetries: 2,
@@ -109,6 +119,9 @@ export function failureClassOf({ transient, timeout }) {
 export function decideFailure(env, { transient = false, timeout = false }, options = {}, random = Math.random) {
   const opts = { ...RETRY_DEFAULTS, ...options };
   const next = env.retry_count + 1;
+  if (!asksForTiered(env)) {
+    return { action: 'dead', failureClass: timeout ? 'timeout' : 'task_error', attempts: next };
+  }
   if (env.max_retries !== null && next > env.max_retries) {
     return { action: 'dead', failureClass: failureClassOf({ transient, timeout }), attempts: next };
   }

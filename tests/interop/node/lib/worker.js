@@ -33,7 +33,7 @@ import { createLogger } from './log.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
 import {
-  FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, backoffDelayMs,
+  FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, asksForTiered, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
 import { Scripts } from './scripts.js';
@@ -446,7 +446,7 @@ export class Worker {
     }
     const slotKey = this.keys.retrying(env.task_type);
     let slot = false;
-    if (env.retry_count > 0) {
+    if (env.retry_count > 0 && asksForTiered(env)) { // the cap belongs to the tiered policy
       const got = await this.scripts.run('retry_slot', [slotKey],
         [env.task_id, this.opts.retryConcurrency, env.timeout_ms ?? this.opts.retrySlotHoldMs]);
       if (Number(got) === 0) {

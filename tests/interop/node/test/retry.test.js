@@ -4,12 +4,16 @@ import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { envelopeToJson, newEnvelope, validateEnvelope } from '../lib/envelope.js';
 import {
-  FAST_RETRIES_HEADER, InvalidPayloadError, RejectedError, TaskTimeoutError, TransientError, backoffDelayMs,
+  FAST_RETRIES_HEADER, InvalidPayloadError, RETRY_POLICY_HEADER, RejectedError, TIERED, TaskTimeoutError,
+  TransientError, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from '../lib/retry.js';
 import { Timestamp } from '../lib/time.js';
 
-const env = (fields) => newEnvelope({ task_type: 'a.b', created_at: '2025-09-11T12:00:00+08:00', ...fields });
+const plain = (fields) => newEnvelope({ task_type: 'a.b', created_at: '2025-09-11T12:00:00+08:00', ...fields });
+const TIERED_HEADERS = { [RETRY_POLICY_HEADER]: TIERED };
+// An Envelope that asks for automatic retries (its own headers are added to the policy's).
+const env = (fields) => plain({ ...fields, headers: { ...TIERED_HEADERS, ...fields.headers } });
 const opts = { backoffMs: 30_000, maxBackoffMs: 3_600_000, fastRetries: 2 };
 const mid = () => 0.5; // jitter factor exactly 1.0
 
@@ -52,12 +56,23 @@ describe('backoff delay', () => {
 describe('decisions', () => {
   test('a task error goes to the backoff tier, then to the dead-letter stream as task_error', () => {
     const first = decideFailure(env({ max_retries: 2 }), { transient: false }, opts, mid);
-    assert.deepEqual(first, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 1, headers: {} });
+    assert.deepEqual(first, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 1, headers: TIERED_HEADERS });
     const second = decideFailure(env({ max_retries: 2, retry_count: 1 }), { transient: false }, opts, mid);
     assert.equal(second.delayMs, 60_000);
     assert.equal(second.retryCount, 2);
     assert.deepEqual(decideFailure(env({ max_retries: 2, retry_count: 2 }), { transient: false }, opts, mid),
       { action: 'dead', failureClass: 'task_error', attempts: 3 });
+  });
+
+  test('without x-retry-policy: tiered a failure is final, whatever max_retries says', () => {
+    for (const maxRetries of [3, null]) {
+      assert.deepEqual(decideFailure(plain({ max_retries: maxRetries }), { transient: true }, opts),
+        { action: 'dead', failureClass: 'task_error', attempts: 1 });
+    }
+    assert.deepEqual(decideFailure(plain({ retry_count: 2 }), { timeout: true }, opts),
+      { action: 'dead', failureClass: 'timeout', attempts: 3 });
+    const other = plain({ headers: { [RETRY_POLICY_HEADER]: 'something-else' } });
+    assert.equal(decideFailure(other, { transient: true }, opts).action, 'dead');
   });
 
   test('max_retries 0 means never retried', () => {
@@ -67,12 +82,12 @@ describe('decisions', () => {
 
   test('transient errors use the fast tier first, counting in x-fast-retries', () => {
     const a = decideFailure(env({}), { transient: true }, opts, mid);
-    assert.deepEqual(a, { action: 'retry', tier: 'fast', delayMs: 0, retryCount: 1, headers: { [FAST_RETRIES_HEADER]: '1' } });
+    assert.deepEqual(a, { action: 'retry', tier: 'fast', delayMs: 0, retryCount: 1, headers: { ...TIERED_HEADERS, [FAST_RETRIES_HEADER]: '1' } });
     const b = decideFailure(env({ retry_count: 1, headers: { [FAST_RETRIES_HEADER]: '1' } }), { transient: true }, { ...opts, maxRetries: 9 }, mid);
     assert.equal(b.tier, 'fast');
     assert.equal(b.headers[FAST_RETRIES_HEADER], '2');
     const c = decideFailure(env({ max_retries: 5, retry_count: 2, headers: { [FAST_RETRIES_HEADER]: '2', other: 'kept' } }), { transient: true }, opts, mid);
-    assert.deepEqual(c, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 3, headers: { [FAST_RETRIES_HEADER]: '2', other: 'kept' } });
+    assert.deepEqual(c, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 3, headers: { ...TIERED_HEADERS, [FAST_RETRIES_HEADER]: '2', other: 'kept' } });
     const none = decideFailure(env({}), { transient: true }, { ...opts, fastRetries: 0 }, mid);
     assert.equal(none.tier, 'backoff');
   });
@@ -85,7 +100,7 @@ describe('decisions', () => {
 
   test('timeouts skip the fast tier', () => {
     const d = decideFailure(env({}), { timeout: true }, opts, mid);
-    assert.deepEqual(d, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 1, headers: {} });
+    assert.deepEqual(d, { action: 'retry', tier: 'backoff', delayMs: 30_000, retryCount: 1, headers: TIERED_HEADERS });
     assert.equal(decideFailure(env({}), { transient: true, timeout: true }, opts, mid).tier, 'backoff');
   });
 

@@ -13,7 +13,10 @@ import { newEnvelope } from '../lib/envelope.js';
 import { KeySpace } from '../lib/keys.js';
 import { createLogger } from '../lib/log.js';
 import { Producer } from '../lib/producer.js';
-import { RejectedError, TransientError } from '../lib/retry.js';
+import { RETRY_POLICY_HEADER, RejectedError, TIERED, TransientError } from '../lib/retry.js';
+
+// Envelope headers asking for automatic retries (docs/protocol.md section 8).
+const TIERED_HEADERS = { [RETRY_POLICY_HEADER]: TIERED };
 import { Scripts } from '../lib/scripts.js';
 import { Timestamp } from '../lib/time.js';
 import { Worker, parseRedisUrl } from '../lib/worker.js';
@@ -124,7 +127,7 @@ describe('worker', { skip, concurrency: false }, () => {
     const prefix = prefixFor();
     const { lines } = await startWorker(prefix, { fastRetries: 2 });
     const producer = new Producer(redis, { prefix });
-    const { taskId } = await producer.publish(QUEUE, { task_type: 'test.transient', max_retries: 3 });
+    const { taskId } = await producer.publish(QUEUE, { task_type: 'test.transient', max_retries: 3, headers: TIERED_HEADERS });
     const [entry] = await waitFor(() => dead(prefix).then((d) => (d.length ? d : null)), { timeoutMs: 8000 });
     assert.equal(entry.failure_class, 'transient_exhausted');
     assert.equal(entry.attempts, '4');
@@ -312,8 +315,8 @@ describe('worker', { skip, concurrency: false }, () => {
     await redis.zadd(slots, Date.now() + 60_000, 'someone-else');
     await redis.set(ks.idempotency('order.close_timeout', 'done-key'), 'done earlier 2025-09-11T04:40:00Z', 'PX', 60_000);
     const producer = new Producer(redis, { prefix });
-    const dup = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'Q1' }, retry_count: 1, idempotency_key: 'done-key' });
-    const waiting = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'Q2' }, retry_count: 1, idempotency_key: 'free-key' });
+    const dup = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'Q1' }, retry_count: 1, idempotency_key: 'done-key', headers: TIERED_HEADERS });
+    const waiting = await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'Q2' }, retry_count: 1, idempotency_key: 'free-key', headers: TIERED_HEADERS });
     const { lines } = await startWorker(prefix, { retryConcurrency: 1 });
     await waitFor(() => lines.some((l) => l.msg.startsWith('duplicate') && l.task_id === dup.taskId));
     await waitFor(() => lines.some((l) => l.msg.startsWith('all retry slots') && l.task_id === waiting.taskId));
@@ -333,7 +336,7 @@ describe('worker', { skip, concurrency: false }, () => {
       worker.register('test.refuse', async () => { throw new RejectedError('not for this tenant'); });
     });
     const producer = new Producer(redis, { prefix });
-    await producer.publish(QUEUE, { task_type: 'test.record', max_retries: 5 });
+    await producer.publish(QUEUE, { task_type: 'test.record', max_retries: 5, headers: TIERED_HEADERS });
     await waitFor(() => seen.length === 4, { timeoutMs: 5000 });
     assert.deepEqual(seen.map((e) => e.schedule_time === null), [true, true, true, false]);
     assert.deepEqual(seen.map((e) => e.headers['x-fast-retries'] ?? ''), ['', '1', '2', '2']);
@@ -342,7 +345,7 @@ describe('worker', { skip, concurrency: false }, () => {
     Timestamp.parse(firsts[1]);
     assert.deepEqual(firsts.slice(2), [firsts[1], firsts[1]]);
 
-    const slow = await producer.publish(QUEUE, { task_type: 'test.sleep', payload: { ms: 5000 }, timeout_ms: 100, max_retries: 1 });
+    const slow = await producer.publish(QUEUE, { task_type: 'test.sleep', payload: { ms: 5000 }, timeout_ms: 100, max_retries: 1, headers: TIERED_HEADERS });
     const refused = await producer.publish(QUEUE, { task_type: 'test.refuse' });
     const entries = await waitFor(async () => ((await dead(prefix)).length === 2 ? dead(prefix) : null), { timeoutMs: 5000 });
     const byTask = Object.fromEntries(entries.map((e) => [e.task_id, e]));
@@ -356,6 +359,24 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.deepEqual(lines.filter((l) => l.task_id === slow.taskId && l.msg === 'attempt failed; retrying').map((l) => l.tier), ['backoff']);
   });
 
+  test('without x-retry-policy a failure is final and a retry takes no retry slot', async () => {
+    const prefix = prefixFor();
+    const ks = new KeySpace(prefix);
+    const slots = ks.retrying('order.close_timeout');
+    await redis.zadd(slots, Date.now() + 60_000, 'someone-else');
+    await startWorker(prefix, { retryConcurrency: 1 });
+    const producer = new Producer(redis, { prefix });
+    const failing = await producer.publish(QUEUE, { task_type: 'test.transient', max_retries: 3 });
+    // A retry another language decided on (a Celery self.retry()): the cap is the tiered policy's.
+    await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'N1' }, retry_count: 1 });
+    const [entry] = await waitFor(() => dead(prefix).then((d) => (d.length ? d : null)), { timeoutMs: 5000 });
+    assert.equal(entry.task_id, failing.taskId);
+    assert.equal(entry.failure_class, 'task_error');
+    assert.equal(entry.attempts, '1');
+    await waitFor(async () => (await effects(prefix, 'N1')) === '1', { timeoutMs: 5000 });
+    assert.equal(await redis.zcard(slots), 1);
+  });
+
   test('a retry waits for a free retry slot (retry_count unchanged)', async () => {
     const prefix = prefixFor();
     const ks = new KeySpace(prefix);
@@ -363,7 +384,7 @@ describe('worker', { skip, concurrency: false }, () => {
     await redis.zadd(slots, Date.now() + 60_000, 'someone-else');
     const { lines } = await startWorker(prefix, { retryConcurrency: 1 });
     const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, {
-      task_type: 'order.close_timeout', payload: { order_id: 'S1' }, retry_count: 1,
+      task_type: 'order.close_timeout', payload: { order_id: 'S1' }, retry_count: 1, headers: TIERED_HEADERS,
     });
     await waitFor(() => lines.some((l) => l.msg.startsWith('all retry slots')));
     assert.equal(await effects(prefix, 'S1'), null);
