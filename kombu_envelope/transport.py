@@ -207,7 +207,8 @@ class Transport(virtual.Transport):
     @cached_property
     def lease_keeper(self) -> LeaseKeeper:
         """Keeps this process's consumers alive, across reconnections (see LeaseKeeper)."""
-        conninfo, settings = self.client, self.settings
+        conninfo: Any = self.client
+        settings = self.settings
         identity = (conninfo.as_uri(include_password=True), settings.key_prefix,
                     settings.consumer_group, settings.lease_ms)
         return process_keeper(
