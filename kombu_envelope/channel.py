@@ -343,6 +343,11 @@ class Channel(virtual.Channel):
         try:
             reply = self.reader.read_response()
         except ResponseError as exc:
+            if str(exc).startswith("UNBLOCKED"):
+                # A stream the read waited on was deleted (an auto-delete reply queue is
+                # deleted after every broadcast with replies) or the server failed over.
+                logger.info("blocking read ended by Redis (%s); reading again", exc)
+                return 0
             if not str(exc).startswith("NOGROUP"):
                 raise
             self._recreate_groups()

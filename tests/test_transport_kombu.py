@@ -651,6 +651,43 @@ class EnvelopeTransportBehaviour:
         assert utcnow() >= envelope.schedule_time
         assert got.bodies[0]["task_id"] == envelope.task_id
 
+    # ------------------------------------------- streams deleted under a read
+
+    def test_reply_queue_deleted_after_a_broadcast_is_consumed_again(
+        self, open_connection: Callable[..., kombu.Connection],
+    ) -> None:
+        """kombu's pidbox deletes its auto-delete reply queue after collecting replies,
+        while the blocking read on it may still wait; Redis ends that read with
+        UNBLOCKED, which the next broadcast on the channel must not raise."""
+        conn = open_connection(block_ms=5_000)  # the read still waits when the queue goes
+        channel = conn.default_channel
+        queue = Queue("replies", Exchange("replies", type="direct"), routing_key="replies",
+                      auto_delete=True)
+        got = Collector()
+        with Consumer(channel, [queue], callbacks=[got], no_ack=True):
+            assert_nothing_delivered(conn, 0.2)  # a blocking read now waits on the streams
+        channel.after_reply_message_received(queue.name)  # what kombu.pidbox does
+        with Consumer(channel, [queue], callbacks=[got], no_ack=True):  # declares it again
+            Producer(channel).publish({"reply": 1}, exchange=queue.exchange,
+                                      routing_key="replies")
+            drain_until(conn, lambda: len(got) == 1)
+        assert got.bodies == [{"reply": 1}]
+
+    def test_queue_deleted_by_another_client_during_a_blocking_read_is_read_again(
+        self, open_connection: Callable[..., kombu.Connection], keys: KeySpace,
+        redis_client: redis.Redis,
+    ) -> None:
+        conn = open_connection(block_ms=5_000)
+        queue = Queue("deleted")
+        got = Collector()
+        with conn.Consumer([queue], callbacks=[got]):
+            assert_nothing_delivered(conn, 0.2)  # a blocking read now waits on the streams
+            redis_client.delete(*keys.queue("deleted").all_streams)
+            assert_nothing_delivered(conn)  # the read ended with UNBLOCKED: read again
+            conn.Producer().publish({"after": 1}, routing_key="deleted")
+            drain_until(conn, lambda: len(got) == 1)
+        assert got.bodies == [{"after": 1}]
+
     # ----------------------------------------------------------- event loop
 
     def test_hub_delivers_messages_without_drain_events(
