@@ -12,9 +12,10 @@ and readers treat larger bodies as malformed, so whatever one side writes the
 other can read.
 
 Entries may carry further fields (for example ``n``, the number of times the
-entry was redelivered after its consumer died); readers ignore fields they do
-not know. A reader that meets a ``v`` it does not support treats the entry as
-malformed, so a later format never gets misread.
+entry was redelivered after its consumer died, and ``r``, "1" once the entry was
+put back after being read); readers ignore fields they do not know. A reader
+that meets a ``v`` it does not support treats the entry as malformed, so a
+later format never gets misread.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ F_VERSION = "v"
 F_ENCODING = "enc"
 F_BODY = "body"
 F_REDELIVERIES = "n"
+F_REQUEUED = "r"
 
 #: Room for the fields other than ``payload`` in a body (headers, ext, ids...).
 BODY_OVERHEAD_BYTES = 256 * 1024

@@ -15,7 +15,7 @@ from time import monotonic
 from typing import Any
 
 from kombu_envelope.adapter import MessageAdapter, Undeliverable
-from kombu_envelope.codec import F_BODY, F_ENCODING, decode_entry
+from kombu_envelope.codec import F_BODY, F_ENCODING, F_REDELIVERIES, F_REQUEUED, decode_entry
 from kombu_envelope.deadletter import Failure, FailureClass
 from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.envelope import Envelope
@@ -155,7 +155,7 @@ class Inbox:
         info.setdefault("routing_key", queue)
         info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id,
                      INFO_CONSUMER: self.consumer_name, INFO_QUEUE: queue,
-                     "redelivered": b"n" in fields or "n" in fields})
+                     "redelivered": _was_read_before(fields)})
         return message
 
     def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,
@@ -173,6 +173,12 @@ class Inbox:
         pipe.xack(stream, self.settings.consumer_group, entry_id)
         pipe.xdel(stream, entry_id)
         pipe.execute()
+
+
+def _was_read_before(fields: dict[Any, Any]) -> bool:
+    """Whether the entry was put back after a read (requeued, or taken from a dead consumer)."""
+    return any(name in fields or name.encode() in fields
+               for name in (F_REQUEUED, F_REDELIVERIES))
 
 
 def _kombu_message(fields: dict[Any, Any]) -> dict[str, Any]:

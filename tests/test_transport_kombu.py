@@ -344,6 +344,7 @@ class EnvelopeTransportBehaviour:
         with connection.Consumer([queue], callbacks=[got]):
             drain_until(connection, lambda: len(got) == 2)
             first_bodies = got.bodies
+            assert [m.delivery_info["redelivered"] for m in got.messages] == [False, False]
             for message in list(got.messages):
                 if requeue == "reject":
                     message.reject(requeue=True)
@@ -353,6 +354,8 @@ class EnvelopeTransportBehaviour:
             for message in got.messages[2:]:
                 message.ack()
         assert sorted(map(json.dumps, got.bodies[2:])) == sorted(map(json.dumps, first_bodies))
+        # As with AMQP and kombu's redis transport (Celery tasks rely on it).
+        assert [m.delivery_info["redelivered"] for m in got.messages[2:]] == [True, True]
         assert total_length(redis_client, keys.queue("retried").all_streams) == 0
         assert dead_letters(redis_client, key_prefix, "retried") == []
 

@@ -16,7 +16,9 @@
 -- Used for reject(requeue=True), for returning prefetched entries on shutdown
 -- and for taking over the entries of a consumer whose liveness key expired.
 -- The entry is copied, acknowledged and deleted in one step, so two callers
--- racing over the same entry requeue it once.
+-- racing over the same entry requeue it once. The copy carries "r" = "1": it was
+-- read before, so consumers deliver it as redelivered (as AMQP and kombu's redis
+-- transport do after a requeue).
 -- Returns the new entry id, "dead:<id>" when it was dead-lettered, or false
 -- when the entry was no longer pending (with the required owner and idle time).
 
@@ -34,6 +36,8 @@ local redeliveries = 0
 for i = 1, #fields, 2 do
     if fields[i] == 'n' then
         redeliveries = tonumber(fields[i + 1]) or 0
+    elseif fields[i] == 'r' then
+        -- written once below
     else
         copy[#copy + 1] = fields[i]
         copy[#copy + 1] = fields[i + 1]
@@ -58,4 +62,6 @@ if redeliveries > 0 then
     copy[#copy + 1] = 'n'
     copy[#copy + 1] = tostring(redeliveries)
 end
+copy[#copy + 1] = 'r'
+copy[#copy + 1] = '1'
 return redis.call('XADD', KEYS[2], '*', unpack(copy))
