@@ -52,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--differences-only", action="store_true",
                         help="print only the tests whose outcome differs")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARG",
+                        help="after --: more pytest arguments for both runs, e.g. "
+                             "-- -k 'test_fail or test_eta'")
     return parser.parse_args(argv)
 
 
@@ -81,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def one(name: str) -> BrokerRun:
         run = run_broker(BROKERS[name], tests_dir, files, out_dir, timeout_s=args.timeout,
-                         run_timeout_s=args.run_timeout)
+                         run_timeout_s=args.run_timeout,
+                         pytest_args=tuple(args.pytest_args))
         say(f"{run.broker.label} finished in {run.seconds:.0f} s: {run.passed} passed"
             f"{'; ' + run.error if run.error else ''}")
         return run

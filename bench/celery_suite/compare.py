@@ -87,7 +87,7 @@ class Comparison:
         """Plain-text side-by-side table (only differing rows unless ``all_rows``)."""
         rows = self.rows()
         shown = [r for r in rows if all_rows or r.envelope_only_failure or r.stock_only_failure]
-        width = max([len(r.test_id) for r in shown] + [len("test")])
+        width = max([len(r.test_id) for r in shown] + [len("seconds")])
         header = f"{'test':<{width}}  {'redis://':>10}  {'envelope://':>11}  note"
         lines = [header, "-" * len(header)]
         for row in shown:

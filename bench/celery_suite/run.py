@@ -2,9 +2,11 @@
 
 Celery's ``t/integration/conftest.py`` reads the broker and result backend URLs from
 ``TEST_BROKER`` and ``TEST_BACKEND``, and its tasks reach Redis through ``REDIS_HOST`` and
-``REDIS_PORT`` (database 0). Each run gets a fresh server: broker on database 1, result
-backend on database 2. Runs never share a server, since some tests count the server's
-pub/sub channels.
+``REDIS_PORT`` (database 0). ``WORKER_LOGLEVEL`` (read by ``celery.contrib.testing.worker``,
+default ``error``) is set to ``info``: ``test_trace_log_arguments`` asserts the worker's
+INFO records, and fails on every broker below that level. Each run gets a fresh server:
+broker on database 1, result backend on database 2. Runs never share a server, since some
+tests count the server's pub/sub channels.
 
 pytest runs in a subprocess, in the extracted tree (Celery's own pytest settings apply),
 with ``celery.contrib.pytest`` (the fixtures), :mod:`bench.celery_suite.plugin` and
@@ -38,8 +40,11 @@ SUITES = {
 
 #: Environment variables Celery's integration tests read (replaced for each run), and
 #: pytest's own (a caller's options must not leak into Celery's run).
-_REPLACED_ENV = ("TEST_BROKER", "TEST_BACKEND", "REDIS_HOST", "REDIS_PORT",
+_REPLACED_ENV = ("TEST_BROKER", "TEST_BACKEND", "REDIS_HOST", "REDIS_PORT", "WORKER_LOGLEVEL",
                  "PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_CURRENT_TEST")
+
+#: Log level of Celery's session worker (see the module documentation).
+WORKER_LOGLEVEL = "info"
 
 _BROKER_DB, _BACKEND_DB = 1, 2
 
@@ -93,14 +98,15 @@ def module_name(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".")
 
 
-def command(files: tuple[str, ...], timeout_s: float, junit: Path) -> list[str]:
-    """The pytest command line of a run (in the extracted tree)."""
+def command(files: tuple[str, ...], timeout_s: float, junit: Path,
+            extra: tuple[str, ...] = ()) -> list[str]:
+    """The pytest command line of a run (in the extracted tree); ``extra`` goes last."""
     return [
         sys.executable, "-m", "pytest", *files,
         "-p", "celery.contrib.pytest", "-p", "bench.celery_suite.plugin",
         "-p", "no:rerunfailures", "-p", "no:cacheprovider",
         f"--timeout={timeout_s:g}", f"--junitxml={junit}",
-        "-ra", "--color=no",
+        "-ra", "--color=no", *extra,
     ]
 
 
@@ -112,6 +118,7 @@ def environment(broker: Broker, server: PrivateRedisServer) -> dict[str, str]:
         TEST_BACKEND=f"redis://{server.host}:{server.port}/{_BACKEND_DB}",
         REDIS_HOST=server.host,
         REDIS_PORT=str(server.port),
+        WORKER_LOGLEVEL=WORKER_LOGLEVEL,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         PYTHONDONTWRITEBYTECODE="1",  # runs may share the extracted tree at once
         PYTHONUNBUFFERED="1",
@@ -127,12 +134,14 @@ def run_broker(
     *,
     timeout_s: float = 60.0,
     run_timeout_s: float = 1800.0,
+    pytest_args: tuple[str, ...] = (),
 ) -> BrokerRun:
     """Run ``files`` (paths relative to ``tests_dir``) against ``broker``.
 
     :param timeout_s: longest a single test may take (setup and teardown included).
     :param run_timeout_s: longest the whole run may take; past it the run is killed and
         reported with :attr:`BrokerRun.error`.
+    :param pytest_args: more pytest arguments (``-k test_fail``), for both brokers alike.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     run = BrokerRun(broker, files, log_path=out_dir / f"{broker.name}.log",
@@ -142,7 +151,7 @@ def run_broker(
     with PrivateRedisServer() as server, run.log_path.open("wb") as log:
         started = time.monotonic()
         proc = subprocess.Popen(
-            command(files, timeout_s, run.junit_path), cwd=tests_dir,
+            command(files, timeout_s, run.junit_path, pytest_args), cwd=tests_dir,
             env=environment(broker, server), stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
