@@ -131,6 +131,29 @@ def test_plugin_caps_long_timeout_marks_and_junit_gives_each_outcome(tmp_path: P
     assert results["test_sample.py::test_hangs"].seconds < 30
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("broker", "imported"), [("envelope://127.0.0.1:1/1", True),
+                                                  ("redis://127.0.0.1:1/1", False)])
+def test_plugin_imports_celery_ext_before_conftests_for_envelope_only(
+        tmp_path: Path, broker: str, imported: bool) -> None:
+    (tmp_path / "conftest.py").write_text(
+        "import sys\n"
+        "IMPORTED = 'celery_ext' in sys.modules\n", encoding="utf-8")
+    (tmp_path / "test_it.py").write_text(textwrap.dedent(f"""\
+        from conftest import IMPORTED
+
+        def test_imported():
+            assert IMPORTED is {imported}
+        """), encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_it.py", "-p", "bench.celery_suite.plugin",
+         "-p", "no:cacheprovider", "-q"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=50,
+        env={**_env_without_pytest(), "PYTHONPATH": str(ROOT), "TEST_BROKER": broker},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def _env_without_pytest() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
             if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_CURRENT_TEST")}

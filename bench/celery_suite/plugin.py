@@ -3,10 +3,10 @@
 Two things, and nothing that changes a test:
 
 * when ``TEST_BROKER`` (the broker URL Celery's ``t/integration/conftest.py`` reads) is an
-  ``envelope://`` or ``envelopes://`` URL, ``celery_ext`` is imported before the tests are
-  collected, as a Celery app module using that broker does. Celery's session worker runs
-  in the pytest process (prefork children are forked from it), so this covers the worker
-  too;
+  ``envelope://`` or ``envelopes://`` URL, ``celery_ext`` is imported before Celery's
+  conftest and tests are, as a Celery app module using that broker does. Celery's session
+  worker runs in the pytest process (prefork children are forked from it), so this covers
+  the worker too;
 * no test runs longer than pytest-timeout's ``--timeout``: Celery's own ``timeout`` marks
   above it (its ``flaky`` helper adds 300 s) are lowered to it, so a hang is one failure,
   not a stuck run. Lower marks are kept.
@@ -28,8 +28,9 @@ def uses_envelope(broker_url: str) -> bool:
     return urlsplit(broker_url).scheme in ENVELOPE_SCHEMES
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Import ``celery_ext`` for an ``envelope://`` broker."""
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
+                                  args: list[str]) -> None:
+    """Import ``celery_ext`` for an ``envelope://`` broker, before any conftest."""
     if uses_envelope(os.environ.get("TEST_BROKER", "")):
         import celery_ext  # noqa: F401  (registers envelope:// and its worker hooks)
 
