@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -98,16 +99,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"Celery {version} integration tests ({', '.join(files)}), "
           f"{datetime.now(timezone.utc):%Y-%m-%d}, Python {platform.python_version()}, "
+          f"Redis {stock.redis_version}, {os.cpu_count()} cores, "
           f"{time.monotonic() - started:.0f} s")
     print(comparison.table(all_rows=not args.differences_only))
-    for row in comparison.envelope_only():
-        why = comparison.explained.get(row.test_id, "(not explained in the docs)")
-        print(f"\nenvelope:// only: {row.test_id}\n  {why}")
+    for label, rows in (("envelope:// only", comparison.envelope_only()),
+                        ("redis:// only", comparison.stock_only())):
+        for row in rows:
+            why = comparison.explained.get(row.test_id, "(not explained in the docs)")
+            print(f"\n{label}: {row.test_id}\n  {why}")
     problems = comparison.problems()
     for problem in problems:
         print(f"FAIL: {problem}")
     if args.json is not None:
         report = {"celery": version, "python": platform.python_version(),
+                  "redis_server": stock.redis_version, "cpu_count": os.cpu_count(),
                   "timeout_s": args.timeout, "serial": args.serial,
                   "seconds": round(time.monotonic() - started, 1), **comparison.as_dict()}
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

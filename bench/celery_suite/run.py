@@ -82,6 +82,8 @@ class BrokerRun:
     error: str | None = None
     log_path: Path | None = None
     junit_path: Path | None = None
+    #: Version of the private redis-server the run used.
+    redis_version: str = ""
 
     def counts(self) -> Counter[Outcome]:
         """How many tests had each outcome."""
@@ -149,6 +151,7 @@ def run_broker(
     assert run.junit_path is not None and run.log_path is not None
     run.junit_path.unlink(missing_ok=True)
     with PrivateRedisServer() as server, run.log_path.open("wb") as log:
+        run.redis_version = server.version
         started = time.monotonic()
         proc = subprocess.Popen(
             command(files, timeout_s, run.junit_path, pytest_args), cwd=tests_dir,
