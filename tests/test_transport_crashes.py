@@ -232,7 +232,7 @@ def test_task_whose_consumers_keep_dying_is_dead_lettered_after_max_redeliveries
         assert reclaim_dead_consumers(redis_client, settings, QUEUE) == 1
         if death == 1:
             ((_, requeued),) = stream_entries(redis_client, stream)
-            assert requeued == {**original, "n": b"1"}
+            assert requeued == {**original, "n": b"1", "r": b"1"}
 
     assert redis_client.xlen(stream) == 0
     assert pending_count(redis_client, stream, settings.consumer_group) == 0
