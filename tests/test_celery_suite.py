@@ -19,9 +19,12 @@ from pathlib import Path
 import pytest
 
 from bench.celery_suite.explained import DOC, ExplanationError, explanations
-from bench.celery_suite.junit import Outcome, read_junit
+from bench.celery_suite.junit import CaseResult, Outcome, read_junit
+from bench.celery_suite.rerun import rerun_differences
+from bench.celery_suite.run import BROKERS, SUITES, BrokerRun, node_id
 
 ROOT = Path(__file__).resolve().parent.parent
+TASKS = SUITES["tasks"]
 
 #: Both brokers run at once, so the test takes as long as the slower one. Measured on
 #: 2 cores: redis:// 177 s; envelope:// 388 s while 12 of its tests fail (each failure
@@ -159,3 +162,51 @@ def test_plugin_imports_celery_ext_before_conftests_for_envelope_only(
 def _env_without_pytest() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
             if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_CURRENT_TEST")}
+
+
+def test_only_one_broker_failures_are_run_again_and_a_pass_on_rerun_counts() -> None:
+    def run_of(name: str, outcomes: dict[str, Outcome]) -> BrokerRun:
+        return BrokerRun(BROKERS[name], (TASKS,), results={
+            test_id: CaseResult(test_id, outcome, 1.0) for test_id, outcome in outcomes.items()})
+
+    stock = run_of("redis", {"a": Outcome.FAILED, "b": Outcome.PASSED, "c": Outcome.ERROR,
+                             "d": Outcome.SKIPPED})
+    envelope = run_of("envelope", {"a": Outcome.PASSED, "b": Outcome.FAILED, "c": Outcome.FAILED,
+                                   "d": Outcome.FAILED})
+    asked: list[tuple[str, tuple[str, ...], int]] = []
+
+    def rerun(run: BrokerRun, tests: tuple[str, ...], attempt: int) -> BrokerRun:
+        asked.append((run.broker.name, tests, attempt))
+        again = {"redis": {"a": Outcome.FAILED}, "envelope": {"b": Outcome.PASSED,
+                                                              "d": Outcome.FAILED}}
+        return run_of(run.broker.name, {test_id: outcome for test_id, outcome
+                                        in again[run.broker.name].items() if test_id in tests})
+
+    passed = rerun_differences(stock, envelope, rerun, reruns=2)
+    assert passed == {"redis": [], "envelope": ["b"]}
+    # c fails on both and is never run again; a and d fail twice on their broker.
+    assert sorted(asked) == [("envelope", ("b", "d"), 2), ("envelope", ("d",), 3),
+                             ("redis", ("a",), 2), ("redis", ("a",), 3)]
+    assert envelope.results["b"].outcome is Outcome.PASSED
+    assert envelope.results["b"].attempt == 2
+    assert stock.results["a"].outcome is Outcome.FAILED
+
+
+def test_no_reruns_on_a_broker_with_more_one_broker_failures_than_the_limit() -> None:
+    stock = BrokerRun(BROKERS["redis"], (TASKS,), results={
+        t: CaseResult(t, Outcome.PASSED, 1.0) for t in "abc"})
+    envelope = BrokerRun(BROKERS["envelope"], (TASKS,), results={
+        t: CaseResult(t, Outcome.FAILED, 1.0) for t in "abc"})
+
+    def rerun(run: BrokerRun, tests: tuple[str, ...], attempt: int) -> BrokerRun:
+        raise AssertionError(f"{tests} run again")
+
+    assert rerun_differences(stock, envelope, rerun, reruns=1, max_tests=2) == \
+        {"redis": [], "envelope": []}
+
+
+def test_node_ids_of_test_ids() -> None:
+    assert node_id((TASKS,), "test_tasks.py::test_tasks::test_fail") == \
+        "t/integration/test_tasks.py::test_tasks::test_fail"
+    with pytest.raises(ValueError):
+        node_id((TASKS,), "test_canvas.py::test_chain::test_simple_chain")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.celery_suite.compare import Comparison
 from bench.celery_suite.explained import DOC, explanations
+from bench.celery_suite.rerun import rerun_differences
 from bench.celery_suite.run import BROKERS, SUITES, BrokerRun, run_broker
 from bench.celery_suite.sdist import SdistError, celery_tests, default_cache, installed_celery
 
@@ -40,6 +41,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(default 60)")
     parser.add_argument("--run-timeout", type=float, default=3600.0, metavar="SECONDS",
                         help="longest one broker's whole run may take (default 3600)")
+    parser.add_argument("--reruns", type=int, default=1, metavar="N",
+                        help="run a test failing on one broker only again on that broker, "
+                             "up to N times; a pass then counts (default 1; 0: never)")
+    parser.add_argument("--rerun-limit", type=int, default=5, metavar="N",
+                        help="no reruns on a broker where more than N tests fail only "
+                             "there (default 5)")
     parser.add_argument("--serial", action="store_true",
                         help="run the brokers one after the other (default: at the same "
                              "time, each on its own redis-server)")
@@ -91,10 +98,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{'; ' + run.error if run.error else ''}")
         return run
 
+    def again(run: BrokerRun, tests: tuple[str, ...], attempt: int) -> BrokerRun:
+        say(f"{run.broker.label}: attempt {attempt} of {len(tests)} tests failing there only")
+        return run_broker(run.broker, tests_dir, files, out_dir / f"attempt-{attempt}",
+                          timeout_s=args.timeout, run_timeout_s=args.run_timeout,
+                          pytest_args=tuple(args.pytest_args), select=tests)
+
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=1 if args.serial else 2) as pool:
         stock_future, envelope_future = pool.submit(one, "redis"), pool.submit(one, "envelope")
         stock, envelope = stock_future.result(), envelope_future.result()
+    if not (stock.error or envelope.error):
+        for name, tests in rerun_differences(stock, envelope, again, args.reruns,
+                                             args.rerun_limit).items():
+            for test_id in tests:
+                say(f"{BROKERS[name].label}: {test_id} passed on a rerun")
     comparison = Comparison(stock, envelope, explanations(DOC))
 
     print(f"Celery {version} integration tests ({', '.join(files)}), "
@@ -112,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAIL: {problem}")
     if args.json is not None:
         report = {"celery": version, "python": platform.python_version(),
+                  "reruns": args.reruns, "rerun_limit": args.rerun_limit,
                   "redis_server": stock.redis_version, "cpu_count": os.cpu_count(),
                   "timeout_s": args.timeout, "serial": args.serial,
                   "seconds": round(time.monotonic() - started, 1), **comparison.as_dict()}

@@ -24,6 +24,8 @@ def _cell(result: CaseResult | None) -> str:
     if result is None:
         return "missing"
     word = result.outcome.value
+    if result.attempt > 1:
+        word += f" ({result.attempt})"  # on that attempt (bench.celery_suite.rerun)
     return word.upper() if result.outcome.failing else word
 
 
@@ -115,6 +117,7 @@ class Comparison:
                 "error": run.error,
                 "counts": {o.value: run.counts()[o] for o in Outcome},
                 "results": {r.test_id: {"outcome": r.outcome.value,
+                                        "attempt": r.attempt,
                                         "seconds": round(r.seconds, 2),
                                         "message": r.message}
                             for r in run.results.values()},

@@ -42,6 +42,8 @@ class CaseResult:
     outcome: Outcome
     seconds: float
     message: str = ""
+    #: Which attempt gave this outcome (1 unless the harness ran the test again).
+    attempt: int = 1
 
 
 def _test_id(classname: str, name: str, modules: Iterable[str]) -> str:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.celery_suite import ROOT
@@ -85,6 +85,17 @@ class BrokerRun:
     #: Version of the private redis-server the run used.
     redis_version: str = ""
 
+    def take_passes(self, rerun: BrokerRun, attempt: int) -> list[str]:
+        """Tests that failed here and passed in ``rerun``: they count as passed on
+        ``attempt``. Returns their ids."""
+        passed = [test_id for test_id, result in rerun.results.items()
+                  if result.outcome is Outcome.PASSED and test_id in self.results
+                  and self.results[test_id].outcome.failing]
+        for test_id in passed:
+            self.results[test_id] = replace(rerun.results[test_id], attempt=attempt)
+        self.seconds += rerun.seconds
+        return passed
+
     def counts(self) -> Counter[Outcome]:
         """How many tests had each outcome."""
         return Counter(result.outcome for result in self.results.values())
@@ -100,11 +111,21 @@ def module_name(path: str) -> str:
     return path.removesuffix(".py").replace("/", ".")
 
 
-def command(files: tuple[str, ...], timeout_s: float, junit: Path,
+def node_id(files: tuple[str, ...], test_id: str) -> str:
+    """pytest's node id of ``test_id`` (``test_tasks.py::...``) in one of ``files``."""
+    name, _, inner = test_id.partition("::")
+    for path in files:
+        if path.rsplit("/", 1)[-1] == name:
+            return f"{path}::{inner}"
+    raise ValueError(f"{test_id!r} is in none of {files}")
+
+
+def command(targets: tuple[str, ...], timeout_s: float, junit: Path,
             extra: tuple[str, ...] = ()) -> list[str]:
-    """The pytest command line of a run (in the extracted tree); ``extra`` goes last."""
+    """The pytest command line of a run (in the extracted tree): ``targets`` are files or
+    node ids; ``extra`` goes last."""
     return [
-        sys.executable, "-m", "pytest", *files,
+        sys.executable, "-m", "pytest", *targets,
         "-p", "celery.contrib.pytest", "-p", "bench.celery_suite.plugin",
         "-p", "no:rerunfailures", "-p", "no:cacheprovider",
         f"--timeout={timeout_s:g}", f"--junitxml={junit}",
@@ -137,6 +158,7 @@ def run_broker(
     timeout_s: float = 60.0,
     run_timeout_s: float = 1800.0,
     pytest_args: tuple[str, ...] = (),
+    select: tuple[str, ...] = (),
 ) -> BrokerRun:
     """Run ``files`` (paths relative to ``tests_dir``) against ``broker``.
 
@@ -144,6 +166,8 @@ def run_broker(
     :param run_timeout_s: longest the whole run may take; past it the run is killed and
         reported with :attr:`BrokerRun.error`.
     :param pytest_args: more pytest arguments (``-k test_fail``), for both brokers alike.
+    :param select: test ids (:mod:`~bench.celery_suite.junit`) to run instead of the whole
+        files.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     run = BrokerRun(broker, files, log_path=out_dir / f"{broker.name}.log",
@@ -154,7 +178,8 @@ def run_broker(
         run.redis_version = server.version
         started = time.monotonic()
         proc = subprocess.Popen(
-            command(files, timeout_s, run.junit_path, pytest_args), cwd=tests_dir,
+            command(tuple(node_id(files, t) for t in select) or files, timeout_s,
+                    run.junit_path, pytest_args), cwd=tests_dir,
             env=environment(broker, server), stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
