@@ -30,11 +30,23 @@ class EnvelopeError(KombuError):
 
 
 class InvalidEnvelope(EnvelopeError, EncodeError, ValueError):
-    """An Envelope breaks a validation rule; nothing was published."""
+    """An Envelope breaks a validation rule; nothing was published.
 
-    def __init__(self, violations: list[Violation]) -> None:
+    Pickling keeps the violations. Celery's result backend keeps only an exception's
+    message and rebuilds it from that: ``InvalidEnvelope(message)`` has the same message
+    and no violations.
+    """
+
+    def __init__(self, violations: list[Violation] | str) -> None:
+        if isinstance(violations, str):  # rebuilt from its message
+            self.violations: list[Violation] = []
+            super().__init__(violations)
+            return
         self.violations = list(violations)
         super().__init__("invalid envelope: " + "; ".join(str(v) for v in self.violations))
+
+    def __reduce__(self) -> tuple[type[InvalidEnvelope], tuple[list[Violation] | str]]:
+        return type(self), (self.violations or str(self),)
 
     @property
     def fields(self) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, chain, chord, group
+from celery.backends.base import BaseBackend
 from celery.worker.request import Request
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ from celery_ext.tracing import TraceIdFilter, trace
 from celery_ext.transport import Transport
 from kombu_envelope.adapter import ENVELOPE_CONTENT_TYPE, Undeliverable
 from kombu_envelope.envelope import DEFAULT_LIMITS, Envelope
-from kombu_envelope.errors import InvalidEnvelope, UnsupportedMessage
+from kombu_envelope.errors import InvalidEnvelope, UnsupportedMessage, Violation
 
 ADAPTER = CeleryAdapter()
 AMSTERDAM_SUMMER = timezone(timedelta(hours=2))
@@ -599,3 +600,12 @@ def test_install_is_idempotent() -> None:
     celery_ext.install()
     celery_ext.install()
     assert len(signals.before_task_publish.receivers) == before
+
+
+def test_invalid_envelope_raised_by_a_task_reads_back_from_the_result_backend() -> None:
+    """The backend stores the exception's type and message, and rebuilds it from them."""
+    error = InvalidEnvelope([Violation("payload", "max_depth", "nested deeper than 5 levels")])
+    backend = BaseBackend(app=Celery(set_as_current=False))
+    rebuilt = backend.exception_to_python(backend.prepare_exception(error, "json"))
+    assert type(rebuilt) is InvalidEnvelope
+    assert str(rebuilt) == str(error)

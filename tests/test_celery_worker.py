@@ -227,6 +227,12 @@ def test_retry_with_countdown(app: Celery, worker: CeleryWorker) -> None:
     assert result.get(timeout=RESULT_TIMEOUT) == 2
 
 
+def test_task_rejected_with_requeue_is_delivered_again_as_redelivered(
+        app: Celery, worker: CeleryWorker) -> None:
+    result = app.tasks["envelope_app.reject_once"].delay()
+    assert result.get(timeout=RESULT_TIMEOUT) == "redelivered"
+
+
 def test_task_events_reach_a_receiver(app: Celery, worker: CeleryWorker) -> None:
     seen: list[dict[str, Any]] = []
     with app.connection_for_read() as connection:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -538,3 +539,15 @@ def test_pydantic_error_types_map_to_neutral_rule_names() -> None:
     assert rule_name("int_type") == "type"
     assert rule_name("json_invalid") == "json"
     assert rule_name("max_depth") == "max_depth"
+
+
+def test_invalid_envelope_keeps_its_message_and_violations_through_pickle() -> None:
+    """A prefork pool sends a task's exception to its parent pickled."""
+    error = InvalidEnvelope([Violation("payload", "max_depth", "nested deeper than 5 levels")])
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error) == \
+        "invalid envelope: payload: nested deeper than 5 levels [max_depth]"
+    assert copy.violations == error.violations
+    rebuilt = InvalidEnvelope(str(error))  # from its message alone
+    assert str(rebuilt) == str(error) and rebuilt.violations == []
+    assert str(pickle.loads(pickle.dumps(rebuilt))) == str(error)

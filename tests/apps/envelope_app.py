@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
 
 import celery_ext  # noqa: F401  (envelope:// URLs, trace ids)
@@ -96,6 +97,13 @@ def create_app(
         if attempt <= failures:
             raise self.retry(countdown=countdown)
         return attempt
+
+    @app.task(name="envelope_app.reject_once", shared=False, bind=True, acks_late=True)
+    def reject_once(self: Task) -> str:
+        """Reject with requeue on the first delivery; succeed when redelivered."""
+        if not self.request.delivery_info.get("redelivered"):
+            raise Reject("first delivery", requeue=True)
+        return "redelivered"
 
     @app.task(name="envelope_app.log_trace", shared=False, bind=True)
     def log_trace(self: Task, note: str) -> str | None:
