@@ -1,12 +1,13 @@
-"""Cross-language scenarios with the Node.js reference peer in ``tests/interop/node``.
+"""Cross-language scenarios with the Node.js SDK (``sdk/node``) through its peer CLI.
 
-Real ``node`` subprocesses (the peer's CLI) share the session's private Redis with the
-Python implementation: the Node producer and worker against Python's Publisher,
-Promoter, codec and dead-letter tools. The module also runs the peer's own suite
-(``node --test``), whose worker tests use the same Redis.
+Real ``node`` subprocesses (``tests/interop/node/peer.js``, which uses the SDK as any
+service would) share the session's private Redis with the Python implementation: the
+Node producer and worker against Python's Publisher, Promoter, codec and dead-letter
+tools. The module also runs the SDK's own suite (``node --test`` in ``sdk/node``:
+conformance vectors, the README example, the worker on Redis), on the same Redis.
 
 Skipped only when ``node`` is not on PATH, or when ``node_modules`` is missing and
-``npm ci`` cannot install it (CI runs ``npm ci`` beforehand).
+``npm ci`` cannot install it (CI runs ``npm ci`` in both folders beforehand).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import pytest
 import redis
 from support import wait_for
-from support.peers import NODE, NODE_DIR, NodePeer, node_unavailable
+from support.peers import NODE, NODE_SDK_DIR, NodePeer, node_unavailable
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_body, decode_entry, encode_entry
@@ -91,10 +92,11 @@ def text(value: bytes) -> str:
 
 
 def test_node_suite_passes(redis_url: str) -> None:
-    """``node --test``: conformance vectors, time, codec, retries, and the worker on Redis."""
+    """``node --test`` in sdk/node: conformance vectors, time, codec, retries, the README
+    example, the package's ESM, CommonJS and type entries, and the worker on Redis."""
     assert NODE is not None
     env = {**os.environ, "ENVELOPE_TEST_REDIS_URL": redis_url}
-    done = subprocess.run([NODE, "--test"], cwd=NODE_DIR, env=env, capture_output=True,
+    done = subprocess.run([NODE, "--test"], cwd=NODE_SDK_DIR, env=env, capture_output=True,
                           text=True, timeout=110, check=False)
     summary = [line for line in done.stdout.splitlines() if line.startswith("# ")]
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]

@@ -1,5 +1,6 @@
 #!/usr/bin/env node
-// Command line of the Node.js Envelope peer.
+// Command line of the Node.js Envelope peer: the kombu-envelope SDK (sdk/node) used as
+// any service would, for the cross-language tests.
 //
 //   node peer.js produce --redis URL --prefix P --queue Q --task-type T --payload JSON
 //        [--delay-ms N | --schedule-time RFC3339] [--tz-offset +08:00] [--idempotency-key K]
@@ -14,15 +15,11 @@
 
 import fs from 'node:fs';
 import Redis from 'ioredis';
-import { registerBuiltinHandlers } from './lib/builtin_handlers.js';
-import { InvalidEnvelope, Timestamp, validateEnvelope } from './lib/envelope.js';
-import { parseJson } from './lib/json.js';
-import { KeySpace, bucketFor } from './lib/keys.js';
-import { createLogger } from './lib/log.js';
-import { Producer } from './lib/producer.js';
-import { RETRY_POLICY_HEADER } from './lib/retry.js';
-import { parseOffset, TimeError } from './lib/time.js';
-import { Worker, parseRedisUrl } from './lib/worker.js';
+import {
+  InvalidEnvelope, KeySpace, Producer, RETRY_POLICY_HEADER, TimeError, Timestamp, Worker, bucketFor, createLogger,
+  parseJson, parseOffset, parseRedisUrl, validateEnvelope,
+} from 'kombu-envelope';
+import { registerBuiltinHandlers } from './handlers.js';
 
 class UsageError extends Error {}
 

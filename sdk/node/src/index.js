@@ -1,11 +1,13 @@
-// Public surface of the Node.js Envelope peer.
+// Public surface of the kombu-envelope Node.js SDK.
 export * from './envelope.js';
 export * from './codec.js';
 export * from './keys.js';
 export * from './retry.js';
+export { parseOffset, formatOffset, parseRfc3339 } from './time.js';
 export { Scripts, loadScripts, keyCount, LUA_DIR, SCRIPT_NAMES } from './scripts.js';
-export { Producer } from './producer.js';
-export { Worker, WORKER_DEFAULTS, parseRedisUrl } from './worker.js';
+export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
+export { Worker, WORKER_DEFAULTS, isRedisClient } from './worker.js';
+export { parseRedisUrl } from './url.js';
 export { Promoter, redisNowMs } from './promoter.js';
 export { createLogger } from './log.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
