@@ -209,7 +209,8 @@ def node_unavailable() -> str | None:
         if all(path.exists() for path in paths):
             continue
         if npm is None:
-            return f"{folder.relative_to(PROJECT_ROOT)}/node_modules is missing and npm is not on PATH"
+            where = folder.relative_to(PROJECT_ROOT)
+            return f"{where}/node_modules is missing and npm is not on PATH"
         failed = _npm_ci(folder, npm)
         if failed is not None:
             return failed

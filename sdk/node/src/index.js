@@ -11,3 +11,8 @@ export { parseRedisUrl } from './url.js';
 export { Promoter, redisNowMs } from './promoter.js';
 export { createLogger } from './log.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
+
+/** @typedef {import('./producer.js').PublishResult} PublishResult */
+/** @typedef {import('./worker.js').Handler} Handler */
+/** @typedef {import('./worker.js').HandlerSpec} HandlerSpec */
+/** @typedef {import('./worker.js').TaskContext} TaskContext */

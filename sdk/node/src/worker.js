@@ -865,12 +865,20 @@ export class Worker extends EventEmitter {
 
   // ---------------------------------------------------------------- stopping
 
-  /** Stop cleanly (BullMQ's name); the same as stop(). */
+  /**
+   * Stop cleanly (BullMQ's name); the same as stop().
+   * @param {{ graceMs?: number }} [options]
+   * @returns {Promise<void>}
+   */
   close(options) {
     return this.stop(options);
   }
 
-  /** Stop cleanly; safe to call more than once. */
+  /**
+   * Stop cleanly; safe to call more than once.
+   * @param {{ graceMs?: number }} [options]
+   * @returns {Promise<void>}
+   */
   stop({ graceMs = this.opts.shutdownGraceMs } = {}) {
     if (!this.stopping) this.stopping = this.shutdown(graceMs);
     return this.stopping;
