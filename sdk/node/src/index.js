@@ -9,6 +9,7 @@ export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
 export { Worker, WORKER_DEFAULTS, isRedisClient } from './worker.js';
 export { parseRedisUrl } from './url.js';
 export { Promoter, redisNowMs } from './promoter.js';
+export { DeadLetters, jsonMergePatch } from './deadletters.js';
 export { createLogger } from './log.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 
@@ -16,3 +17,5 @@ export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 /** @typedef {import('./worker.js').Handler} Handler */
 /** @typedef {import('./worker.js').HandlerSpec} HandlerSpec */
 /** @typedef {import('./worker.js').TaskContext} TaskContext */
+/** @typedef {import('./deadletters.js').DeadLetter} DeadLetter */
+/** @typedef {import('./deadletters.js').ReplayEdit} ReplayEdit */
