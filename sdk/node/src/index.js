@@ -17,5 +17,6 @@ export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 /** @typedef {import('./worker.js').Handler} Handler */
 /** @typedef {import('./worker.js').HandlerSpec} HandlerSpec */
 /** @typedef {import('./worker.js').TaskContext} TaskContext */
+/** @typedef {import('./worker.js').WorkerOptions} WorkerOptions */
 /** @typedef {import('./deadletters.js').DeadLetter} DeadLetter */
 /** @typedef {import('./deadletters.js').ReplayEdit} ReplayEdit */

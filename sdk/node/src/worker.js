@@ -109,10 +109,19 @@ function positiveInt(name, value, { allowZero = false } = {}) {
  * task_type -> { handler, payloadVersions, timeoutMs }.
  * @typedef {(payload: any, ctx: TaskContext) => any} Handler
  * @typedef {{ handler: Handler, payloadVersions?: number[], timeoutMs?: number | null }} HandlerSpec
- * @typedef {{ envelope: object, taskId: string, traceId: string, attempt: number,
+ * @typedef {{ envelope: any, taskId: string, traceId: string, attempt: number,
  *   signal: AbortSignal, log: any, redis: any, keys: KeySpace }} TaskContext
+ * @typedef {{ connection?: any, redis?: any, queue?: string, prefix?: string, group?: string,
+ *   leaseMs?: number, blockMs?: number, concurrency?: number, prefetch?: number | null,
+ *   fastRetries?: number, backoffMs?: number, maxBackoffMs?: number, retryConcurrency?: number,
+ *   maxRedeliveries?: number, deferMs?: number, shutdownGraceMs?: number, limits?: object,
+ *   isTransient?: ((err: unknown) => boolean) | null, logger?: any, consumer?: string,
+ *   promoter?: boolean, promoterMaxIdleMs?: number, defaultTimeoutMs?: number | null,
+ *   forgetAfterMs?: number, idemClaimMs?: number, idemDoneTtlMs?: number, retrySlotHoldMs?: number,
+ *   takeoverBatch?: number, gzipMinBytes?: number, autorun?: boolean }} WorkerOptions
  */
 
+/** @extends {EventEmitter<any>} */
 export class Worker extends EventEmitter {
   /**
    * Two forms:
@@ -131,9 +140,9 @@ export class Worker extends EventEmitter {
    * 'failed' (envelope, error, { retrying, delayMs }) for every failed attempt,
    * 'dead' (envelope | null, failure) for every dead-lettered entry,
    * 'error' (error) when autorun could not start, 'closed' (stats).
-   * @param {string | object} queueOrOptions
+   * @param {string | WorkerOptions} queueOrOptions
    * @param {Record<string, Handler | HandlerSpec>} [handlers]
-   * @param {object} [options]
+   * @param {WorkerOptions} [options]
    */
   constructor(queueOrOptions, handlers, options) {
     super();
