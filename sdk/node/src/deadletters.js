@@ -104,6 +104,38 @@ export class DeadLetters {
   }
 
   /**
+   * Counts per queue, task type and failure class of the matching entries of `queues`
+   * (default: every queue with dead letters), as [{ queue, taskType, failureClass, count }].
+   * @param {string[]} [queues]
+   * @param {{ taskType?: string, failureClass?: string, since?: Date, until?: Date }} [where]
+   */
+  async stats(queues, where = {}) {
+    const counts = new Map();
+    for (const queue of queues ?? await this.queues()) {
+      for (const entry of await this.list(queue, { ...where, limit: Infinity })) {
+        const key = JSON.stringify([queue, entry.taskType ?? '?', entry.failureClass]);
+        counts.set(key, (counts.get(key) ?? 0) + 1);
+      }
+    }
+    return [...counts].map(([key, count]) => {
+      const [queue, taskType, failureClass] = JSON.parse(key);
+      return { queue, taskType, failureClass, count };
+    });
+  }
+
+  /**
+   * Delete the matching entries of `queue`; returns how many.
+   * @param {string} queue
+   * @param {{ taskType?: string, failureClass?: string, since?: Date, until?: Date }} [where]
+   * @returns {Promise<number>}
+   */
+  async purge(queue, where = {}) {
+    const ids = (await this.list(queue, { ...where, limit: Infinity })).map((entry) => entry.id);
+    for (let i = 0; i < ids.length; i += 500) await this.client.xdel(this.keys.queue(queue).dead, ...ids.slice(i, i + 500));
+    return ids.length;
+  }
+
+  /**
    * One entry by id, or null.
    * @returns {Promise<DeadLetter | null>}
    */

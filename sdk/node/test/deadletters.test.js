@@ -83,4 +83,22 @@ describe('dead letters', { skip, concurrency: false }, () => {
     await producer.close();
     await tools.close();
   });
+
+  test('stats count per queue, task type and failure class; purge deletes what matches', async () => {
+    const prefix = `dl-${crypto.randomBytes(5).toString('hex')}`;
+    const worker = new Worker('orders', {
+      'a.bad': () => { throw new InvalidPayloadError('bad'); },
+    }, { connection: server.url, prefix, logger: quiet(), leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 });
+    await worker.waitUntilReady();
+    const producer = new Producer({ connection: redis, prefix });
+    await producer.publishMany('orders', [{ task_type: 'a.bad' }, { task_type: 'a.bad' }, { task_type: 'a.unknown' }]);
+    const tools = new DeadLetters(redis, { prefix });
+    await waitFor(async () => (await tools.list('orders')).length === 3);
+    await worker.close();
+    const byKey = Object.fromEntries((await tools.stats()).map((s) => [`${s.queue} ${s.taskType} ${s.failureClass}`, s.count]));
+    assert.deepEqual(byKey, { 'orders a.bad invalid_payload': 2, 'orders a.unknown unknown_task_type': 1 });
+    assert.equal(await tools.purge('orders', { failureClass: 'invalid_payload' }), 2);
+    assert.deepEqual((await tools.list('orders')).map((e) => e.taskType), ['a.unknown']);
+    await producer.close();
+  });
 });
