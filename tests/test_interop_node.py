@@ -1,12 +1,13 @@
-"""Cross-language scenarios with the Node.js reference peer in ``tests/interop/node``.
+"""Cross-language scenarios with the Node.js SDK (``sdk/node``) through its peer CLI.
 
-Real ``node`` subprocesses (the peer's CLI) share the session's private Redis with the
-Python implementation: the Node producer and worker against Python's Publisher,
-Promoter, codec and dead-letter tools. The module also runs the peer's own suite
-(``node --test``), whose worker tests use the same Redis.
+Real ``node`` subprocesses (``tests/interop/node/peer.js``, which uses the SDK as any
+service would) share the session's private Redis with the Python implementation: the
+Node producer and worker against Python's Publisher, Promoter, codec and dead-letter
+tools. The module also runs the SDK's own suite (``node --test`` in ``sdk/node``:
+conformance vectors, the README example, the worker on Redis), on the same Redis.
 
 Skipped only when ``node`` is not on PATH, or when ``node_modules`` is missing and
-``npm ci`` cannot install it (CI runs ``npm ci`` beforehand).
+``npm ci`` cannot install it (CI runs ``npm ci`` in both folders beforehand).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from typing import Any
 import pytest
 import redis
 from support import wait_for
-from support.peers import NODE, NODE_DIR, NodePeer, node_unavailable
+from support.peers import NODE, NODE_SDK_DIR, NodePeer, node_unavailable
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_body, decode_entry, encode_entry
-from kombu_envelope.deadletter import DeadLetters
+from kombu_envelope.deadletter import DeadLetters, Failure, FailureClass, dead_letter_envelope
 from kombu_envelope.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import parse_rfc3339, utcnow
 from kombu_envelope.keys import Bucket, KeySpace, bucket_for
@@ -91,10 +92,11 @@ def text(value: bytes) -> str:
 
 
 def test_node_suite_passes(redis_url: str) -> None:
-    """``node --test``: conformance vectors, time, codec, retries, and the worker on Redis."""
+    """``node --test`` in sdk/node: conformance vectors, time, codec, retries, the README
+    example, the package's ESM, CommonJS and type entries, and the worker on Redis."""
     assert NODE is not None
     env = {**os.environ, "ENVELOPE_TEST_REDIS_URL": redis_url}
-    done = subprocess.run([NODE, "--test"], cwd=NODE_DIR, env=env, capture_output=True,
+    done = subprocess.run([NODE, "--test"], cwd=NODE_SDK_DIR, env=env, capture_output=True,
                           text=True, timeout=110, check=False)
     summary = [line for line in done.stdout.splitlines() if line.startswith("# ")]
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
@@ -207,6 +209,50 @@ def test_node_worker_dead_letters_exhausted_task(
     assert pending(client, key_prefix, queue) == 0
     assert stream_lengths(client, key_prefix, queue) == 0
     assert client.zcard(KeySpace(key_prefix).queue(queue).delayed) == 0
+    assert worker.stop() == 0
+
+
+def test_python_dead_letter_replayed_with_an_edited_payload_by_node_runs_on_node(
+    node: NodePeer, client: redis.Redis, key_prefix: str, queue: str
+) -> None:
+    """A dead letter Python wrote: listed and replayed (payload edited) with the Node SDK's
+    DeadLetters, run by a Node worker; Python's tools see it replayed, a second replay is
+    refused."""
+    settings = Settings(key_prefix=key_prefix)
+    envelope = Envelope.new(task_type="order.close_timeout", payload={"note": "no order id"},
+                            max_retries=1, retry_count=1)
+    dead_id = dead_letter_envelope(
+        client, settings, queue=queue, envelope=envelope, consumer="py-consumer",
+        failure=Failure(FailureClass.INVALID_PAYLOAD, "order_id is required",
+                        exception_type="ValueError", task_id=envelope.task_id,
+                        task_type=envelope.task_type))
+
+    listed = [json.loads(line) for line in node.run("dead-list", "--queue", queue).splitlines()]
+    assert [(e["id"], e["task_id"], e["failure_class"]) for e in listed] == [
+        (dead_id, envelope.task_id, "invalid_payload")]
+    assert listed[0]["fields"]["language"] == "python"
+    assert listed[0]["envelope"]["trace_id"] == envelope.trace_id
+
+    new_id = node.run("dead-replay", "--queue", queue, "--id", dead_id, "--operator", "ops@node",
+                      "--merge-patch", json.dumps({"order_id": "DL-1", "note": None})).strip()
+    stream = KeySpace(key_prefix).queue(queue).stream(bucket_for(envelope.priority))
+    [(entry_id, fields)] = client.xrange(stream)
+    assert entry_id.decode() == new_id
+    replayed = decode_entry(fields_of(fields))
+    assert replayed.task_id == envelope.task_id and replayed.trace_id == envelope.trace_id
+    assert replayed.payload == {"order_id": "DL-1"}
+    assert replayed.retry_count == 0
+
+    done = subprocess.run(node.command("dead-replay", "--queue", queue, "--id", dead_id),
+                          capture_output=True, text=True, timeout=20, check=False)
+    assert done.returncode == 3, done.stderr
+    assert DeadLetters(client, settings).list([queue]) == []
+    [(_, record)] = client.xrange(KeySpace(key_prefix).queue(queue).replayed)
+    assert record[b"dead_id"].decode() == dead_id and record[b"operator"] == b"ops@node"
+
+    worker = node.worker(queue)
+    wait_for(lambda: client.get(f"{key_prefix}:effects:order.close_timeout:DL-1") == b"1",
+             timeout=10, message=worker.log_tail)
     assert worker.stop() == 0
 
 

@@ -1,5 +1,8 @@
 """The Go and Node.js reference peers (``tests/interop/{go,node}``) as subprocesses.
 
+The Node peer is a command line over the Node.js SDK (``sdk/node``, the npm package
+``kombu-envelope``), which it installs as a user would (``file:`` dependency).
+
 Go: :func:`build_go_peer` builds the ``envelope-peer`` binary once per test session;
 :class:`GoPeer` runs its ``produce`` / ``produce-malformed`` commands and starts
 :class:`GoWorker` processes. Node: :class:`NodePeer` runs ``peer.js`` the same way and
@@ -35,6 +38,7 @@ __all__ = [
     "NODE",
     "NODE_DIR",
     "NODE_PEER",
+    "NODE_SDK_DIR",
     "GoPeer",
     "GoWorker",
     "NodePeer",
@@ -49,6 +53,7 @@ NODE = shutil.which("node")
 GO_DIR = PROJECT_ROOT / "tests" / "interop" / "go"
 NODE_DIR = PROJECT_ROOT / "tests" / "interop" / "node"
 NODE_PEER = NODE_DIR / "peer.js"
+NODE_SDK_DIR = PROJECT_ROOT / "sdk" / "node"
 LUA_DIR = PROJECT_ROOT / "kombu_envelope" / "lua"
 #: A first (cold) build compiles go-redis and may take minutes.
 FIRST_BUILD_TIMEOUT_S = 180
@@ -176,24 +181,39 @@ class GoPeer:
 # ------------------------------------------------------------------------------- Node
 
 
+def _npm_ci(folder: Path, npm: str) -> str | None:
+    """``npm ci`` in ``folder``; why it failed, or None."""
+    try:
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=folder, check=True,
+                       capture_output=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"`npm ci` failed in {folder.relative_to(PROJECT_ROOT)}: {exc}"
+    return None
+
+
 @cache
 def node_unavailable() -> str | None:
-    """Why the Node peer cannot run here, or None when it can.
+    """Why the Node SDK and peer cannot run here, or None when they can.
 
-    Installs ``node_modules`` with ``npm ci`` when it is missing (once per process).
+    Installs what is missing with ``npm ci`` (once per process): the SDK's dependencies
+    and build (``sdk/node``: ``node_modules`` and ``dist/``), then the peer's.
     """
     if NODE is None:
         return "node is not on PATH"
-    if (NODE_DIR / "node_modules" / "ioredis").is_dir():
-        return None
+    needs = [(NODE_SDK_DIR, [NODE_SDK_DIR / "node_modules" / "ioredis",
+                             NODE_SDK_DIR / "dist" / "index.cjs"]),
+             (NODE_DIR, [NODE_DIR / "node_modules" / "ioredis",
+                         NODE_DIR / "node_modules" / "kombu-envelope"])]
     npm = shutil.which("npm")
-    if npm is None:
-        return "tests/interop/node/node_modules is missing and npm is not on PATH"
-    try:
-        subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, check=True,
-                       capture_output=True, timeout=300)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"tests/interop/node/node_modules is missing and `npm ci` failed: {exc}"
+    for folder, paths in needs:
+        if all(path.exists() for path in paths):
+            continue
+        if npm is None:
+            where = folder.relative_to(PROJECT_ROOT)
+            return f"{where}/node_modules is missing and npm is not on PATH"
+        failed = _npm_ci(folder, npm)
+        if failed is not None:
+            return failed
     return None
 
 

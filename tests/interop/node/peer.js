@@ -1,5 +1,6 @@
 #!/usr/bin/env node
-// Command line of the Node.js Envelope peer.
+// Command line of the Node.js Envelope peer: the kombu-envelope SDK (sdk/node) used as
+// any service would, for the cross-language tests.
 //
 //   node peer.js produce --redis URL --prefix P --queue Q --task-type T --payload JSON
 //        [--delay-ms N | --schedule-time RFC3339] [--tz-offset +08:00] [--idempotency-key K]
@@ -11,18 +12,17 @@
 //        [--max-backoff-ms N] [--fast-retries N] [--retry-concurrency N] [--concurrency N] [--prefetch N]
 //        [--block-ms N] [--max-redeliveries N] [--defer-ms N] [--shutdown-grace-ms N] [--no-promoter]
 //   node peer.js validate [--file PATH]      (Envelope JSON from a file or stdin)
+//   node peer.js dead-list --redis URL --prefix P --queue Q [--failure-class C] [--task-type T]
+//   node peer.js dead-replay --redis URL --prefix P --queue Q --id ID [--merge-patch JSON]
+//        [--payload JSON] [--payload-version N] [--max-retries N|null] [--operator NAME]
 
 import fs from 'node:fs';
 import Redis from 'ioredis';
-import { registerBuiltinHandlers } from './lib/builtin_handlers.js';
-import { InvalidEnvelope, Timestamp, validateEnvelope } from './lib/envelope.js';
-import { parseJson } from './lib/json.js';
-import { KeySpace, bucketFor } from './lib/keys.js';
-import { createLogger } from './lib/log.js';
-import { Producer } from './lib/producer.js';
-import { RETRY_POLICY_HEADER } from './lib/retry.js';
-import { parseOffset, TimeError } from './lib/time.js';
-import { Worker, parseRedisUrl } from './lib/worker.js';
+import {
+  DeadLetters, InvalidEnvelope, KeySpace, Producer, RETRY_POLICY_HEADER, TimeError, Timestamp, Worker, bucketFor, createLogger,
+  parseJson, parseOffset, parseRedisUrl, validateEnvelope,
+} from 'kombu-envelope';
+import { registerBuiltinHandlers } from './handlers.js';
 
 class UsageError extends Error {}
 
@@ -194,7 +194,58 @@ async function validate(args) {
   if (!result.ok) process.exitCode = 1;
 }
 
-const COMMANDS = { produce, 'produce-malformed': produceMalformed, worker: runWorker, validate };
+function jsonArg(args, name) {
+  if (args[name] === undefined) return undefined;
+  try {
+    return parseJson(args[name]).value;
+  } catch (err) {
+    throw new UsageError(`--${name} is not JSON: ${err.message}`);
+  }
+}
+
+const bigintSafe = (_, v) => (typeof v === 'bigint' ? v.toString() : v);
+
+/** One JSON line per dead-letter entry of the queue (the SDK's DeadLetters). */
+async function deadList(args) {
+  const client = redisClient(args);
+  try {
+    const tools = new DeadLetters(client, { prefix: args.prefix ?? 'envelope' });
+    const where = { failureClass: args['failure-class'], taskType: args['task-type'], limit: integer(args, 'limit', { min: 1, fallback: 1000 }) };
+    for (const entry of await tools.list(required(args, 'queue'), where)) {
+      process.stdout.write(`${JSON.stringify({
+        id: entry.id, task_id: entry.taskId, task_type: entry.taskType, failure_class: entry.failureClass,
+        fields: entry.fields, envelope: entry.envelope, decode_error: entry.decodeError,
+      }, bigintSafe)}\n`);
+    }
+  } finally {
+    client.disconnect();
+  }
+}
+
+/** Replay one dead-letter entry, edited; prints the new entry id (exit 3 when it is gone). */
+async function deadReplay(args) {
+  const client = redisClient(args);
+  try {
+    const tools = new DeadLetters(client, { prefix: args.prefix ?? 'envelope' });
+    const edit = { payload: jsonArg(args, 'payload'), mergePatch: jsonArg(args, 'merge-patch'), operator: args.operator };
+    if (args['payload-version'] !== undefined) edit.payloadVersion = integer(args, 'payload-version', { min: 1 });
+    if (args['max-retries'] !== undefined) edit.maxRetries = args['max-retries'] === 'null' ? null : integer(args, 'max-retries');
+    const newId = await tools.replay(required(args, 'queue'), required(args, 'id'), edit);
+    if (newId === null) {
+      process.stderr.write('peer.js: the dead-letter entry is gone (replayed or purged)\n');
+      process.exitCode = 3;
+      return;
+    }
+    process.stdout.write(`${newId}\n`);
+  } finally {
+    client.disconnect();
+  }
+}
+
+const COMMANDS = {
+  produce, 'produce-malformed': produceMalformed, worker: runWorker, validate,
+  'dead-list': deadList, 'dead-replay': deadReplay,
+};
 
 async function main() {
   const { command, args } = parseArgs(process.argv.slice(2));

@@ -1,4 +1,5 @@
-// The shared Lua scripts of kombu_envelope/lua/, loaded as they are.
+// The shared Lua scripts, loaded as they are: the package's own copy in lua/
+// (copied from the repository's kombu_envelope/lua/ by sdk/sync_lua.py, never edited).
 //
 // Each file documents its KEYS and ARGV in its header; the number of keys is
 // read from there ("KEYS[1..n]" means the caller passes the keys' count).
@@ -9,8 +10,8 @@ import fs from 'node:fs';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 
-/** kombu_envelope/lua of the repository this peer lives in. */
-export const LUA_DIR = fileURLToPath(new URL('../../../../kombu_envelope/lua/', import.meta.url));
+/** The package's lua/ folder (one level above src/ and dist/). */
+export const LUA_DIR = fileURLToPath(new URL('../lua/', import.meta.url));
 
 /** The scripts this peer runs; every other *.lua file of the folder is loaded too. */
 export const SCRIPT_NAMES = Object.freeze([

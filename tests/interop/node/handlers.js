@@ -1,7 +1,7 @@
 // Handlers built into the peer's worker, used by the cross-language tests.
 
 import { setTimeout as sleep } from 'node:timers/promises';
-import { InvalidPayloadError, TransientError } from './retry.js';
+import { InvalidPayloadError, TransientError } from 'kombu-envelope';
 
 export class TestFailure extends Error {
   constructor(message) {

@@ -7,19 +7,19 @@ import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
-import { registerBuiltinHandlers } from '../lib/builtin_handlers.js';
-import { decodeEntry, encodeEntry } from '../lib/codec.js';
-import { newEnvelope } from '../lib/envelope.js';
-import { KeySpace } from '../lib/keys.js';
-import { createLogger } from '../lib/log.js';
-import { Producer } from '../lib/producer.js';
-import { RETRY_POLICY_HEADER, RejectedError, TIERED, TransientError } from '../lib/retry.js';
+import { registerBuiltinHandlers } from '../support/handlers.js';
+import { decodeEntry, encodeEntry } from '../src/codec.js';
+import { newEnvelope } from '../src/envelope.js';
+import { KeySpace } from '../src/keys.js';
+import { createLogger } from '../src/log.js';
+import { Producer } from '../src/producer.js';
+import { RETRY_POLICY_HEADER, RejectedError, TIERED, TransientError } from '../src/retry.js';
 
 // Envelope headers asking for automatic retries (docs/protocol.md section 8).
 const TIERED_HEADERS = { [RETRY_POLICY_HEADER]: TIERED };
-import { Scripts } from '../lib/scripts.js';
-import { Timestamp } from '../lib/time.js';
-import { Worker, parseRedisUrl } from '../lib/worker.js';
+import { Scripts } from '../src/scripts.js';
+import { Timestamp } from '../src/time.js';
+import { Worker, parseRedisUrl } from '../src/worker.js';
 import { testRedis, waitFor } from '../support/helpers.js';
 
 const server = await testRedis();

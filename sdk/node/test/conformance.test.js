@@ -4,10 +4,10 @@ import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import path from 'node:path';
 import { describe, test } from 'node:test';
-import { decodeEntry, MalformedEntry } from '../lib/codec.js';
-import { envelopeToJson, validateEnvelope } from '../lib/envelope.js';
-import { stringifyJson } from '../lib/json.js';
-import { Timestamp } from '../lib/time.js';
+import { decodeEntry, MalformedEntry } from '../src/codec.js';
+import { envelopeToJson, validateEnvelope } from '../src/envelope.js';
+import { stringifyJson } from '../src/json.js';
+import { Timestamp } from '../src/time.js';
 import { CONFORMANCE, manifest, readVector } from '../support/helpers.js';
 
 const MANIFEST = manifest();

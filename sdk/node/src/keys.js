@@ -11,6 +11,7 @@
 //   <prefix>:{<queue>}:cancelled             ZSET task_id -> cancel time (ms)
 //   <prefix>:queues                          SET of queues with delayed tasks
 //   <prefix>:dead-queues                     SET of queues with dead-letter entries (DLQ tools)
+//   <prefix>:{<queue>}:replayed              stream of records of replayed dead-letter entries
 //   <prefix>:consumer:<consumer>             liveness of one consumer (PX lease)
 //   <prefix>:idem:<task_type>:<key>          idempotency claim / done marker
 //   <prefix>:retrying:<task_type>            ZSET of running retries (retry_slot.lua)
@@ -50,6 +51,7 @@ export class QueueKeys {
     this.delayed = `${this.base}:delayed`;
     this.delayedData = `${this.base}:delayed:data`;
     this.dead = `${this.base}:dead`;
+    this.replayed = `${this.base}:replayed`;
     this.cancelled = `${this.base}:cancelled`;
     Object.freeze(this);
   }

@@ -2,13 +2,13 @@
 
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { envelopeToJson, newEnvelope, validateEnvelope } from '../lib/envelope.js';
+import { envelopeToJson, newEnvelope, validateEnvelope } from '../src/envelope.js';
 import {
   FAST_RETRIES_HEADER, InvalidPayloadError, RETRY_POLICY_HEADER, RejectedError, TIERED, TaskTimeoutError,
   TransientError, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
-} from '../lib/retry.js';
-import { Timestamp } from '../lib/time.js';
+} from '../src/retry.js';
+import { Timestamp } from '../src/time.js';
 
 const plain = (fields) => newEnvelope({ task_type: 'a.b', created_at: '2025-09-11T12:00:00+08:00', ...fields });
 const TIERED_HEADERS = { [RETRY_POLICY_HEADER]: TIERED };

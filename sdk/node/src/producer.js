@@ -8,7 +8,9 @@ import crypto from 'node:crypto';
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
 import { DEFAULT_LIMITS, dueMs, isDue, newEnvelope } from './envelope.js';
 import { KeySpace, bucketFor } from './keys.js';
+import Redis from 'ioredis';
 import { Scripts } from './scripts.js';
+import { parseRedisUrl } from './url.js';
 
 /** How long enqueue.lua and schedule.lua remember a publish token (ms, docs/protocol.md section 4). */
 export const PUBLISH_DEDUPE_MS = 90_000;
@@ -16,13 +18,49 @@ export const PUBLISH_DEDUPE_MS = 90_000;
 /** A new publish token: one per publish, the same for every try of it. */
 export const publishToken = () => crypto.randomBytes(8).toString('hex');
 
+/** An ioredis client or Cluster (anything with defineCommand). */
+const isClient = (value) => value !== null && typeof value === 'object' && typeof value.defineCommand === 'function';
+
 export class Producer {
-  constructor(client, { prefix, limits = DEFAULT_LIMITS, gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, scripts } = {}) {
+  /**
+   * Two forms:
+   *
+   *   new Producer({ connection, prefix })   // connection: ioredis client or Cluster, redis:// URL, or ioredis options
+   *   new Producer(client, { prefix })       // client: an ioredis client or Cluster
+   *
+   * A connection the producer opened itself (URL or options) is closed by
+   * close(); a client that was given stays open.
+   * @param {any} clientOrOptions
+   * @param {{ prefix?: string, limits?: object, gzipMinBytes?: number, scripts?: any }} [options]
+   */
+  constructor(clientOrOptions, options = {}) {
+    let client;
+    let opts;
+    if (isClient(clientOrOptions)) {
+      client = clientOrOptions;
+      opts = options;
+    } else {
+      const { connection, ...rest } = clientOrOptions ?? {};
+      opts = rest;
+      if (isClient(connection)) {
+        client = connection;
+      } else {
+        const base = typeof connection === 'string' ? parseRedisUrl(connection) : { ...(connection ?? {}) };
+        client = new Redis({ connectionName: 'envelope-node-producer', ...base });
+        this.owned = true;
+      }
+    }
+    const { prefix, limits = DEFAULT_LIMITS, gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, scripts } = opts;
     this.client = client;
     this.keys = new KeySpace(prefix);
     this.limits = { ...DEFAULT_LIMITS, ...limits };
     this.gzipMinBytes = gzipMinBytes;
     this.scripts = scripts ?? new Scripts(client);
+  }
+
+  /** The Envelope publish() would write: identity filled in, every publish rule checked. */
+  prepare(fields, { nowMs = Date.now() } = {}) {
+    return newEnvelope(fields, { limits: this.limits, publish: true, now: nowMs });
   }
 
   /**
@@ -31,9 +69,40 @@ export class Producer {
    * and created_at are filled in when absent). Throws InvalidEnvelope before
    * anything reaches Redis when a rule is broken.
    * Returns { taskId, envelope, entryId (null when delayed), delayed, dueMs }.
+   * @param {string} queue
+   * @param {object} fields
+   * @param {{ nowMs?: number }} [options]
+   * @returns {Promise<PublishResult>}
    */
   async publish(queue, fields, { nowMs = Date.now() } = {}) {
-    const envelope = newEnvelope(fields, { limits: this.limits, publish: true, now: nowMs });
+    return this.write(queue, this.prepare(fields, { nowMs }), nowMs);
+  }
+
+  /**
+   * Publish several tasks to one queue. Every Envelope is built and checked
+   * first: when one breaks a rule, InvalidEnvelope is thrown and nothing is
+   * written. Each task is then written on its own (one script call each, sent
+   * together); results are in the order of `list`.
+   * @param {string} queue
+   * @param {object[]} list
+   * @param {{ nowMs?: number }} [options]
+   * @returns {Promise<PublishResult[]>}
+   */
+  async publishMany(queue, list, { nowMs = Date.now() } = {}) {
+    const envelopes = list.map((fields) => this.prepare(fields, { nowMs }));
+    return Promise.all(envelopes.map((envelope) => this.write(queue, envelope, nowMs)));
+  }
+
+  /** Close the connection when the producer opened it. */
+  async close() {
+    if (this.owned) await this.client.quit().catch(() => this.client.disconnect());
+  }
+
+  /**
+   * @typedef {{ taskId: string, envelope: object, entryId: string | null, delayed: boolean, dueMs: number }} PublishResult
+   * @returns {Promise<PublishResult>}
+   */
+  async write(queue, envelope, nowMs) {
     const qk = this.keys.queue(queue);
     const { enc, body } = encodeBody(envelope, { gzipMinBytes: this.gzipMinBytes, limits: this.limits });
     const bucket = bucketFor(envelope.priority);

@@ -7,11 +7,28 @@ import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
-import { parseJson } from '../lib/json.js';
-import { parseRedisUrl } from '../lib/worker.js';
+import { parseJson } from '../src/json.js';
+import { parseRedisUrl } from '../src/worker.js';
 
-export const REPO_ROOT = fileURLToPath(new URL('../../../../', import.meta.url));
-export const CONFORMANCE = path.join(REPO_ROOT, 'conformance');
+/**
+ * The conformance vectors: $ENVELOPE_CONFORMANCE_DIR when set, else the first
+ * conformance/ folder with a manifest.json found walking up from this file
+ * (the repository root when the package is sdk/node of the repository).
+ */
+function findConformance() {
+  if (process.env.ENVELOPE_CONFORMANCE_DIR) return path.resolve(process.env.ENVELOPE_CONFORMANCE_DIR);
+  let dir = path.dirname(fileURLToPath(import.meta.url));
+  for (;;) {
+    const candidate = path.join(dir, 'conformance');
+    if (fs.existsSync(path.join(candidate, 'manifest.json'))) return candidate;
+    const parent = path.dirname(dir);
+    if (parent === dir) throw new Error('no conformance/manifest.json above sdk/node; set ENVELOPE_CONFORMANCE_DIR');
+    dir = parent;
+  }
+}
+
+export const CONFORMANCE = findConformance();
+export const REPO_ROOT = path.dirname(CONFORMANCE);
 
 export function readVector(relative) {
   return parseJson(fs.readFileSync(path.join(CONFORMANCE, relative), 'utf8')).value;

@@ -5,13 +5,15 @@ import fs from 'node:fs';
 import path from 'node:path';
 import zlib from 'node:zlib';
 import { describe, test } from 'node:test';
+import { fileURLToPath } from 'node:url';
 import {
   ENC_JSON, ENC_JSON_GZIP, MalformedEntry, decodeEntry, encodeEntry, inflateBody, maxBodyBytes,
-} from '../lib/codec.js';
-import { envelopeToJson, newEnvelope, validateEnvelope } from '../lib/envelope.js';
-import { JsonSyntaxError, parseJson, stringifyJson } from '../lib/json.js';
-import { BUCKETS, KeySpace, bucketFor } from '../lib/keys.js';
-import { LUA_DIR, SCRIPT_NAMES, keyCount, loadScripts } from '../lib/scripts.js';
+} from '../src/codec.js';
+import { envelopeToJson, newEnvelope, validateEnvelope } from '../src/envelope.js';
+import { JsonSyntaxError, parseJson, stringifyJson } from '../src/json.js';
+import { BUCKETS, KeySpace, bucketFor } from '../src/keys.js';
+import { LUA_DIR, SCRIPT_NAMES, keyCount, loadScripts } from '../src/scripts.js';
+import { REPO_ROOT } from '../support/helpers.js';
 
 const env = (fields = {}) => newEnvelope({ task_type: 'reports.render', ...fields });
 // The identity every Envelope carries on the wire.
@@ -175,7 +177,8 @@ describe('keys', () => {
 });
 
 describe('shared Lua scripts', () => {
-  test('every script is loaded from kombu_envelope/lua with the key count of its header', () => {
+  test("every script is loaded from the package's lua/ with the key count of its header", () => {
+    assert.equal(path.resolve(LUA_DIR), fileURLToPath(new URL('../lua', import.meta.url)));
     const scripts = loadScripts();
     for (const name of SCRIPT_NAMES) assert.ok(scripts.has(name), name);
     const expected = {
@@ -189,6 +192,17 @@ describe('shared Lua scripts', () => {
     }
     const onDisk = fs.readdirSync(LUA_DIR).filter((f) => f.endsWith('.lua')).map((f) => f.slice(0, -4)).sort();
     assert.deepEqual([...scripts.keys()], onDisk);
+  });
+
+  test('the copies in lua/ equal kombu_envelope/lua/ of the repository (python sdk/sync_lua.py)', (t) => {
+    const source = path.join(REPO_ROOT, 'kombu_envelope', 'lua');
+    if (!fs.existsSync(source)) return t.skip('not inside the repository');
+    const names = (dir) => fs.readdirSync(dir).filter((f) => f.endsWith('.lua')).sort();
+    assert.deepEqual(names(LUA_DIR), names(source), 'run python sdk/sync_lua.py');
+    for (const name of names(source)) {
+      assert.ok(fs.readFileSync(path.join(LUA_DIR, name)).equals(fs.readFileSync(path.join(source, name))),
+        `${name} differs from its source: run python sdk/sync_lua.py`);
+    }
   });
 
   test('key counts come from the header only', () => {

@@ -23,6 +23,7 @@
 // Logs are JSON lines on stderr, each with trace_id and task_id.
 
 import crypto from 'node:crypto';
+import { EventEmitter } from 'node:events';
 import os from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
@@ -37,6 +38,9 @@ import {
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
 import { Scripts } from './scripts.js';
+import { parseRedisUrl } from './url.js';
+
+export { parseRedisUrl };
 
 export const WORKER_DEFAULTS = Object.freeze({
   prefix: DEFAULT_PREFIX,
@@ -100,15 +104,58 @@ function positiveInt(name, value, { allowZero = false } = {}) {
   }
 }
 
-export class Worker {
+/**
+ * Handlers given to the Worker constructor: task_type -> function, or
+ * task_type -> { handler, payloadVersions, timeoutMs }.
+ * @typedef {(payload: any, ctx: TaskContext) => any} Handler
+ * @typedef {{ handler: Handler, payloadVersions?: number[], timeoutMs?: number | null }} HandlerSpec
+ * @typedef {{ envelope: any, taskId: string, traceId: string, attempt: number,
+ *   signal: AbortSignal, log: any, redis: any, keys: KeySpace }} TaskContext
+ * @typedef {{ connection?: any, redis?: any, queue?: string, prefix?: string, group?: string,
+ *   leaseMs?: number, blockMs?: number, concurrency?: number, prefetch?: number | null,
+ *   fastRetries?: number, backoffMs?: number, maxBackoffMs?: number, retryConcurrency?: number,
+ *   maxRedeliveries?: number, deferMs?: number, shutdownGraceMs?: number, limits?: object,
+ *   isTransient?: ((err: unknown) => boolean) | null, logger?: any, consumer?: string,
+ *   promoter?: boolean, promoterMaxIdleMs?: number, defaultTimeoutMs?: number | null,
+ *   forgetAfterMs?: number, idemClaimMs?: number, idemDoneTtlMs?: number, retrySlotHoldMs?: number,
+ *   takeoverBatch?: number, gzipMinBytes?: number, autorun?: boolean }} WorkerOptions
+ */
+
+/** @extends {EventEmitter<any>} */
+export class Worker extends EventEmitter {
   /**
-   * options: redis (URL or ioredis options), prefix, queue, group, leaseMs,
-   * blockMs, concurrency, prefetch, fastRetries, backoffMs, maxBackoffMs,
-   * retryConcurrency, maxRedeliveries, deferMs, shutdownGraceMs, limits,
-   * isTransient(err) (extra transient errors), logger, consumer, promoter.
+   * Two forms:
+   *
+   *   new Worker(queue, handlers, { connection, concurrency, ... })  // starts at once unless autorun: false
+   *   new Worker({ redis, queue, concurrency, ... })                  // then worker.register(...) and await worker.start()
+   *
+   * connection (or redis): an ioredis client or Cluster (each role gets a
+   * duplicate() of it), a redis:// URL, or ioredis options.
+   * Options: prefix, group, leaseMs, blockMs, concurrency, prefetch,
+   * fastRetries, backoffMs, maxBackoffMs, retryConcurrency, maxRedeliveries,
+   * deferMs, shutdownGraceMs, limits, isTransient(err) (extra transient
+   * errors), logger, consumer, promoter, autorun.
+   *
+   * Events: 'ready', 'completed' (envelope, { result, durationMs }),
+   * 'failed' (envelope, error, { retrying, delayMs }) for every failed attempt,
+   * 'dead' (envelope | null, failure) for every dead-lettered entry,
+   * 'error' (error) when autorun could not start, 'closed' (stats).
+   * @param {string | WorkerOptions} queueOrOptions
+   * @param {Record<string, Handler | HandlerSpec>} [handlers]
+   * @param {WorkerOptions} [options]
    */
-  constructor(options) {
-    const o = { ...WORKER_DEFAULTS, ...Object.fromEntries(Object.entries(options).filter(([, v]) => v !== undefined)) };
+  constructor(queueOrOptions, handlers, options) {
+    super();
+    const modern = typeof queueOrOptions === 'string';
+    const given = modern ? { autorun: true, ...(options ?? {}), queue: queueOrOptions } : { ...(queueOrOptions ?? {}) };
+    if (given.connection !== undefined) {
+      if (given.redis !== undefined) throw new Error('give connection or redis, not both');
+      given.redis = given.connection;
+    }
+    delete given.connection;
+    const autorun = given.autorun === true;
+    delete given.autorun;
+    const o = { ...WORKER_DEFAULTS, ...Object.fromEntries(Object.entries(given).filter(([, v]) => v !== undefined)) };
     if (!o.queue) throw new Error('a queue is required');
     for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs']) {
       positiveInt(name, o[name]);
@@ -130,6 +177,33 @@ export class Worker {
     this.running = false;
     this.recoverAt = null;
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0 };
+    for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
+      if (typeof spec === 'function') this.register(taskType, spec);
+      else this.register(taskType, spec?.handler, { payloadVersions: spec?.payloadVersions, timeoutMs: spec?.timeoutMs });
+    }
+    if (autorun) {
+      this.starting = this.start().catch((err) => {
+        this.log.error('the worker could not start', { err });
+        if (this.listenerCount('error')) this.emit('error', err);
+        throw err;
+      });
+      this.starting.catch(() => {});
+    }
+  }
+
+  /** Resolves once the worker reads its queue (after autorun or start()). */
+  async waitUntilReady() {
+    if (this.starting) return this.starting;
+    return this.start();
+  }
+
+  /** emit() that never lets a listener break the handling of an entry. */
+  notify(event, ...args) {
+    try {
+      this.emit(event, ...args);
+    } catch (err) {
+      this.log.warn(`a listener of '${event}' threw`, { err });
+    }
   }
 
   /**
@@ -139,14 +213,21 @@ export class Worker {
    * timeoutMs (bound for tasks that carry no timeout_ms).
    */
   register(taskType, fn, { payloadVersions = [1], timeoutMs = null } = {}) {
-    if (typeof fn !== 'function') throw new TypeError('a handler is a function');
-    this.handlers.set(taskType, { fn, payloadVersions: new Set(payloadVersions), timeoutMs });
+    if (typeof fn !== 'function') throw new TypeError(`the handler of ${taskType} is not a function`);
+    this.handlers.set(taskType, { fn, payloadVersions: new Set(payloadVersions ?? [1]), timeoutMs: timeoutMs ?? null });
     return this;
   }
 
   client(role) {
-    const base = typeof this.opts.redis === 'string' ? { ...parseRedisUrl(this.opts.redis) } : { ...(this.opts.redis ?? {}) };
-    const client = new Redis({ ...base, connectionName: `envelope-node-${role}`, lazyConnect: false });
+    const given = this.opts.redis;
+    let client;
+    if (isRedisClient(given)) {
+      // BullMQ's way: every role gets its own connection, a duplicate of the given one.
+      client = given.isCluster ? given.duplicate() : given.duplicate({ connectionName: `envelope-node-${role}` });
+    } else {
+      const base = typeof given === 'string' ? { ...parseRedisUrl(given) } : { ...(given ?? {}) };
+      client = new Redis({ ...base, connectionName: `envelope-node-${role}`, lazyConnect: false });
+    }
     // Connection errors are logged as JSON lines (ioredis reconnects by itself).
     let lastLogged = 0;
     client.on('error', (err) => {
@@ -184,7 +265,9 @@ export class Worker {
     this.log.info('worker ready', {
       group: this.opts.group, lease_ms: this.opts.leaseMs, concurrency: this.opts.concurrency,
       task_types: [...this.handlers.keys()],
+      handlers: Object.fromEntries([...this.handlers].map(([type, h]) => [type, [...h.payloadVersions]])),
     });
+    this.notify('ready');
   }
 
   /** XGROUP CREATE ... MKSTREAM on every task stream, ignoring BUSYGROUP. */
@@ -485,6 +568,7 @@ export class Worker {
       await this.ack(entry, log);
       this.stats.succeeded += 1;
       log.info('task succeeded', { attempt: env.retry_count, duration_ms: outcome.durationMs });
+      this.notify('completed', env, { result: outcome.result, durationMs: outcome.durationMs });
       return;
     }
     if (claim) await this.finishClaim(claim, 'release', log);
@@ -510,8 +594,8 @@ export class Worker {
       signal: abort.signal, log, redis: this.cmd, keys: this.keys,
     };
     try {
-      await Promise.race([Promise.resolve().then(() => handler.fn(env.payload, ctx)), stopped]);
-      return { ok: true, durationMs: Date.now() - started };
+      const result = await Promise.race([Promise.resolve().then(() => handler.fn(env.payload, ctx)), stopped]);
+      return { ok: true, result, durationMs: Date.now() - started };
     } catch (error) {
       return { ok: false, error, timeout: error instanceof TaskTimeoutError, durationMs: Date.now() - started };
     } finally {
@@ -539,6 +623,7 @@ export class Worker {
     const permanent = permanentClassOf(error);
     if (permanent !== null) {
       // invalid_payload / rejected: dead-lettered at once, never retried.
+      this.notify('failed', env, error, { retrying: false, delayMs: null });
       await this.deadLetter(entry, env, log, { ...failure, failure_class: permanent });
       return;
     }
@@ -546,6 +631,7 @@ export class Worker {
     const transient = !timeout && this.isTransient(error);
     const decision = decideFailure(env, { transient, timeout }, this.opts);
     if (decision.action === 'dead') {
+      this.notify('failed', env, error, { retrying: false, delayMs: null });
       await this.deadLetter(entry, env, log, { ...failure, failure_class: decision.failureClass, attempts: decision.attempts });
       return;
     }
@@ -553,6 +639,7 @@ export class Worker {
     const next = nextAttempt(env, { retryCount: decision.retryCount, headers, delayMs: decision.delayMs }, now.epochMs);
     await this.replace(entry, next, decision.delayMs, log);
     this.stats.retried += 1;
+    this.notify('failed', env, error, { retrying: true, delayMs: decision.delayMs });
     log.warn('attempt failed; retrying', {
       attempt: env.retry_count, tier: decision.tier, delay_ms: decision.delayMs, transient, timeout,
       error: failure.reason, error_type: failure.exception_type,
@@ -675,7 +762,7 @@ export class Worker {
     this.stats.dead += 1;
     log.error('entry dead-lettered', {
       failure_class: failure.failure_class, reason: failure.reason, dead_id: deadId, attempts: failure.attempts ?? null,
-    });
+    });    this.notify('dead', env ?? null, { ...failure, dead_id: String(deadId) });
   }
 
   async malformed(entry, err) {
@@ -787,13 +874,27 @@ export class Worker {
 
   // ---------------------------------------------------------------- stopping
 
-  /** Stop cleanly; safe to call more than once. */
+  /**
+   * Stop cleanly (BullMQ's name); the same as stop().
+   * @param {{ graceMs?: number }} [options]
+   * @returns {Promise<void>}
+   */
+  close(options) {
+    return this.stop(options);
+  }
+
+  /**
+   * Stop cleanly; safe to call more than once.
+   * @param {{ graceMs?: number }} [options]
+   * @returns {Promise<void>}
+   */
   stop({ graceMs = this.opts.shutdownGraceMs } = {}) {
     if (!this.stopping) this.stopping = this.shutdown(graceMs);
     return this.stopping;
   }
 
   async shutdown(graceMs) {
+    await this.starting?.catch(() => {});
     this.log.info('worker stopping', { running: this.inflight.size, prefetched: this.waiting.length });
     this.running = false;
     this.reader?.disconnect();
@@ -835,20 +936,12 @@ export class Worker {
       await client?.quit().catch(() => client.disconnect());
     }
     this.log.info('worker stopped', { stats: this.stats });
+    this.notify('closed', this.stats);
   }
 }
 
-/** ioredis options from a redis:// or rediss:// URL (db in the path). */
-export function parseRedisUrl(url) {
-  const u = new URL(url);
-  if (!['redis:', 'rediss:'].includes(u.protocol)) throw new Error(`not a redis URL: ${url}`);
-  const options = {
-    host: u.hostname ? u.hostname.replace(/^\[(.*)\]$/, '$1') : '127.0.0.1',
-    port: u.port ? Number(u.port) : 6379,
-    db: u.pathname && u.pathname !== '/' ? Number(u.pathname.slice(1)) : 0,
-  };
-  if (u.username) options.username = decodeURIComponent(u.username);
-  if (u.password) options.password = decodeURIComponent(u.password);
-  if (u.protocol === 'rediss:') options.tls = {};
-  return options;
+/** An ioredis client or Cluster (anything with defineCommand and duplicate). */
+export function isRedisClient(value) {
+  return value !== null && typeof value === 'object' && typeof value.defineCommand === 'function' &&
+    typeof value.duplicate === 'function';
 }

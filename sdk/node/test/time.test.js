@@ -3,8 +3,8 @@
 
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { dueMs, isDue, newEnvelope, validateEnvelope } from '../lib/envelope.js';
-import { TimeError, Timestamp, formatOffset, parseOffset } from '../lib/time.js';
+import { dueMs, isDue, newEnvelope, validateEnvelope } from '../src/envelope.js';
+import { TimeError, Timestamp, formatOffset, parseOffset } from '../src/time.js';
 
 const rule = (fn) => {
   try {

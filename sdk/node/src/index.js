@@ -1,0 +1,22 @@
+// Public surface of the kombu-envelope Node.js SDK.
+export * from './envelope.js';
+export * from './codec.js';
+export * from './keys.js';
+export * from './retry.js';
+export { parseOffset, formatOffset, parseRfc3339 } from './time.js';
+export { Scripts, loadScripts, keyCount, LUA_DIR, SCRIPT_NAMES } from './scripts.js';
+export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
+export { Worker, WORKER_DEFAULTS, isRedisClient } from './worker.js';
+export { parseRedisUrl } from './url.js';
+export { Promoter, redisNowMs } from './promoter.js';
+export { DeadLetters, jsonMergePatch } from './deadletters.js';
+export { createLogger } from './log.js';
+export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
+
+/** @typedef {import('./producer.js').PublishResult} PublishResult */
+/** @typedef {import('./worker.js').Handler} Handler */
+/** @typedef {import('./worker.js').HandlerSpec} HandlerSpec */
+/** @typedef {import('./worker.js').TaskContext} TaskContext */
+/** @typedef {import('./worker.js').WorkerOptions} WorkerOptions */
+/** @typedef {import('./deadletters.js').DeadLetter} DeadLetter */
+/** @typedef {import('./deadletters.js').ReplayEdit} ReplayEdit */
