@@ -380,4 +380,43 @@ class RoundTripTest {
         }
         assertEquals(List.of(1), redelivered);
     }
+
+    @Test
+    void deadLettersCanBeListedReplayedAndDeleted() throws Exception {
+        AtomicInteger runs = new AtomicInteger();
+        try (Producer p = producer();
+             DeadLetters dl = DeadLetters.builder().client(client).prefix(prefix).build();
+             Worker w = worker().handler("fixme", t -> {
+                 if (t.get("ok").asBoolean(false)) {
+                     runs.incrementAndGet();
+                 } else {
+                     throw new TaskFailure.InvalidPayload("ok must be true");
+                 }
+             }).build().start()) {
+            Envelope e = Envelope.builder("fixme").put("ok", false).build();
+            p.publish(e);
+            Map<String, byte[]> junk = new LinkedHashMap<>();
+            junk.put("v", "1".getBytes());
+            redis.xadd(keys.stream(queue, "normal"), junk);
+            await("two dead letters", () -> dead().size() == 2);
+            assertEquals(List.of(queue), dl.queues());
+            List<DeadLetter> all = dl.list(queue, 10);
+            assertEquals(2, all.size());
+            DeadLetter invalid = all.stream().filter(d -> "invalid_payload".equals(d.failureClass())).findFirst().get();
+            assertEquals(e.taskId(), invalid.taskId());
+            assertEquals(e, invalid.envelope());
+            DeadLetter broken = all.stream().filter(d -> "malformed_entry".equals(d.failureClass())).findFirst().get();
+            assertNull(broken.envelope());
+            assertTrue(broken.decodeError().startsWith("missing_field"), broken.decodeError());
+            assertThrows(IllegalStateException.class, () -> dl.replay(queue, broken.entryId(), "test"));
+
+            String newId = dl.replay(queue, invalid.entryId(), b -> b.put("ok", true), "test");
+            assertNotNull(newId);
+            assertNull(dl.replay(queue, invalid.entryId(), "test"), "replayed twice");
+            await("the replay ran", () -> runs.get() == 1);
+            assertEquals(1, redis.xlen(keys.replayed(queue)));
+            assertEquals(1, dl.delete(queue, broken.entryId()));
+            assertEquals(0, dl.count(queue));
+        }
+    }
 }
