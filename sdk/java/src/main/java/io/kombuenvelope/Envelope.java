@@ -107,6 +107,18 @@ public final class Envelope {
         return UUID.randomUUID().toString();
     }
 
+    /**
+     * The trace id of the request being served ({@link TraceContext#current()}: a worker sets it
+     * while a task runs, so tasks published from a handler carry it on), else a new one.
+     */
+    public static String currentTraceId() {
+        String t = TraceContext.current();
+        if (t != null && !t.isEmpty() && t.length() <= 128 && TOKEN.matcher(t).matches()) {
+            return t;
+        }
+        return newTraceId();
+    }
+
     /** 32 random hex digits, the default trace_id. */
     public static String newTraceId() {
         byte[] b = new byte[16];
@@ -495,7 +507,7 @@ public final class Envelope {
         private Long maxRetries = MAX_RETRIES_DEFAULT;
         private long retryCount;
         private int priority = PRIORITY_DEFAULT;
-        private String traceId = newTraceId();
+        private String traceId = currentTraceId();
         private Timestamp createdAt = Timestamp.now();
         private String idempotencyKey;
         private final Map<String, String> headers = new TreeMap<>();

@@ -66,6 +66,15 @@ public final class Producer implements AutoCloseable {
         return publish(queue, Envelope.builder(taskType).payload(payload).build());
     }
 
+    /** Publishes several Envelopes to the producer's queue, in order; answers one result each. */
+    public List<PublishResult> publishAll(List<Envelope> envelopes) {
+        List<PublishResult> out = new java.util.ArrayList<>(envelopes.size());
+        for (Envelope e : envelopes) {
+            out.add(publish(queue, e));
+        }
+        return out;
+    }
+
     /** Publishes {@code e} to run after {@code delay} (its schedule_time is set to now + delay). */
     public PublishResult publishIn(Envelope e, Duration delay) {
         return publish(queue, e.toBuilder().scheduleTime(Instant.now().plus(delay)).build());

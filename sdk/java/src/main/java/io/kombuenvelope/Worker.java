@@ -134,7 +134,13 @@ public final class Worker implements AutoCloseable {
         loop = new Thread(this::runLoop, "envelope-read-" + queue);
         loop.setDaemon(true);
         loop.start();
-        LOG.info("worker started: queue={} consumer={} concurrency={}", queue, consumer, cfg.concurrency);
+        if (cfg.closeOnShutdown) {
+            Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
+        }
+        Map<String, List<Long>> serves = new java.util.TreeMap<>();
+        cfg.handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
+        LOG.info("worker started: queue={} consumer={} concurrency={} serves (task_type=payload_versions) {}",
+                queue, consumer, cfg.concurrency, serves);
         return this;
     }
 
@@ -500,7 +506,7 @@ public final class Worker implements AutoCloseable {
             if (mdc != null) {
                 MDC.setContextMap(mdc);
             }
-            try {
+            try (TraceContext.Scope scope = TraceContext.with(task.traceId())) {
                 handler.handle(task);
                 return null;
             } finally {
@@ -917,6 +923,7 @@ public final class Worker implements AutoCloseable {
         private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
         private boolean runPromoter = true;
         private boolean takeOver = true;
+        private boolean closeOnShutdown;
         private Predicate<Throwable> isTransient;
         private java.util.function.Consumer<Envelope> onDuplicate;
         private final Map<String, Handler> handlers = new HashMap<>();
@@ -961,6 +968,11 @@ public final class Worker implements AutoCloseable {
         public Builder runPromoter(boolean v) { runPromoter = v; return this; }
         /** Whether the worker takes over entries of dead consumers (true by default). */
         public Builder takeOverDeadConsumers(boolean v) { takeOver = v; return this; }
+        /**
+         * Closes the worker from a JVM shutdown hook (SIGTERM, SIGINT): it stops reading, lets
+         * running tasks finish within the shutdown timeout and deletes its liveness key.
+         */
+        public Builder closeOnShutdown(boolean v) { closeOnShutdown = v; return this; }
         /** Marks more errors as transient (connection errors always are). */
         public Builder transientErrors(Predicate<Throwable> v) { isTransient = v; return this; }
         /** Called with each Envelope acknowledged as a duplicate of a done idempotency key. */

@@ -99,8 +99,12 @@ class RoundTripTest {
     @Test
     void publishedTaskRunsOnceAndIsAcknowledged() throws Exception {
         List<Task> seen = new CopyOnWriteArrayList<>();
+        List<String> childTraces = new CopyOnWriteArrayList<>();
         try (Producer p = producer();
-             Worker w = worker().handler("order.close", seen::add).build().start()) {
+             Worker w = worker().handler("order.close", t -> {
+                 seen.add(t);
+                 childTraces.add(Envelope.builder("child").build().traceId());
+             }).build().start()) {
             PublishResult r = p.publish(Envelope.builder("order.close").put("order_id", 7).priority(200).build());
             assertNotNull(r.entryId());
             assertFalse(r.delayed());
@@ -112,6 +116,7 @@ class RoundTripTest {
             assertEquals(1, redis.exists(keys.consumer(w.consumer())));
         }
         assertEquals(1, seen.size());
+        assertEquals(List.of(seen.get(0).traceId()), childTraces, "a task built in a handler carries its trace id");
         assertTrue(dead().isEmpty());
     }
 
