@@ -80,6 +80,7 @@ public final class Worker implements AutoCloseable {
     private final AtomicInteger inFlight = new AtomicInteger();
     private final AtomicInteger renewalsInARow = new AtomicInteger();
     private volatile Thread loop;
+    private volatile long lastForget;
     private volatile Promoter promoter;
 
     private Worker(Builder b) {
@@ -163,6 +164,11 @@ public final class Worker implements AutoCloseable {
             int n = renewalsInARow.incrementAndGet();
             if (n >= 2 && !stopping.get() && cfg.takeOver) {
                 takeOverDeadConsumers();
+                long now = System.currentTimeMillis();
+                if (now - lastForget >= cfg.forgetEvery.toMillis()) {
+                    lastForget = now;
+                    forgetDeadConsumers();
+                }
             }
         } catch (RuntimeException e) {
             renewalsInARow.set(0);
@@ -214,6 +220,45 @@ public final class Worker implements AutoCloseable {
             }
         }
         return moved;
+    }
+
+    /**
+     * Removes dead consumers that hold nothing and were idle for {@code forgetAfter} (an hour),
+     * with forget_consumer.lua, never with a bare XGROUP DELCONSUMER (section 5).
+     */
+    @SuppressWarnings("unchecked")
+    int forgetDeadConsumers() {
+        long idleMs = Math.max(cfg.forgetAfter.toMillis(), cfg.leaseMs);
+        int forgotten = 0;
+        for (String stream : streams) {
+            List<Object> consumers;
+            try {
+                consumers = redis.xinfoConsumers(stream, cfg.group);
+            } catch (RedisException e) {
+                continue;
+            }
+            for (Object c : consumers) {
+                List<Object> info = (List<Object>) c;
+                Map<String, Object> kv = new HashMap<>();
+                for (int i = 0; i + 1 < info.size(); i += 2) {
+                    kv.put(Redis.s(info.get(i)), info.get(i + 1));
+                }
+                String name = Redis.s(kv.get("name"));
+                long pending = kv.get("pending") instanceof Number ? ((Number) kv.get("pending")).longValue() : 1;
+                long idle = kv.get("idle") instanceof Number ? ((Number) kv.get("idle")).longValue() : 0;
+                if (name == null || name.equals(consumer) || pending > 0 || idle < idleMs
+                        || redis.exists(keys.consumer(name)) > 0) {
+                    continue;
+                }
+                Long r = Scripts.run(redis, "forget_consumer", ScriptOutputType.INTEGER, List.of(stream), cfg.group,
+                        name, idleMs);
+                if (r != null && r == 1) {
+                    forgotten++;
+                    LOG.info("forgot dead consumer {} of {} that held nothing (idle {} ms)", name, stream, idle);
+                }
+            }
+        }
+        return forgotten;
     }
 
     // --- reading ----------------------------------------------------------------------------
@@ -924,6 +969,8 @@ public final class Worker implements AutoCloseable {
         private boolean runPromoter = true;
         private boolean takeOver = true;
         private boolean closeOnShutdown;
+        private Duration forgetAfter = Duration.ofHours(1);
+        private Duration forgetEvery = Duration.ofMinutes(1);
         private Predicate<Throwable> isTransient;
         private java.util.function.Consumer<Envelope> onDuplicate;
         private final Map<String, Handler> handlers = new HashMap<>();
@@ -973,6 +1020,12 @@ public final class Worker implements AutoCloseable {
          * running tasks finish within the shutdown timeout and deletes its liveness key.
          */
         public Builder closeOnShutdown(boolean v) { closeOnShutdown = v; return this; }
+        /** How long a dead consumer holding nothing stays in the group (1 h), and how often to look (1 min). */
+        public Builder forgetDeadConsumersAfter(Duration after, Duration every) {
+            forgetAfter = Objects.requireNonNull(after);
+            forgetEvery = Objects.requireNonNull(every);
+            return this;
+        }
         /** Marks more errors as transient (connection errors always are). */
         public Builder transientErrors(Predicate<Throwable> v) { isTransient = v; return this; }
         /** Called with each Envelope acknowledged as a duplicate of a done idempotency key. */

@@ -200,8 +200,11 @@ class RoundTripTest {
             await("two dead letters and one success", () -> dead().size() == 2 && ran.get() == 1);
             await("streams emptied", () -> streamLength() == 0);
         }
-        List<StreamMessage<String, byte[]>> d = dead();
-        Map<String, byte[]> first = d.get(0).getBody();
+        // The two were read from different streams and handled concurrently: find each by its raw.v.
+        List<Map<String, byte[]>> d = new ArrayList<>();
+        dead().forEach(m -> d.add(m.getBody()));
+        d.sort((a, b) -> s(a.get("raw.v")).compareTo(s(b.get("raw.v"))));
+        Map<String, byte[]> first = d.get(0);
         assertEquals("malformed_entry", s(first.get("failure_class")));
         assertEquals("1", s(first.get("dlq")));
         assertEquals("java", s(first.get("language")));
@@ -209,7 +212,7 @@ class RoundTripTest {
         assertArrayEquals(new byte[] {(byte) 0xff, (byte) 0xfe, '{', 0, 1}, first.get("raw.body"));
         assertEquals("1", s(first.get("raw.v")));
         assertTrue(s(first.get("reason")).contains("envelope"), s(first.get("reason")));
-        Map<String, byte[]> second = d.get(1).getBody();
+        Map<String, byte[]> second = d.get(1);
         assertEquals("malformed_entry", s(second.get("failure_class")));
         assertEquals("kept", s(second.get("raw.extra")));
         assertTrue(s(second.get("reason")).startsWith("version"), s(second.get("reason")));
@@ -423,5 +426,70 @@ class RoundTripTest {
             assertEquals(1, dl.delete(queue, broken.entryId()));
             assertEquals(0, dl.count(queue));
         }
+    }
+
+    @Test
+    void deadConsumersThatHoldNothingAreForgotten() throws Exception {
+        String stream = keys.stream(queue, "normal");
+        redis.xgroupCreate(io.lettuce.core.XReadArgs.StreamOffset.from(stream, "0"), "workers",
+                io.lettuce.core.XGroupCreateArgs.Builder.mkstream(true));
+        String id = redis.xadd(stream, Map.of("x", "y".getBytes()));
+        redis.xreadgroup(io.lettuce.core.Consumer.from("workers", "gone"),
+                io.lettuce.core.XReadArgs.StreamOffset.lastConsumed(stream));
+        redis.xack(stream, "workers", id);
+        redis.xdel(stream, id);
+        assertTrue(consumerNames(stream).contains("gone"));
+        Thread.sleep(350);
+        try (Worker w = worker().lease(Duration.ofMillis(300)).forgetDeadConsumersAfter(Duration.ZERO, Duration.ZERO)
+                .build().start()) {
+            await("the empty dead consumer forgotten", () -> !consumerNames(stream).contains("gone"));
+        }
+    }
+
+    static List<String> consumerNames(String stream) {
+        List<String> names = new ArrayList<>();
+        for (Object c : redis.xinfoConsumers(stream, "workers")) {
+            List<?> info = (List<?>) c;
+            for (int i = 0; i + 1 < info.size(); i += 2) {
+                if ("name".equals(Redis.s(info.get(i)))) {
+                    names.add(Redis.s(info.get(i + 1)));
+                }
+            }
+        }
+        return names;
+    }
+
+    @Test
+    void aBusyIdempotencyKeyOfALiveConsumerDefersTheTask() throws Exception {
+        redis.set(keys.consumer("other"), "h 1 go".getBytes());
+        redis.set(keys.idempotency("pay", "k1"), "running other someid".getBytes());
+        AtomicInteger ran = new AtomicInteger();
+        try (Producer p = producer();
+             Worker w = worker().deferDelay(Duration.ofMillis(300)).handler("pay", t -> ran.incrementAndGet())
+                     .build().start()) {
+            p.publish(Envelope.builder("pay").idempotencyKey("k1").build());
+            Thread.sleep(600);
+            assertEquals(0, ran.get(), "ran while another live consumer held the key");
+            redis.del(keys.consumer("other"));
+            await("run after the holder died", () -> ran.get() == 1);
+        }
+    }
+
+    @Test
+    void retriesOfATaskTypeWaitForAFreeSlot() throws Exception {
+        String slots = keys.retrying("capped");
+        redis.zadd(slots, System.currentTimeMillis() + 60_000, "someone-else".getBytes());
+        AtomicInteger ran = new AtomicInteger();
+        RetryPolicy quick = new RetryPolicy(0, Duration.ofMillis(200), Duration.ofMillis(200), () -> 1.0);
+        try (Producer p = producer();
+             Worker w = worker().retryConcurrency(1).retryPolicy(quick).handler("capped", t -> ran.incrementAndGet())
+                     .build().start()) {
+            p.publish(Envelope.builder("capped").tieredRetries().retryCount(1).build());
+            Thread.sleep(700);
+            assertEquals(0, ran.get(), "a retry ran although every slot was taken");
+            redis.del(slots);
+            await("the retry ran once a slot was free", () -> ran.get() == 1);
+        }
+        assertEquals(0, redis.zcard(slots));
     }
 }
