@@ -81,6 +81,8 @@ public final class Worker implements AutoCloseable {
     private final AtomicInteger renewalsInARow = new AtomicInteger();
     private volatile Thread loop;
     private volatile long lastForget;
+    private volatile boolean recoverPending = true;
+    private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
     private volatile Promoter promoter;
 
     private Worker(Builder b) {
@@ -289,6 +291,15 @@ public final class Worker implements AutoCloseable {
                     }
                     continue;
                 }
+                if (recoverPending) {
+                    List<Entry> own = ownPending();
+                    recoverPending = false;
+                    if (!own.isEmpty()) {
+                        LOG.warn("delivering {} entries this consumer had read but not settled", own.size());
+                        dispatch(own);
+                        continue;
+                    }
+                }
                 List<Entry> batch = read(n);
                 if (batch.isEmpty()) {
                     waitForEntries();
@@ -303,6 +314,8 @@ public final class Worker implements AutoCloseable {
                 if (stopping.get()) {
                     return;
                 }
+                // A read whose reply was lost may have taken entries: look at our own pending ones next.
+                recoverPending = true;
                 if (String.valueOf(e.getMessage()).contains("NOGROUP")) {
                     LOG.warn("consumer group missing (Redis lost its data?); creating it again");
                     try {
@@ -353,6 +366,21 @@ public final class Worker implements AutoCloseable {
         return out;
     }
 
+    /** Entries pending for this consumer that it is not running (XREADGROUP ... 0). */
+    @SuppressWarnings("unchecked")
+    private List<Entry> ownPending() {
+        List<Entry> out = new ArrayList<>();
+        XReadArgs.StreamOffset<String>[] offsets = streams.stream().map(st -> XReadArgs.StreamOffset.from(st, "0"))
+                .toArray(XReadArgs.StreamOffset[]::new);
+        for (StreamMessage<String, byte[]> m : redis.xreadgroup(Consumer.from(cfg.group, consumer), offsets)) {
+            if (!inFlightIds.contains(m.getStream() + " " + m.getId())) {
+                Map<String, byte[]> body = m.getBody();
+                out.add(new Entry(m.getStream(), m.getId(), body == null ? Map.of() : new LinkedHashMap<>(body)));
+            }
+        }
+        return out;
+    }
+
     /** Waits with XREAD BLOCK from the group's last-delivered ids, then read.lua takes exactly the credit. */
     @SuppressWarnings("unchecked")
     private void waitForEntries() {
@@ -397,6 +425,8 @@ public final class Worker implements AutoCloseable {
             MalformedEntryException err = errors.get(i);
             credit.acquire();
             inFlight.incrementAndGet();
+            String key = e.stream() + " " + e.id();
+            inFlightIds.add(key);
             pool.execute(() -> {
                 try {
                     process(e, env, err, env != null && cancelled.contains(env.taskId()));
@@ -404,6 +434,7 @@ public final class Worker implements AutoCloseable {
                     LOG.error("handling entry {} failed; it stays pending", e.id(), ex);
                 } finally {
                     MDC.clear();
+                    inFlightIds.remove(key);
                     inFlight.decrementAndGet();
                     credit.release();
                 }

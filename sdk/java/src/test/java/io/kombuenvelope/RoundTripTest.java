@@ -492,4 +492,21 @@ class RoundTripTest {
         }
         assertEquals(0, redis.zcard(slots));
     }
+
+    @Test
+    void entriesAConsumerReadButNeverSettledAreDeliveredWhenItStartsAgain() throws Exception {
+        try (Producer p = producer()) {
+            p.publish(Envelope.builder("resume").build());
+        }
+        String stream = keys.stream(queue, "normal");
+        redis.xgroupCreate(io.lettuce.core.XReadArgs.StreamOffset.from(stream, "0"), "workers",
+                io.lettuce.core.XGroupCreateArgs.Builder.mkstream(true));
+        redis.xreadgroup(io.lettuce.core.Consumer.from("workers", "same-name"),
+                io.lettuce.core.XReadArgs.StreamOffset.lastConsumed(stream));
+        CountDownLatch ran = new CountDownLatch(1);
+        try (Worker w = worker().consumer("same-name").handler("resume", t -> ran.countDown()).build().start()) {
+            assertTrue(ran.await(10, TimeUnit.SECONDS), "the pending entry was never delivered");
+            await("acknowledged", () -> streamLength() == 0);
+        }
+    }
 }
