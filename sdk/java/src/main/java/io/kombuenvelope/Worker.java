@@ -912,8 +912,9 @@ public final class Worker implements AutoCloseable {
     // --- shutdown ---------------------------------------------------------------------------
 
     /**
-     * Stops reading, waits up to the shutdown timeout for running tasks, then deletes the
-     * liveness key (kept, and left to expire, when tasks are still running).
+     * Stops reading and waits up to the shutdown timeout for running tasks, then deletes the
+     * liveness key. Tasks still running after that keep their consumer alive (renewed in the
+     * background) until they end; nothing is put back while it may still run.
      */
     @Override
     public void close() {
@@ -939,16 +940,33 @@ public final class Worker implements AutoCloseable {
         if (promoter != null) {
             promoter.close();
         }
+        if (drained) {
+            finishClose();
+            return;
+        }
+        // Liveness belongs to the process while it runs anything it read: keep renewing until
+        // the last running task is settled, then let go.
+        LOG.warn("{} tasks still running after the shutdown timeout; their consumer stays alive until they end",
+                inFlight.get());
+        Thread rest = new Thread(() -> {
+            try {
+                pool.awaitTermination(Long.MAX_VALUE, TimeUnit.MILLISECONDS);
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+            }
+            finishClose();
+        }, "envelope-close-" + queue);
+        rest.setDaemon(true);
+        rest.start();
+    }
+
+    private void finishClose() {
         lease.shutdownNow();
         handlerThreads.shutdownNow();
-        if (drained) {
-            try {
-                redis.del(keys.consumer(consumer));
-            } catch (RuntimeException e) {
-                LOG.warn("deleting the liveness key failed: {}", e.toString());
-            }
-        } else {
-            LOG.warn("{} tasks still running at shutdown; their entries stay pending", inFlight.get());
+        try {
+            redis.del(keys.consumer(consumer));
+        } catch (RuntimeException e) {
+            LOG.warn("deleting the liveness key failed: {}", e.toString());
         }
         blockConn.close();
         txConn.close();

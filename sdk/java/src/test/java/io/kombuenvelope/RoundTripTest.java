@@ -509,4 +509,25 @@ class RoundTripTest {
             await("acknowledged", () -> streamLength() == 0);
         }
     }
+
+    @Test
+    void aTaskStillRunningAtShutdownKeepsItsConsumerAliveUntilItEnds() throws Exception {
+        CountDownLatch started = new CountDownLatch(1);
+        CountDownLatch release = new CountDownLatch(1);
+        Worker w = worker().shutdownTimeout(Duration.ofMillis(200)).lease(Duration.ofMillis(600))
+                .handler("long", t -> {
+                    started.countDown();
+                    release.await();
+                }).build().start();
+        try (Producer p = producer()) {
+            p.publish(Envelope.builder("long").build());
+        }
+        assertTrue(started.await(10, TimeUnit.SECONDS));
+        w.close();
+        Thread.sleep(900); // longer than the lease: only renewals keep the key
+        assertEquals(1, redis.exists(keys.consumer(w.consumer())), "liveness given up while a task ran");
+        release.countDown();
+        await("acknowledged and the key deleted",
+                () -> streamLength() == 0 && redis.exists(keys.consumer(w.consumer())) == 0);
+    }
 }
