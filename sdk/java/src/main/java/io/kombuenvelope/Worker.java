@@ -60,6 +60,7 @@ public final class Worker implements AutoCloseable {
     private static final Logger LOG = LoggerFactory.getLogger(Worker.class);
 
     private final Builder cfg;
+    private final Map<String, Handler> handlers;
     private final RedisClient client;
     private final boolean ownsClient;
     private final StatefulRedisConnection<String, byte[]> conn;
@@ -87,6 +88,7 @@ public final class Worker implements AutoCloseable {
 
     private Worker(Builder b) {
         this.cfg = b;
+        this.handlers = Map.copyOf(b.handlers);
         this.ownsClient = b.client == null;
         this.client = b.client != null ? b.client : Redis.client(b.redisUri);
         this.conn = client.connect(Redis.CODEC);
@@ -141,7 +143,7 @@ public final class Worker implements AutoCloseable {
             Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
         }
         Map<String, List<Long>> serves = new java.util.TreeMap<>();
-        cfg.handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
+        handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
         LOG.info("worker started: queue={} consumer={} concurrency={} serves (task_type=payload_versions) {}",
                 queue, consumer, cfg.concurrency, serves);
         return this;
@@ -487,7 +489,7 @@ public final class Worker implements AutoCloseable {
             LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
             return;
         }
-        Handler h = cfg.handlers.get(env.taskType());
+        Handler h = handlers.get(env.taskType());
         if (h == null) {
             deadLetter(e, env, notRun(env, "unknown_task_type",
                     "no handler for task_type \"" + env.taskType() + "\" in this worker"));
