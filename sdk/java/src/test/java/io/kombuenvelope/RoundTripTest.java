@@ -530,4 +530,28 @@ class RoundTripTest {
         await("acknowledged and the key deleted",
                 () -> streamLength() == 0 && redis.exists(keys.consumer(w.consumer())) == 0);
     }
+
+    @Test
+    void maxRetriesZeroIsFinalAndNullIsUnlimited() throws Exception {
+        List<Long> unlimited = new CopyOnWriteArrayList<>();
+        RetryPolicy quick = new RetryPolicy(0, Duration.ofMillis(20), Duration.ofMillis(50), () -> 1.0);
+        try (Producer p = producer(); Worker w = worker().retryPolicy(quick)
+                .handler("zero", t -> {
+                    throw new TaskFailure.Transient("down");
+                })
+                .handler("forever", t -> {
+                    unlimited.add(t.retryCount());
+                    if (t.retryCount() < 5) {
+                        throw new RuntimeException("again");
+                    }
+                }).build().start()) {
+            p.publish(Envelope.builder("zero").tieredRetries().maxRetries(0L).build());
+            p.publish(Envelope.builder("forever").tieredRetries().maxRetries(null).build());
+            await("zero dead-lettered and forever done", () -> dead().size() == 1 && unlimited.size() == 6);
+        }
+        Map<String, byte[]> d = dead().get(0).getBody();
+        assertEquals("transient_exhausted", s(d.get("failure_class")));
+        assertEquals("1", s(d.get("attempts")));
+        assertEquals(List.of(0L, 1L, 2L, 3L, 4L, 5L), unlimited);
+    }
 }
