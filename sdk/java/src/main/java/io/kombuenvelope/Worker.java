@@ -318,7 +318,8 @@ public final class Worker implements AutoCloseable {
                 }
                 // A read whose reply was lost may have taken entries: look at our own pending ones next.
                 recoverPending = true;
-                if (String.valueOf(e.getMessage()).contains("NOGROUP")) {
+                String m = String.valueOf(e.getMessage());
+                if (m.contains("NOGROUP") || m.contains("no such key")) {
                     LOG.warn("consumer group missing (Redis lost its data?); creating it again");
                     try {
                         ensureGroups();

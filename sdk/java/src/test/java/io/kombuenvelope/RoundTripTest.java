@@ -554,4 +554,18 @@ class RoundTripTest {
         assertEquals("1", s(d.get("attempts")));
         assertEquals(List.of(0L, 1L, 2L, 3L, 4L, 5L), unlimited);
     }
+
+    @Test
+    void theWorkerCreatesItsGroupsAgainWhenRedisLostThem() throws Exception {
+        AtomicInteger ran = new AtomicInteger();
+        try (Producer p = producer(); Worker w = worker().handler("again", t -> ran.incrementAndGet()).build().start()) {
+            Thread.sleep(300);
+            for (String st : keys.taskStreams(queue)) {
+                redis.del(st); // what a restart without persistence looks like
+            }
+            Thread.sleep(300);
+            p.publish(Envelope.builder("again").build());
+            await("run after the groups were created again", () -> ran.get() == 1);
+        }
+    }
 }
