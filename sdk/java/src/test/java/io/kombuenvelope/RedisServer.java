@@ -18,11 +18,20 @@ final class RedisServer {
     private final Path dir;
 
     private RedisServer() throws IOException, InterruptedException {
+        this(0);
+    }
+
+    /** A server of its own (not shared), on {@code fixedPort} when not 0. */
+    static RedisServer startPrivate(int fixedPort) throws IOException, InterruptedException {
+        return new RedisServer(fixedPort);
+    }
+
+    private RedisServer(int fixedPort) throws IOException, InterruptedException {
         dir = Files.createTempDirectory("kombu-envelope-redis");
         String bin = System.getProperty("kombuenvelope.redis.server", "redis-server");
         IOException last = null;
         for (int attempt = 0; attempt < 5; attempt++) {
-            int p = freePort();
+            int p = fixedPort != 0 ? fixedPort : freePort();
             ProcessBuilder pb = new ProcessBuilder(List.of(bin, "--port", String.valueOf(p), "--bind", "127.0.0.1",
                     "--save", "", "--appendonly", "no", "--dir", dir.toString()))
                     .redirectErrorStream(true).redirectOutput(dir.resolve("redis.log").toFile());
@@ -30,7 +39,7 @@ final class RedisServer {
             if (waitForPort(p, proc)) {
                 this.port = p;
                 this.process = proc;
-                Runtime.getRuntime().addShutdownHook(new Thread(this::stop));
+                Runtime.getRuntime().addShutdownHook(new Thread(this::stopQuietly));
                 return;
             }
             proc.destroyForcibly();
@@ -82,6 +91,12 @@ final class RedisServer {
             Thread.sleep(20);
         }
         return false;
+    }
+
+    private void stopQuietly() {
+        if (process.isAlive()) {
+            stop();
+        }
     }
 
     void stop() {
