@@ -1,0 +1,55 @@
+package io.kombuenvelope;
+
+import java.util.List;
+
+/** Key names under one prefix (docs/protocol.md section 2). */
+public final class Keys {
+    public static final String DEFAULT_PREFIX = "envelope";
+    public static final String DEFAULT_GROUP = "workers";
+    public static final List<String> BUCKETS = List.of("high", "normal", "low");
+
+    private final String prefix;
+
+    public Keys(String prefix) {
+        if (prefix == null || prefix.isEmpty()) {
+            throw new IllegalArgumentException("prefix must be non-empty");
+        }
+        this.prefix = prefix;
+    }
+
+    public String prefix() { return prefix; }
+
+    /** The bucket of a priority (higher is more urgent). */
+    public static String bucketFor(int priority) {
+        if (priority >= 170) {
+            return "high";
+        }
+        return priority >= 85 ? "normal" : "low";
+    }
+
+    /** Refuses names that cannot be a Redis Cluster hash tag. */
+    public static String checkQueueName(String queue) {
+        if (queue == null || queue.isEmpty() || queue.contains("{") || queue.contains("}")) {
+            throw new IllegalArgumentException("queue name " + queue + " must be non-empty and contain no '{' or '}'");
+        }
+        return queue;
+    }
+
+    public String base(String queue) { return prefix + ":{" + queue + "}"; }
+    public String stream(String queue, String bucket) { return base(queue) + ":" + bucket; }
+    public List<String> taskStreams(String queue) {
+        return List.of(stream(queue, "high"), stream(queue, "normal"), stream(queue, "low"));
+    }
+    public String delayed(String queue) { return base(queue) + ":delayed"; }
+    public String delayedData(String queue) { return base(queue) + ":delayed:data"; }
+    public String published(String queue, String taskId) { return base(queue) + ":published:" + taskId; }
+    public String dead(String queue) { return base(queue) + ":dead"; }
+    public String replayed(String queue) { return base(queue) + ":replayed"; }
+    public String cancelled(String queue) { return base(queue) + ":cancelled"; }
+    public String queues() { return prefix + ":queues"; }
+    public String deadQueues() { return prefix + ":dead-queues"; }
+    public String consumer(String name) { return prefix + ":consumer:" + name; }
+    public String idempotency(String taskType, String key) { return prefix + ":idem:" + taskType + ":" + key; }
+    public String retrying(String taskType) { return prefix + ":retrying:" + taskType; }
+    public String wakeup() { return prefix + ":wakeup"; }
+}

@@ -1,0 +1,177 @@
+package io.kombuenvelope;
+
+import io.lettuce.core.RedisClient;
+import io.lettuce.core.ScriptOutputType;
+import io.lettuce.core.api.StatefulRedisConnection;
+import io.lettuce.core.api.sync.RedisCommands;
+
+import java.security.SecureRandom;
+import java.time.Duration;
+import java.time.Instant;
+import java.util.HexFormat;
+import java.util.List;
+import java.util.Map;
+import java.util.Objects;
+
+/**
+ * Publishes Envelopes (docs/protocol.md section 4): due tasks with enqueue.lua, future ones with
+ * schedule.lua, each publish with one token sent unchanged with every try, so a publish retried
+ * after a lost reply is stored once. Thread-safe; close it when done.
+ */
+public final class Producer implements AutoCloseable {
+    /** How long a publish token is remembered (ms): the retry time plus a minute. */
+    public static final long PUBLISH_DEDUPE_MS = 90_000;
+    private static final SecureRandom RANDOM = new SecureRandom();
+
+    private final RedisClient client;
+    private final boolean ownsClient;
+    private final StatefulRedisConnection<String, byte[]> connection;
+    private final RedisCommands<String, byte[]> redis;
+    private final Keys keys;
+    private final String queue;
+    private final Limits limits;
+    private final int gzipMin;
+    private final Duration outageTolerance;
+
+    private Producer(Builder b) {
+        this.ownsClient = b.client == null;
+        this.client = b.client != null ? b.client : Redis.client(b.redisUri);
+        this.connection = client.connect(Redis.CODEC);
+        this.redis = connection.sync();
+        this.keys = new Keys(b.prefix);
+        this.queue = Keys.checkQueueName(b.queue);
+        this.limits = b.limits;
+        this.gzipMin = b.gzipMin;
+        this.outageTolerance = b.outageTolerance;
+    }
+
+    public static Builder builder() {
+        return new Builder();
+    }
+
+    /** A random publish token without spaces. */
+    public static String newPublishToken() {
+        byte[] b = new byte[12];
+        RANDOM.nextBytes(b);
+        return HexFormat.of().formatHex(b);
+    }
+
+    /** Publishes to the producer's queue. */
+    public PublishResult publish(Envelope e) {
+        return publish(queue, e);
+    }
+
+    /** Builds and publishes a task of {@code taskType} with {@code payload} to the producer's queue. */
+    public PublishResult publish(String taskType, Map<String, ?> payload) {
+        return publish(queue, Envelope.builder(taskType).payload(payload).build());
+    }
+
+    /** Publishes several Envelopes to the producer's queue, in order; answers one result each. */
+    public List<PublishResult> publishAll(List<Envelope> envelopes) {
+        List<PublishResult> out = new java.util.ArrayList<>(envelopes.size());
+        for (Envelope e : envelopes) {
+            out.add(publish(queue, e));
+        }
+        return out;
+    }
+
+    /** Publishes {@code e} to run after {@code delay} (its schedule_time is set to now + delay). */
+    public PublishResult publishIn(Envelope e, Duration delay) {
+        return publish(queue, e.toBuilder().scheduleTime(Instant.now().plus(delay)).build());
+    }
+
+    /**
+     * Publishes to {@code queue}: validated (including {@code max_delay}), then stored in its
+     * priority stream when due, else in the delayed set.
+     *
+     * @throws EnvelopeValidationException naming the field and the rule
+     */
+    public PublishResult publish(String queue, Envelope e) {
+        Keys.checkQueueName(queue);
+        Objects.requireNonNull(e, "envelope");
+        Instant now = Instant.now();
+        Envelope valid = e.validate(limits);
+        valid.checkPublishable(limits, now);
+        EntryCodec.Body body = EntryCodec.encodeBody(valid, gzipMin, limits);
+        String bucket = Keys.bucketFor(valid.priority());
+        String token = newPublishToken();
+        String taskId = valid.taskId();
+        if (valid.isDue(now)) {
+            byte[] id = Redis.retrying(outageTolerance, () -> Scripts.run(redis, "enqueue", ScriptOutputType.VALUE,
+                    List.of(keys.stream(queue, bucket), keys.delayed(queue), keys.delayedData(queue),
+                            keys.published(queue, taskId)),
+                    taskId, body.enc(), body.bytes(), token, PUBLISH_DEDUPE_MS));
+            return new PublishResult(taskId, Redis.s(id), false);
+        }
+        long due = valid.dueMs(now.toEpochMilli());
+        Redis.retrying(outageTolerance, () -> {
+            storeDelayed(redis, keys, queue, taskId, due, bucket, body.enc(), body.bytes(), token);
+            return null;
+        });
+        return new PublishResult(taskId, null, true);
+    }
+
+    /** SADD the queue registry and run schedule.lua (section 4, step 3). */
+    static long storeDelayed(RedisCommands<String, byte[]> redis, Keys keys, String queue, String taskId, long dueMs,
+                             String bucket, String enc, byte[] body, String token) {
+        redis.sadd(keys.queues(), Redis.b(queue));
+        Long r = Scripts.run(redis, "schedule", ScriptOutputType.INTEGER,
+                List.of(keys.delayed(queue), keys.delayedData(queue), keys.published(queue, taskId)),
+                taskId, dueMs, bucket, enc, body, keys.wakeup(), token, PUBLISH_DEDUPE_MS);
+        return r == null ? 0 : r;
+    }
+
+    /**
+     * Cancels a task (docs/protocol.md section 10): answers {@code removed}, {@code marked} or
+     * {@code already}.
+     */
+    public String cancel(String taskId) {
+        return cancel(queue, taskId);
+    }
+
+    public String cancel(String queue, String taskId) {
+        Keys.checkQueueName(queue);
+        byte[] r = Redis.retrying(outageTolerance, () -> Scripts.run(redis, "cancel", ScriptOutputType.VALUE,
+                List.of(keys.delayed(queue), keys.delayedData(queue), keys.cancelled(queue)),
+                taskId, System.currentTimeMillis(), 7L * 24 * 3600 * 1000));
+        return Redis.s(r);
+    }
+
+    @Override
+    public void close() {
+        connection.close();
+        if (ownsClient) {
+            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+        }
+    }
+
+    /** Options of a {@link Producer}. */
+    public static final class Builder {
+        private String redisUri = "redis://127.0.0.1:6379";
+        private RedisClient client;
+        private String prefix = Keys.DEFAULT_PREFIX;
+        private String queue = "celery";
+        private Limits limits = Limits.DEFAULT;
+        private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
+        private Duration outageTolerance = Duration.ofSeconds(30);
+
+        private Builder() {}
+
+        /** A Redis URI such as {@code redis://127.0.0.1:6379/0}. */
+        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
+        /** Share a Lettuce client (the producer then does not shut it down). */
+        public Builder client(RedisClient v) { client = v; return this; }
+        public Builder prefix(String v) { prefix = v; return this; }
+        /** The default queue of {@link #publish(Envelope)}; {@code celery} unless set. */
+        public Builder queue(String v) { queue = Keys.checkQueueName(v); return this; }
+        public Builder limits(Limits v) { limits = Objects.requireNonNull(v); return this; }
+        /** Bodies of at least this many bytes are gzip-compressed; 0: never. */
+        public Builder gzipMinBytes(int v) { gzipMin = v; return this; }
+        /** How long a publish is retried while Redis is unreachable (30 s by default). */
+        public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
+
+        public Producer build() {
+            return new Producer(this);
+        }
+    }
+}

@@ -1,0 +1,1105 @@
+package io.kombuenvelope;
+
+import io.lettuce.core.Consumer;
+import io.lettuce.core.Limit;
+import io.lettuce.core.models.stream.PendingMessage;
+import io.lettuce.core.models.stream.PendingMessages;
+import io.lettuce.core.Range;
+import io.lettuce.core.RedisBusyException;
+import io.lettuce.core.RedisClient;
+import io.lettuce.core.RedisException;
+import io.lettuce.core.ScriptOutputType;
+import io.lettuce.core.SetArgs;
+import io.lettuce.core.StreamMessage;
+import io.lettuce.core.TransactionResult;
+import io.lettuce.core.XGroupCreateArgs;
+import io.lettuce.core.XPendingArgs;
+import io.lettuce.core.XReadArgs;
+import io.lettuce.core.api.StatefulRedisConnection;
+import io.lettuce.core.api.sync.RedisCommands;
+
+import java.io.PrintWriter;
+import java.io.StringWriter;
+import java.net.InetAddress;
+import java.time.Duration;
+import java.time.Instant;
+import java.util.ArrayList;
+import java.util.HashMap;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.Objects;
+import java.util.Set;
+import java.util.UUID;
+import java.util.concurrent.ExecutionException;
+import java.util.concurrent.ExecutorService;
+import java.util.concurrent.Executors;
+import java.util.concurrent.Future;
+import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.Semaphore;
+import java.util.concurrent.ThreadFactory;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.TimeoutException;
+import java.util.concurrent.atomic.AtomicBoolean;
+import java.util.concurrent.atomic.AtomicInteger;
+import java.util.function.Predicate;
+
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
+import org.slf4j.MDC;
+
+/**
+ * Consumes one queue (docs/protocol.md sections 5, 5.1, 8, 9): reads with read.lua in the
+ * consumer group, renews its liveness key from its own thread, runs registered handlers within
+ * {@code timeout_ms}, acknowledges successes, retries with retry.lua, claims idempotency keys and
+ * dead-letters malformed entries, unknown task types and final failures. Runs a promoter unless
+ * told not to. {@link #start()} it, {@link #close()} it.
+ */
+public final class Worker implements AutoCloseable {
+    public static final String LANGUAGE = "java";
+    private static final Logger LOG = LoggerFactory.getLogger(Worker.class);
+
+    private final Builder cfg;
+    private final Map<String, Handler> handlers;
+    private final RedisClient client;
+    private final boolean ownsClient;
+    private final StatefulRedisConnection<String, byte[]> conn;
+    private final StatefulRedisConnection<String, byte[]> txConn;
+    private final StatefulRedisConnection<String, byte[]> blockConn;
+    private final RedisCommands<String, byte[]> redis;
+    private final Keys keys;
+    private final String queue;
+    private final List<String> streams;
+    private final String consumer;
+    private final String host;
+    private final String pid;
+    private final Semaphore credit;
+    private final ExecutorService pool;
+    private final ExecutorService handlerThreads;
+    private final ScheduledExecutorService lease;
+    private final AtomicBoolean stopping = new AtomicBoolean();
+    private final AtomicInteger inFlight = new AtomicInteger();
+    private final AtomicInteger renewalsInARow = new AtomicInteger();
+    private volatile Thread loop;
+    private volatile long lastForget;
+    private volatile boolean recoverPending = true;
+    private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
+    private volatile Promoter promoter;
+
+    private Worker(Builder b) {
+        this.cfg = b;
+        this.handlers = Map.copyOf(b.handlers);
+        this.ownsClient = b.client == null;
+        this.client = b.client != null ? b.client : Redis.client(b.redisUri);
+        this.conn = client.connect(Redis.CODEC);
+        this.txConn = client.connect(Redis.CODEC);
+        this.blockConn = client.connect(Redis.CODEC);
+        this.blockConn.setTimeout(b.block.plusSeconds(10));
+        this.redis = conn.sync();
+        this.keys = new Keys(b.prefix);
+        this.queue = b.queue;
+        this.streams = keys.taskStreams(queue);
+        this.host = hostName();
+        this.pid = String.valueOf(ProcessHandle.current().pid());
+        this.consumer = b.consumer != null ? b.consumer
+                : host.replace(' ', '_') + "-" + pid + "-" + UUID.randomUUID().toString().substring(0, 8);
+        this.credit = new Semaphore(b.concurrency);
+        this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + queue));
+        this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + queue));
+        this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + queue));
+    }
+
+    public static Builder builder() {
+        return new Builder();
+    }
+
+    public String consumer() {
+        return consumer;
+    }
+
+    public String queue() {
+        return queue;
+    }
+
+    /** Creates the consumer groups, sets the liveness key and starts reading, renewing and promoting. */
+    public synchronized Worker start() {
+        if (loop != null) {
+            return this;
+        }
+        for (String name : Scripts.NAMES) {
+            redis.scriptLoad(Scripts.get(name).source());
+        }
+        ensureGroups();
+        renew();
+        long every = Math.max(1, cfg.leaseMs / 3);
+        lease.scheduleWithFixedDelay(this::leaseTick, every, every, TimeUnit.MILLISECONDS);
+        if (cfg.runPromoter) {
+            promoter = Promoter.builder().client(client).prefix(cfg.prefix).build().start();
+        }
+        loop = new Thread(this::runLoop, "envelope-read-" + queue);
+        loop.setDaemon(true);
+        loop.start();
+        if (cfg.closeOnShutdown) {
+            Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
+        }
+        Map<String, List<Long>> serves = new java.util.TreeMap<>();
+        handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
+        LOG.info("worker started: queue={} consumer={} concurrency={} serves (task_type=payload_versions) {}",
+                queue, consumer, cfg.concurrency, serves);
+        return this;
+    }
+
+    /** Starts and blocks until the worker is closed from another thread. */
+    public void run() throws InterruptedException {
+        start();
+        loop.join();
+    }
+
+    // --- liveness ---------------------------------------------------------------------------
+
+    private void renew() {
+        redis.set(keys.consumer(consumer), Redis.b(host + " " + pid + " " + LANGUAGE),
+                SetArgs.Builder.px(cfg.leaseMs));
+    }
+
+    private void leaseTick() {
+        try {
+            renew();
+            int n = renewalsInARow.incrementAndGet();
+            if (n >= 2 && !stopping.get() && cfg.takeOver) {
+                takeOverDeadConsumers();
+                long now = System.currentTimeMillis();
+                if (now - lastForget >= cfg.forgetEvery.toMillis()) {
+                    lastForget = now;
+                    forgetDeadConsumers();
+                }
+            }
+        } catch (RuntimeException e) {
+            renewalsInARow.set(0);
+            LOG.warn("renewing the liveness key failed: {}", e.toString());
+        }
+    }
+
+    /**
+     * Puts back the entries of consumers whose liveness key is gone (section 5), counting a
+     * redelivery; after {@code maxRedeliveries} they are dead-lettered as {@code redelivery_limit}.
+     */
+    int takeOverDeadConsumers() {
+        int moved = 0;
+        for (String stream : streams) {
+            PendingMessages summary;
+            try {
+                summary = redis.xpending(stream, cfg.group);
+            } catch (RedisException e) {
+                continue;
+            }
+            if (summary == null || summary.getConsumerMessageCount() == null) {
+                continue;
+            }
+            for (String owner : summary.getConsumerMessageCount().keySet()) {
+                if (owner.equals(consumer) || redis.exists(keys.consumer(owner)) > 0) {
+                    continue;
+                }
+                List<PendingMessage> idle = redis.xpending(stream, XPendingArgs.Builder
+                        .xpending(Consumer.from(cfg.group, owner), Range.create("-", "+"), Limit.from(100))
+                        .idle(Duration.ofMillis(cfg.leaseMs)));
+                for (PendingMessage m : idle) {
+                    String now = Timestamp.now().toString();
+                    byte[] r = Scripts.run(redis, "requeue", ScriptOutputType.VALUE,
+                            List.of(stream, stream, keys.dead(queue)), cfg.group, m.getId(), owner, cfg.leaseMs, 1,
+                            cfg.maxRedeliveries, now, "queue", queue, "language", LANGUAGE, "host", host, "pid", pid,
+                            "consumer", owner, "first_failure_at", now, "last_failure_at", now);
+                    String answer = Redis.s(r);
+                    if (answer != null) {
+                        moved++;
+                        if (answer.startsWith("dead:")) {
+                            redis.sadd(keys.deadQueues(), Redis.b(queue));
+                            LOG.error("entry {} of dead consumer {} dead-lettered after too many redeliveries",
+                                    m.getId(), owner);
+                        } else {
+                            LOG.warn("took over entry {} of dead consumer {}", m.getId(), owner);
+                        }
+                    }
+                }
+            }
+        }
+        return moved;
+    }
+
+    /**
+     * Removes dead consumers that hold nothing and were idle for {@code forgetAfter} (an hour),
+     * with forget_consumer.lua, never with a bare XGROUP DELCONSUMER (section 5).
+     */
+    @SuppressWarnings("unchecked")
+    int forgetDeadConsumers() {
+        long idleMs = Math.max(cfg.forgetAfter.toMillis(), cfg.leaseMs);
+        int forgotten = 0;
+        for (String stream : streams) {
+            List<Object> consumers;
+            try {
+                consumers = redis.xinfoConsumers(stream, cfg.group);
+            } catch (RedisException e) {
+                continue;
+            }
+            for (Object c : consumers) {
+                List<Object> info = (List<Object>) c;
+                Map<String, Object> kv = new HashMap<>();
+                for (int i = 0; i + 1 < info.size(); i += 2) {
+                    kv.put(Redis.s(info.get(i)), info.get(i + 1));
+                }
+                String name = Redis.s(kv.get("name"));
+                long pending = kv.get("pending") instanceof Number ? ((Number) kv.get("pending")).longValue() : 1;
+                long idle = kv.get("idle") instanceof Number ? ((Number) kv.get("idle")).longValue() : 0;
+                if (name == null || name.equals(consumer) || pending > 0 || idle < idleMs
+                        || redis.exists(keys.consumer(name)) > 0) {
+                    continue;
+                }
+                Long r = Scripts.run(redis, "forget_consumer", ScriptOutputType.INTEGER, List.of(stream), cfg.group,
+                        name, idleMs);
+                if (r != null && r == 1) {
+                    forgotten++;
+                    LOG.info("forgot dead consumer {} of {} that held nothing (idle {} ms)", name, stream, idle);
+                }
+            }
+        }
+        return forgotten;
+    }
+
+    // --- reading ----------------------------------------------------------------------------
+
+    private void ensureGroups() {
+        for (String stream : streams) {
+            try {
+                redis.xgroupCreate(XReadArgs.StreamOffset.from(stream, "0"), cfg.group,
+                        XGroupCreateArgs.Builder.mkstream(true));
+            } catch (RedisBusyException e) {
+                // BUSYGROUP: it exists
+            } catch (RedisException e) {
+                if (!String.valueOf(e.getMessage()).startsWith("BUSYGROUP")) {
+                    throw e;
+                }
+            }
+        }
+    }
+
+    private void runLoop() {
+        long backoff = 100;
+        while (!stopping.get()) {
+            try {
+                int n = credit.availablePermits();
+                if (n == 0) {
+                    if (credit.tryAcquire(200, TimeUnit.MILLISECONDS)) {
+                        credit.release();
+                    }
+                    continue;
+                }
+                if (recoverPending) {
+                    List<Entry> own = ownPending();
+                    recoverPending = false;
+                    if (!own.isEmpty()) {
+                        LOG.warn("delivering {} entries this consumer had read but not settled", own.size());
+                        dispatch(own);
+                        continue;
+                    }
+                }
+                List<Entry> batch = read(n);
+                if (batch.isEmpty()) {
+                    waitForEntries();
+                    continue;
+                }
+                dispatch(batch);
+                backoff = 100;
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+                return;
+            } catch (RuntimeException e) {
+                if (stopping.get()) {
+                    return;
+                }
+                // A read whose reply was lost may have taken entries: look at our own pending ones next.
+                recoverPending = true;
+                String m = String.valueOf(e.getMessage());
+                if (m.contains("NOGROUP") || m.contains("no such key")) {
+                    LOG.warn("consumer group missing (Redis lost its data?); creating it again");
+                    try {
+                        ensureGroups();
+                    } catch (RuntimeException ignored) {
+                        // retried below
+                    }
+                } else {
+                    LOG.warn("reading failed; retrying: {}", e.toString());
+                }
+                try {
+                    Thread.sleep(backoff);
+                } catch (InterruptedException ie) {
+                    return;
+                }
+                backoff = Math.min(backoff * 2, 2000);
+            }
+        }
+    }
+
+    /** An entry read from a stream. */
+    private record Entry(String stream, String id, Map<String, byte[]> fields) {}
+
+    @SuppressWarnings("unchecked")
+    private List<Entry> read(int n) {
+        List<Object> reply = Scripts.run(redis, "read", ScriptOutputType.MULTI, streams, cfg.group, consumer, n);
+        List<Entry> out = new ArrayList<>();
+        if (reply == null) {
+            return out;
+        }
+        for (Object s : reply) {
+            List<Object> streamReply = (List<Object>) s;
+            String stream = Redis.s(streamReply.get(0));
+            for (Object m : (List<Object>) streamReply.get(1)) {
+                List<Object> msg = (List<Object>) m;
+                String id = Redis.s(msg.get(0));
+                Map<String, byte[]> fields = new LinkedHashMap<>();
+                Object fv = msg.get(1);
+                if (fv instanceof List) {
+                    List<Object> flat = (List<Object>) fv;
+                    for (int i = 0; i + 1 < flat.size(); i += 2) {
+                        fields.put(Redis.s(flat.get(i)), (byte[]) flat.get(i + 1));
+                    }
+                }
+                out.add(new Entry(stream, id, fields));
+            }
+        }
+        return out;
+    }
+
+    /** Entries pending for this consumer that it is not running (XREADGROUP ... 0). */
+    @SuppressWarnings("unchecked")
+    private List<Entry> ownPending() {
+        List<Entry> out = new ArrayList<>();
+        XReadArgs.StreamOffset<String>[] offsets = streams.stream().map(st -> XReadArgs.StreamOffset.from(st, "0"))
+                .toArray(XReadArgs.StreamOffset[]::new);
+        for (StreamMessage<String, byte[]> m : redis.xreadgroup(Consumer.from(cfg.group, consumer), offsets)) {
+            if (!inFlightIds.contains(m.getStream() + " " + m.getId())) {
+                Map<String, byte[]> body = m.getBody();
+                out.add(new Entry(m.getStream(), m.getId(), body == null ? Map.of() : new LinkedHashMap<>(body)));
+            }
+        }
+        return out;
+    }
+
+    /** Waits with XREAD BLOCK from the group's last-delivered ids, then read.lua takes exactly the credit. */
+    @SuppressWarnings("unchecked")
+    private void waitForEntries() {
+        List<XReadArgs.StreamOffset<String>> offsets = new ArrayList<>();
+        for (String stream : streams) {
+            String last = "0-0";
+            for (Object g : redis.xinfoGroups(stream)) {
+                List<Object> info = (List<Object>) g;
+                Map<String, String> kv = new HashMap<>();
+                for (int i = 0; i + 1 < info.size(); i += 2) {
+                    kv.put(Redis.s(info.get(i)), Redis.s(info.get(i + 1)));
+                }
+                if (cfg.group.equals(kv.get("name"))) {
+                    last = kv.getOrDefault("last-delivered-id", "0-0");
+                }
+            }
+            offsets.add(XReadArgs.StreamOffset.from(stream, last));
+        }
+        List<StreamMessage<String, byte[]>> ignored = blockConn.sync().xread(
+                XReadArgs.Builder.block(cfg.block).count(1), offsets.toArray(new XReadArgs.StreamOffset[0]));
+    }
+
+    private void dispatch(List<Entry> batch) throws InterruptedException {
+        List<Envelope> envs = new ArrayList<>(batch.size());
+        List<MalformedEntryException> errors = new ArrayList<>(batch.size());
+        List<String> ids = new ArrayList<>();
+        for (Entry e : batch) {
+            try {
+                Envelope env = EntryCodec.decodeEntry(e.fields(), cfg.limits);
+                envs.add(env);
+                errors.add(null);
+                ids.add(env.taskId());
+            } catch (MalformedEntryException ex) {
+                envs.add(null);
+                errors.add(ex);
+            }
+        }
+        Set<String> cancelled = cancelledAmong(ids);
+        for (int i = 0; i < batch.size(); i++) {
+            Entry e = batch.get(i);
+            Envelope env = envs.get(i);
+            MalformedEntryException err = errors.get(i);
+            credit.acquire();
+            inFlight.incrementAndGet();
+            String key = e.stream() + " " + e.id();
+            inFlightIds.add(key);
+            pool.execute(() -> {
+                try {
+                    process(e, env, err, env != null && cancelled.contains(env.taskId()));
+                } catch (RuntimeException ex) {
+                    LOG.error("handling entry {} failed; it stays pending", e.id(), ex);
+                } finally {
+                    MDC.clear();
+                    inFlightIds.remove(key);
+                    inFlight.decrementAndGet();
+                    credit.release();
+                }
+            });
+        }
+    }
+
+    private Set<String> cancelledAmong(List<String> ids) {
+        if (ids.isEmpty()) {
+            return Set.of();
+        }
+        try {
+            byte[][] members = ids.stream().map(Redis::b).toArray(byte[][]::new);
+            List<Double> scores = redis.zmscore(keys.cancelled(queue), members);
+            java.util.HashSet<String> out = new java.util.HashSet<>();
+            for (int i = 0; i < ids.size(); i++) {
+                if (scores.get(i) != null) {
+                    out.add(ids.get(i));
+                }
+            }
+            return out;
+        } catch (RuntimeException e) {
+            LOG.warn("looking up cancel marks failed: {}", e.toString());
+            return Set.of();
+        }
+    }
+
+    // --- one entry (section 5.1) ---------------------------------------------------------------
+
+    private void process(Entry e, Envelope env, MalformedEntryException malformed, boolean cancelled) {
+        MDC.put("queue", queue);
+        MDC.put("entry_id", e.id());
+        if (env == null) {
+            LOG.error("malformed entry {} in {}: {}", e.id(), e.stream(), malformed.getMessage());
+            deadLetter(e, null, new Failure("malformed_entry", malformed.kind() + ": " + malformed.getMessage(),
+                    null, null, 0, null, null));
+            return;
+        }
+        MDC.put("trace_id", env.traceId());
+        MDC.put("task_id", env.taskId());
+        MDC.put("task_type", env.taskType());
+        Instant now = Instant.now();
+        if (!env.isDue(now)) {
+            reschedule(e, env);
+            return;
+        }
+        if (cancelled) {
+            ack(e);
+            settle("zrem cancelled", () -> redis.zrem(keys.cancelled(queue), Redis.b(env.taskId())));
+            LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
+            return;
+        }
+        Handler h = handlers.get(env.taskType());
+        if (h == null) {
+            deadLetter(e, env, notRun(env, "unknown_task_type",
+                    "no handler for task_type \"" + env.taskType() + "\" in this worker"));
+            return;
+        }
+        if (!h.versions.contains(env.payloadVersion())) {
+            deadLetter(e, env, notRun(env, "unsupported_payload_version",
+                    "payload_version " + env.payloadVersion() + " is not accepted (accepted: " + h.versions + ")"));
+            return;
+        }
+        int redeliveries = intField(e, "n") + intField(e, "r");
+        Task task = new Task(env, queue, e.stream(), e.id(), redeliveries);
+
+        String holder = null;
+        if (env.idempotencyKey() != null) {
+            holder = claim(e, env);
+            if (holder == null) {
+                return;
+            }
+        }
+        String slot = null;
+        if (env.retryCount() > 0 && env.asksForTieredRetries()) {
+            slot = keys.retrying(env.taskType());
+            long hold = env.timeoutMs() != null ? env.timeoutMs() : 15 * 60 * 1000L;
+            try {
+                Long got = Scripts.run(redis, "retry_slot", ScriptOutputType.INTEGER, List.of(slot), env.taskId(),
+                        cfg.retryConcurrency, hold);
+                if (got != null && got == 0) {
+                    if (holder != null) {
+                        finishIdem(env, holder, "release");
+                    }
+                    Duration delay = cfg.retryPolicy.backoffDelay(env.retryCount(), RetryPolicy.fastRetriesTaken(env));
+                    LOG.info("retry slots of {} are all taken; rescheduled in {} ms", env.taskType(), delay.toMillis());
+                    replace(e, env, deferred(env, delay), delay);
+                    return;
+                }
+            } catch (RuntimeException ex) {
+                LOG.warn("retry slot check failed; running anyway: {}", ex.toString());
+                slot = null;
+            }
+        }
+        try {
+            LOG.info("task started: retry_count={} redelivered={}", env.retryCount(), redeliveries);
+            long started = System.nanoTime();
+            Throwable err = run(h.handler, task);
+            long ms = (System.nanoTime() - started) / 1_000_000;
+            if (err == null) {
+                if (holder != null) {
+                    finishIdem(env, holder, "done");
+                }
+                ack(e);
+                LOG.info("task succeeded (outcome=success duration_ms={})", ms);
+                return;
+            }
+            if (holder != null) {
+                finishIdem(env, holder, "release");
+            }
+            fail(e, env, err);
+        } finally {
+            if (slot != null) {
+                String s = slot;
+                settle("release retry slot", () -> redis.zrem(s, Redis.b(env.taskId())));
+            }
+        }
+    }
+
+    private static int intField(Entry e, String name) {
+        byte[] v = e.fields().get(name);
+        if (v == null) {
+            return 0;
+        }
+        try {
+            return Integer.parseInt(Redis.s(v));
+        } catch (NumberFormatException ex) {
+            return 0;
+        }
+    }
+
+    /** An attempt that exceeded timeout_ms. */
+    static final class AttemptTimeout extends Exception {
+        private static final long serialVersionUID = 1L;
+
+        AttemptTimeout(long ms) {
+            super("attempt exceeded timeout_ms " + ms);
+        }
+    }
+
+    /** Runs the handler within timeout_ms; answers null on success, else the failure. */
+    private Throwable run(TaskHandler handler, Task task) {
+        Map<String, String> mdc = MDC.getCopyOfContextMap();
+        Future<?> f = handlerThreads.submit(() -> {
+            if (mdc != null) {
+                MDC.setContextMap(mdc);
+            }
+            try (TraceContext.Scope scope = TraceContext.with(task.traceId())) {
+                handler.handle(task);
+                return null;
+            } finally {
+                MDC.clear();
+            }
+        });
+        Long timeout = task.envelope().timeoutMs();
+        try {
+            if (timeout == null) {
+                f.get();
+            } else {
+                f.get(timeout, TimeUnit.MILLISECONDS);
+            }
+            return null;
+        } catch (TimeoutException ex) {
+            f.cancel(true);
+            LOG.warn("attempt exceeded timeout_ms {}; abandoned", timeout);
+            return new AttemptTimeout(timeout);
+        } catch (ExecutionException ex) {
+            return ex.getCause();
+        } catch (InterruptedException ex) {
+            f.cancel(true);
+            Thread.currentThread().interrupt();
+            return ex;
+        }
+    }
+
+    // --- idempotency (section 9) ------------------------------------------------------------
+
+    /** Claims the idempotency key; answers the holder when the task should run, else null. */
+    @SuppressWarnings("unchecked")
+    private String claim(Entry e, Envelope env) {
+        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
+        String holder = consumer + " " + env.taskId();
+        long claimFor = env.timeoutMs() != null ? env.timeoutMs() + cfg.leaseMs : 3_600_000L;
+        String replace = "";
+        for (int round = 0; round < 2; round++) {
+            List<Object> res;
+            try {
+                res = Scripts.run(redis, "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, replace);
+            } catch (RuntimeException ex) {
+                LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
+                replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
+                return null;
+            }
+            String answer = Redis.s(res.get(0));
+            if ("acquired".equals(answer)) {
+                return holder;
+            }
+            if ("done".equals(answer)) {
+                ack(e);
+                LOG.info("duplicate: the effect already happened; acknowledged without running "
+                        + "(outcome=duplicate idempotency_key={} marker={})", env.idempotencyKey(), Redis.s(res.get(1)));
+                if (cfg.onDuplicate != null) {
+                    cfg.onDuplicate.accept(env);
+                }
+                return null;
+            }
+            if ("busy".equals(answer)) {
+                String other = Redis.s(res.get(1));
+                int sp = other.lastIndexOf(' ');
+                String owner = sp >= 0 ? other.substring(0, sp) : other;
+                boolean alive;
+                try {
+                    alive = redis.exists(keys.consumer(owner)) > 0;
+                } catch (RuntimeException ex) {
+                    alive = true;
+                }
+                if (!alive && round == 0) {
+                    LOG.warn("idempotency holder {} is dead; taking the claim over", other);
+                    replace = other;
+                    continue;
+                }
+                LOG.info("another consumer runs this idempotency key ({}); deferred", other);
+                break;
+            }
+            break;
+        }
+        replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
+        return null;
+    }
+
+    private void finishIdem(Envelope env, String holder, String how) {
+        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
+        settle("idem_finish " + how, () -> {
+            Long n = Scripts.run(redis, "idem_finish", ScriptOutputType.INTEGER, List.of(key), holder, how,
+                    cfg.idemDoneTtl.toMillis(), Timestamp.now().toString());
+            if (n != null && n == 0) {
+                LOG.warn("the idempotency claim had been taken over: the task may have run twice");
+            }
+            return n;
+        });
+    }
+
+    // --- failures and retries (section 8) ---------------------------------------------------
+
+    private record Failure(String failureClass, String reason, String exceptionType, String traceback,
+                           long attempts, Timestamp firstFailure, Timestamp lastFailure) {}
+
+    private static Timestamp firstFailure(Envelope env) {
+        String h = env.headers().get("x-first-failure-at");
+        if (h != null) {
+            try {
+                return Timestamp.parse(h);
+            } catch (IllegalArgumentException ignored) {
+                // not a time: the first failure is now
+            }
+        }
+        return Timestamp.now();
+    }
+
+    private Failure notRun(Envelope env, String cls, String reason) {
+        return new Failure(cls, reason, null, null, env.retryCount() + 1, firstFailure(env), Timestamp.now());
+    }
+
+    private boolean isTransient(Throwable err) {
+        if (err instanceof TaskFailure.Transient) {
+            return true;
+        }
+        if (err instanceof java.net.ConnectException || err instanceof java.net.SocketTimeoutException
+                || err instanceof io.lettuce.core.RedisConnectionException) {
+            return true;
+        }
+        return cfg.isTransient != null && cfg.isTransient.test(err);
+    }
+
+    private void fail(Entry e, Envelope env, Throwable err) {
+        Timestamp first = firstFailure(env);
+        Timestamp now = Timestamp.now();
+        String type = err.getClass().getName();
+        String trace = stackTrace(err);
+        long attempts = env.retryCount() + 1;
+        String message = String.valueOf(err.getMessage());
+        if (err instanceof TaskFailure.InvalidPayload || err instanceof TaskFailure.Rejected) {
+            String cls = err instanceof TaskFailure.InvalidPayload ? "invalid_payload" : "rejected";
+            LOG.error("task failed permanently (outcome=dead failure_class={}): {}", cls, message);
+            deadLetter(e, env, new Failure(cls, message, type, trace, attempts, first, now));
+            return;
+        }
+        if (err instanceof TaskFailure.Retry) {
+            TaskFailure.Retry r = (TaskFailure.Retry) err;
+            long next = env.retryCount() + 1;
+            if (env.maxRetries() != null && next > env.maxRetries()) {
+                String cls = r.getCause() != null && isTransient(r.getCause()) ? "transient_exhausted" : "task_error";
+                deadLetter(e, env, new Failure(cls, "gave up after " + next + " attempts (max_retries "
+                        + env.maxRetries() + "): " + message, type, trace, next, first, now));
+                return;
+            }
+            Envelope.Builder b = env.toBuilder().retryCount(next)
+                    .scheduleTime(r.countdown().isZero() ? null : Timestamp.of(Instant.now().plus(r.countdown())));
+            if (!env.headers().containsKey("x-first-failure-at")) {
+                b.header("x-first-failure-at", first.toString());
+            }
+            LOG.warn("task asked for a retry in {} ms (outcome=retry retry_count={}): {}",
+                    r.countdown().toMillis(), next, message);
+            replace(e, env, b.build(), r.countdown());
+            return;
+        }
+        RetryPolicy.Kind kind = err instanceof AttemptTimeout ? RetryPolicy.Kind.TIMEOUT
+                : isTransient(err) ? RetryPolicy.Kind.TRANSIENT : RetryPolicy.Kind.TASK_ERROR;
+        RetryPolicy.Decision d = cfg.retryPolicy.decide(env, kind);
+        if (d.action() == RetryPolicy.Action.DEAD_LETTER) {
+            LOG.error("task failed (outcome=dead failure_class={} attempts={}): {}", d.failureClass(), d.next(), message);
+            deadLetter(e, env, new Failure(d.failureClass(), d.message() + ": " + message, type, trace,
+                    d.next(), first, now));
+            return;
+        }
+        Envelope.Builder b = env.toBuilder().retryCount(d.next());
+        if (d.fastRetries() > 0) {
+            b.header("x-fast-retries", String.valueOf(d.fastRetries()));
+        }
+        b.scheduleTime(d.delay().isZero() ? null : Timestamp.of(Instant.now().plus(d.delay())));
+        if (!env.headers().containsKey("x-first-failure-at")) {
+            b.header("x-first-failure-at", first.toString());
+        }
+        LOG.warn("task failed; retrying (outcome=retry retry_count={} delay_ms={}): {}", d.next(),
+                d.delay().toMillis(), message);
+        replace(e, env, b.build(), d.delay());
+    }
+
+    private static String stackTrace(Throwable t) {
+        StringWriter w = new StringWriter();
+        t.printStackTrace(new PrintWriter(w));
+        String s = w.toString();
+        return s.length() > 16_000 ? s.substring(0, 16_000) : s;
+    }
+
+    /** {@code env} pushed back by {@code delay}, retry_count unchanged. */
+    private static Envelope deferred(Envelope env, Duration delay) {
+        return env.toBuilder().scheduleTime(delay.isZero() ? null : Timestamp.of(Instant.now().plus(delay))).build();
+    }
+
+    /** Swaps the pending entry for {@code next} atomically with retry.lua. */
+    private void replace(Entry e, Envelope env, Envelope next, Duration delay) {
+        EntryCodec.Body body;
+        try {
+            body = EntryCodec.encodeBody(next, cfg.gzipMin, cfg.limits);
+        } catch (EnvelopeValidationException ex) {
+            deadLetter(e, env, new Failure("task_error", "cannot write the next attempt: " + ex.getMessage(), null,
+                    null, env.retryCount() + 1, null, null));
+            return;
+        }
+        long due = next.scheduleTime() != null && !delay.isZero() ? next.scheduleTime().toEpochMilli() : 0;
+        String bucket = Keys.bucketFor(next.priority());
+        settle("retry.lua", () -> {
+            if (due > 0) {
+                redis.sadd(keys.queues(), Redis.b(queue));
+            }
+            Long r = Scripts.run(redis, "retry", ScriptOutputType.INTEGER,
+                    List.of(e.stream(), keys.stream(queue, bucket), keys.delayed(queue), keys.delayedData(queue)),
+                    cfg.group, e.id(), next.taskId(), due, bucket, body.enc(), body.bytes(), keys.wakeup());
+            if (r == null) {
+                LOG.warn("entry was no longer pending when replaced (taken over?)");
+            }
+            return r;
+        });
+    }
+
+    /** Moves a not-yet-due entry to the delayed set byte for byte, with token entry:<id>. */
+    private void reschedule(Entry e, Envelope env) {
+        String bucket = Keys.bucketFor(env.priority());
+        byte[] enc = e.fields().get("enc");
+        byte[] body = e.fields().get("body");
+        settle("reschedule", () -> {
+            synchronized (txConn) {
+                RedisCommands<String, byte[]> tx = txConn.sync();
+                tx.multi();
+                tx.sadd(keys.queues(), Redis.b(queue));
+                Scripts.Script s = Scripts.get("schedule");
+                tx.evalsha(s.sha(), ScriptOutputType.INTEGER,
+                        new String[] {keys.delayed(queue), keys.delayedData(queue), keys.published(queue, env.taskId())},
+                        Redis.b(env.taskId()), Redis.b(String.valueOf(env.dueMs(0))), Redis.b(bucket), enc, body,
+                        Redis.b(keys.wakeup()), Redis.b("entry:" + e.id()), Redis.b(String.valueOf(Producer.PUBLISH_DEDUPE_MS)));
+                tx.xack(e.stream(), cfg.group, e.id());
+                tx.xdel(e.stream(), e.id());
+                TransactionResult r = tx.exec();
+                for (Object o : r) {
+                    if (o instanceof Exception) {
+                        throw new IllegalStateException("reschedule failed: " + o);
+                    }
+                }
+                return r;
+            }
+        });
+        LOG.info("task not due yet; moved to the delayed set (outcome=scheduled schedule_time={})", env.scheduleTime());
+    }
+
+    private void ack(Entry e) {
+        settle("ack", () -> {
+            synchronized (txConn) {
+                RedisCommands<String, byte[]> tx = txConn.sync();
+                tx.multi();
+                tx.xack(e.stream(), cfg.group, e.id());
+                tx.xdel(e.stream(), e.id());
+                TransactionResult r = tx.exec();
+                Object acked = r.isEmpty() ? null : r.get(0);
+                if (acked instanceof Long && (Long) acked == 0) {
+                    LOG.warn("ack answered 0: the entry was taken over while this consumer looked dead");
+                }
+                return r;
+            }
+        });
+    }
+
+    private void deadLetter(Entry e, Envelope env, Failure f) {
+        Timestamp now = Timestamp.now();
+        List<Object> args = new ArrayList<>(List.of(cfg.group, e.id(),
+                "dlq", "1",
+                "failure_class", f.failureClass(),
+                "reason", f.reason(),
+                "queue", queue,
+                "dead_at", now.toString(),
+                "language", LANGUAGE,
+                "host", host,
+                "pid", pid,
+                "consumer", consumer,
+                "first_failure_at", (f.firstFailure() != null ? f.firstFailure() : now).toString(),
+                "last_failure_at", (f.lastFailure() != null ? f.lastFailure() : now).toString()));
+        if (f.exceptionType() != null) {
+            args.addAll(List.of("exception_type", f.exceptionType()));
+        }
+        if (f.traceback() != null) {
+            args.addAll(List.of("traceback", f.traceback()));
+        }
+        if (f.attempts() > 0) {
+            args.addAll(List.of("attempts", String.valueOf(f.attempts())));
+        }
+        if (env != null) {
+            args.addAll(List.of("task_id", env.taskId(), "task_type", env.taskType()));
+        }
+        Object[] a = args.toArray();
+        Object id = settle("dead_letter.lua", () -> {
+            byte[] r = Scripts.run(redis, "dead_letter", ScriptOutputType.VALUE, List.of(e.stream(), keys.dead(queue)), a);
+            if (r == null) {
+                LOG.warn("entry was no longer pending when dead-lettered (taken over?)");
+                return null;
+            }
+            redis.sadd(keys.deadQueues(), Redis.b(queue));
+            return Redis.s(r);
+        });
+        LOG.error("entry dead-lettered (outcome=dead failure_class={} dead_id={}): {}", f.failureClass(), id, f.reason());
+    }
+
+    /** Runs a step that ends an entry's handling, retrying Redis errors for a while. */
+    private <T> T settle(String what, java.util.function.Supplier<T> step) {
+        long delay = 100;
+        for (int attempt = 1; ; attempt++) {
+            try {
+                return step.get();
+            } catch (RuntimeException ex) {
+                if (attempt == 10) {
+                    LOG.error("giving up on step {}; the entry stays pending: {}", what, ex.toString());
+                    return null;
+                }
+                LOG.warn("step {} failed; retrying: {}", what, ex.toString());
+                try {
+                    Thread.sleep(delay);
+                } catch (InterruptedException ie) {
+                    Thread.currentThread().interrupt();
+                    return null;
+                }
+                delay = Math.min(delay * 2, 3000);
+            }
+        }
+    }
+
+    // --- shutdown ---------------------------------------------------------------------------
+
+    /**
+     * Stops reading and waits up to the shutdown timeout for running tasks, then deletes the
+     * liveness key. Tasks still running after that keep their consumer alive (renewed in the
+     * background) until they end; nothing is put back while it may still run.
+     */
+    @Override
+    public void close() {
+        if (!stopping.compareAndSet(false, true)) {
+            return;
+        }
+        Thread l = loop;
+        if (l != null) {
+            try {
+                l.join(cfg.block.toMillis() + 2000);
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+            }
+        }
+        pool.shutdown();
+        boolean drained;
+        try {
+            drained = pool.awaitTermination(cfg.shutdownTimeout.toMillis(), TimeUnit.MILLISECONDS);
+        } catch (InterruptedException e) {
+            Thread.currentThread().interrupt();
+            drained = false;
+        }
+        if (promoter != null) {
+            promoter.close();
+        }
+        if (drained) {
+            finishClose();
+            return;
+        }
+        // Liveness belongs to the process while it runs anything it read: keep renewing until
+        // the last running task is settled, then let go.
+        LOG.warn("{} tasks still running after the shutdown timeout; their consumer stays alive until they end",
+                inFlight.get());
+        Thread rest = new Thread(() -> {
+            try {
+                pool.awaitTermination(Long.MAX_VALUE, TimeUnit.MILLISECONDS);
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+            }
+            finishClose();
+        }, "envelope-close-" + queue);
+        rest.setDaemon(true);
+        rest.start();
+    }
+
+    private void finishClose() {
+        lease.shutdownNow();
+        handlerThreads.shutdownNow();
+        try {
+            redis.del(keys.consumer(consumer));
+        } catch (RuntimeException e) {
+            LOG.warn("deleting the liveness key failed: {}", e.toString());
+        }
+        blockConn.close();
+        txConn.close();
+        conn.close();
+        if (ownsClient) {
+            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+        }
+        LOG.info("worker stopped: queue={} consumer={}", queue, consumer);
+    }
+
+    private static String hostName() {
+        try {
+            return InetAddress.getLocalHost().getHostName().replace(' ', '_');
+        } catch (Exception e) {
+            return "localhost";
+        }
+    }
+
+    private static ThreadFactory named(String name) {
+        AtomicInteger n = new AtomicInteger();
+        return r -> {
+            Thread t = new Thread(r, name + "-" + n.incrementAndGet());
+            t.setDaemon(true);
+            return t;
+        };
+    }
+
+    private record Handler(TaskHandler handler, Set<Long> versions) {}
+
+    /** Options of a {@link Worker}. */
+    public static final class Builder {
+        private String redisUri = "redis://127.0.0.1:6379";
+        private RedisClient client;
+        private String prefix = Keys.DEFAULT_PREFIX;
+        private String queue = "celery";
+        private String group = Keys.DEFAULT_GROUP;
+        private String consumer;
+        private int concurrency = 4;
+        private long leaseMs = 30_000;
+        private Duration block = Duration.ofSeconds(1);
+        private Duration shutdownTimeout = Duration.ofSeconds(30);
+        private Duration deferDelay = Duration.ofSeconds(3);
+        private Duration idemDoneTtl = Duration.ofHours(24);
+        private int retryConcurrency = 5;
+        private int maxRedeliveries = 10;
+        private RetryPolicy retryPolicy = RetryPolicy.DEFAULT;
+        private Limits limits = Limits.DEFAULT;
+        private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
+        private boolean runPromoter = true;
+        private boolean takeOver = true;
+        private boolean closeOnShutdown;
+        private Duration forgetAfter = Duration.ofHours(1);
+        private Duration forgetEvery = Duration.ofMinutes(1);
+        private Predicate<Throwable> isTransient;
+        private java.util.function.Consumer<Envelope> onDuplicate;
+        private final Map<String, Handler> handlers = new HashMap<>();
+
+        private Builder() {}
+
+        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
+        /** Share a Lettuce client (the worker then does not shut it down). */
+        public Builder client(RedisClient v) { client = v; return this; }
+        public Builder prefix(String v) { prefix = Objects.requireNonNull(v); return this; }
+        public Builder queue(String v) { queue = Keys.checkQueueName(v); return this; }
+        public Builder group(String v) { group = Objects.requireNonNull(v); return this; }
+        /** The consumer name (no spaces); {@code <host>-<pid>-<random>} unless set. */
+        public Builder consumer(String v) {
+            if (v != null && (v.isEmpty() || v.contains(" "))) {
+                throw new IllegalArgumentException("consumer name must be non-empty and without spaces");
+            }
+            consumer = v;
+            return this;
+        }
+        /** Tasks run at once (4 by default); also the most entries held. */
+        public Builder concurrency(int v) {
+            if (v < 1) {
+                throw new IllegalArgumentException("concurrency must be >= 1");
+            }
+            concurrency = v;
+            return this;
+        }
+        public Builder lease(Duration v) { leaseMs = Math.max(300, v.toMillis()); return this; }
+        /** Longest wait of one blocking read (1 s by default). */
+        public Builder block(Duration v) { block = Objects.requireNonNull(v); return this; }
+        public Builder shutdownTimeout(Duration v) { shutdownTimeout = Objects.requireNonNull(v); return this; }
+        /** How far a busy idempotency key defers an entry (3 s by default). */
+        public Builder deferDelay(Duration v) { deferDelay = Objects.requireNonNull(v); return this; }
+        public Builder idempotencyDoneTtl(Duration v) { idemDoneTtl = Objects.requireNonNull(v); return this; }
+        public Builder retryConcurrency(int v) { retryConcurrency = v; return this; }
+        public Builder maxRedeliveries(int v) { maxRedeliveries = v; return this; }
+        public Builder retryPolicy(RetryPolicy v) { retryPolicy = Objects.requireNonNull(v); return this; }
+        public Builder limits(Limits v) { limits = Objects.requireNonNull(v); return this; }
+        public Builder gzipMinBytes(int v) { gzipMin = v; return this; }
+        /** Whether the worker runs a promoter for delayed tasks (true by default). */
+        public Builder runPromoter(boolean v) { runPromoter = v; return this; }
+        /** Whether the worker takes over entries of dead consumers (true by default). */
+        public Builder takeOverDeadConsumers(boolean v) { takeOver = v; return this; }
+        /**
+         * Closes the worker from a JVM shutdown hook (SIGTERM, SIGINT): it stops reading, lets
+         * running tasks finish within the shutdown timeout and deletes its liveness key.
+         */
+        public Builder closeOnShutdown(boolean v) { closeOnShutdown = v; return this; }
+        /** How long a dead consumer holding nothing stays in the group (1 h), and how often to look (1 min). */
+        public Builder forgetDeadConsumersAfter(Duration after, Duration every) {
+            forgetAfter = Objects.requireNonNull(after);
+            forgetEvery = Objects.requireNonNull(every);
+            return this;
+        }
+        /** Marks more errors as transient (connection errors always are). */
+        public Builder transientErrors(Predicate<Throwable> v) { isTransient = v; return this; }
+        /** Called with each Envelope acknowledged as a duplicate of a done idempotency key. */
+        public Builder onDuplicate(java.util.function.Consumer<Envelope> v) { onDuplicate = v; return this; }
+
+        /** Registers the handler of {@code taskType}, accepting payload_version 1. */
+        public Builder handler(String taskType, TaskHandler handler) {
+            return handler(taskType, Set.of(1L), handler);
+        }
+
+        /** Registers the handler of {@code taskType}, accepting the given payload versions. */
+        public Builder handler(String taskType, Set<Long> payloadVersions, TaskHandler handler) {
+            Objects.requireNonNull(handler, "handler");
+            if (payloadVersions == null || payloadVersions.isEmpty()) {
+                throw new IllegalArgumentException("payloadVersions must not be empty");
+            }
+            handlers.put(Objects.requireNonNull(taskType, "taskType"), new Handler(handler, Set.copyOf(payloadVersions)));
+            return this;
+        }
+
+        public Worker build() {
+            return new Worker(this);
+        }
+    }
+}

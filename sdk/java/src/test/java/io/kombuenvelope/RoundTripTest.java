@@ -1,0 +1,571 @@
+package io.kombuenvelope;
+
+import static org.junit.jupiter.api.Assertions.assertArrayEquals;
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
+import static org.junit.jupiter.api.Assertions.assertNotNull;
+import static org.junit.jupiter.api.Assertions.assertNull;
+import static org.junit.jupiter.api.Assertions.assertThrows;
+import static org.junit.jupiter.api.Assertions.assertTrue;
+
+import io.lettuce.core.RedisClient;
+import io.lettuce.core.StreamMessage;
+import io.lettuce.core.api.StatefulRedisConnection;
+import io.lettuce.core.api.sync.RedisCommands;
+
+import java.nio.charset.StandardCharsets;
+import java.time.Duration;
+import java.time.Instant;
+import java.util.ArrayList;
+import java.util.Collections;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.UUID;
+import java.util.concurrent.CopyOnWriteArrayList;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicInteger;
+import java.util.function.BooleanSupplier;
+
+import org.junit.jupiter.api.AfterAll;
+import org.junit.jupiter.api.BeforeAll;
+import org.junit.jupiter.api.BeforeEach;
+import org.junit.jupiter.api.Test;
+
+/** Producer → worker round trips against a real redis-server. */
+class RoundTripTest {
+    static RedisClient client;
+    static StatefulRedisConnection<String, byte[]> conn;
+    static RedisCommands<String, byte[]> redis;
+    String prefix;
+    Keys keys;
+    final String queue = "jobs";
+
+    @BeforeAll
+    static void connect() {
+        client = Redis.client(RedisServer.shared().uri());
+        conn = client.connect(Redis.CODEC);
+        redis = conn.sync();
+    }
+
+    @AfterAll
+    static void disconnect() {
+        conn.close();
+        client.shutdown();
+    }
+
+    @BeforeEach
+    void freshPrefix() {
+        prefix = "t" + UUID.randomUUID().toString().substring(0, 8);
+        keys = new Keys(prefix);
+    }
+
+    Producer producer() {
+        return Producer.builder().client(client).prefix(prefix).queue(queue).build();
+    }
+
+    Worker.Builder worker() {
+        return Worker.builder().client(client).prefix(prefix).queue(queue).block(Duration.ofMillis(200))
+                .shutdownTimeout(Duration.ofSeconds(5)).concurrency(2);
+    }
+
+    static void await(String what, BooleanSupplier cond) throws InterruptedException {
+        long deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(10);
+        while (!cond.getAsBoolean()) {
+            if (System.nanoTime() > deadline) {
+                throw new AssertionError("timed out waiting for " + what);
+            }
+            Thread.sleep(20);
+        }
+    }
+
+    List<StreamMessage<String, byte[]>> dead() {
+        return redis.xrange(keys.dead(queue), io.lettuce.core.Range.create("-", "+"));
+    }
+
+    static String s(byte[] b) {
+        return b == null ? null : new String(b, StandardCharsets.UTF_8);
+    }
+
+    long streamLength() {
+        long n = 0;
+        for (String st : keys.taskStreams(queue)) {
+            n += redis.xlen(st);
+        }
+        return n;
+    }
+
+    @Test
+    void publishedTaskRunsOnceAndIsAcknowledged() throws Exception {
+        List<Task> seen = new CopyOnWriteArrayList<>();
+        List<String> childTraces = new CopyOnWriteArrayList<>();
+        try (Producer p = producer();
+             Worker w = worker().handler("order.close", t -> {
+                 seen.add(t);
+                 childTraces.add(Envelope.builder("child").build().traceId());
+             }).build().start()) {
+            PublishResult r = p.publish(Envelope.builder("order.close").put("order_id", 7).priority(200).build());
+            assertNotNull(r.entryId());
+            assertFalse(r.delayed());
+            await("the task to run", () -> seen.size() == 1);
+            assertEquals(7, seen.get(0).get("order_id").asInt());
+            assertEquals(keys.stream(queue, "high"), seen.get(0).stream());
+            await("the ack", () -> streamLength() == 0);
+            assertEquals(0, redis.xpending(keys.stream(queue, "high"), "workers").getCount());
+            assertEquals(1, redis.exists(keys.consumer(w.consumer())));
+        }
+        assertEquals(1, seen.size());
+        assertEquals(List.of(seen.get(0).traceId()), childTraces, "a task built in a handler carries its trace id");
+        assertTrue(dead().isEmpty());
+    }
+
+    @Test
+    void closeDeletesTheLivenessKey() throws Exception {
+        Worker w = worker().build().start();
+        String name = w.consumer();
+        String value = s(redis.get(keys.consumer(name)));
+        assertTrue(value.endsWith(" java"), value);
+        w.close();
+        assertEquals(0, redis.exists(keys.consumer(name)));
+    }
+
+    @Test
+    void delayedTaskIsPromotedWhenDue() throws Exception {
+        CountDownLatch ran = new CountDownLatch(1);
+        try (Producer p = producer(); Worker w = worker().handler("later", t -> ran.countDown()).build().start()) {
+            Envelope e = Envelope.builder("later").build();
+            PublishResult r = p.publishIn(e, Duration.ofMillis(700));
+            assertTrue(r.delayed());
+            assertNotNull(redis.zscore(keys.delayed(queue), e.taskId().getBytes()));
+            assertTrue(redis.sismember(keys.queues(), queue.getBytes()));
+            assertFalse(ran.await(300, TimeUnit.MILLISECONDS), "ran before it was due");
+            assertTrue(ran.await(10, TimeUnit.SECONDS), "never ran");
+        }
+    }
+
+    @Test
+    void publishRefusesTooFarAheadNamingFieldAndRule() {
+        try (Producer p = producer()) {
+            Envelope e = Envelope.builder("x").scheduleTime(Instant.now().plus(Duration.ofDays(91))).build();
+            EnvelopeValidationException ex = assertThrows(EnvelopeValidationException.class, () -> p.publish(e));
+            assertEquals("schedule_time", ex.field());
+            assertEquals("max_delay", ex.rule());
+        }
+    }
+
+    @Test
+    void builderNamesFieldAndRule() {
+        EnvelopeValidationException ex = assertThrows(EnvelopeValidationException.class,
+                () -> Envelope.builder("x").priority(256).build());
+        assertEquals("priority", ex.field());
+        assertEquals("range", ex.rule());
+        ex = assertThrows(EnvelopeValidationException.class, () -> Envelope.builder("bad type").build());
+        assertEquals("task_type", ex.field());
+        assertEquals("pattern", ex.rule());
+    }
+
+    @Test
+    void retriedPublishWithTheSameTokenIsStoredOnce() {
+        Envelope e = Envelope.builder("x").build();
+        EntryCodec.Body body = EntryCodec.encodeBody(e, Limits.DEFAULT);
+        List<String> k = List.of(keys.stream(queue, "normal"), keys.delayed(queue), keys.delayedData(queue),
+                keys.published(queue, e.taskId()));
+        byte[] first = Scripts.run(redis, "enqueue", io.lettuce.core.ScriptOutputType.VALUE, k, e.taskId(), body.enc(),
+                body.bytes(), "tok1", Producer.PUBLISH_DEDUPE_MS);
+        byte[] again = Scripts.run(redis, "enqueue", io.lettuce.core.ScriptOutputType.VALUE, k, e.taskId(), body.enc(),
+                body.bytes(), "tok1", Producer.PUBLISH_DEDUPE_MS);
+        assertArrayEquals(first, again);
+        assertEquals(1, redis.xlen(keys.stream(queue, "normal")));
+    }
+
+    @Test
+    void malformedEntriesAreDeadLetteredWithTheirRawBytes() throws Exception {
+        AtomicInteger ran = new AtomicInteger();
+        try (Worker w = worker().handler("ok", t -> ran.incrementAndGet()).build().start()) {
+            byte[] garbage = new byte[] {(byte) 0xff, (byte) 0xfe, '{', 0, 1};
+            Map<String, byte[]> notJson = new LinkedHashMap<>();
+            notJson.put("v", "1".getBytes());
+            notJson.put("enc", "json".getBytes());
+            notJson.put("body", garbage);
+            redis.xadd(keys.stream(queue, "normal"), notJson);
+            Map<String, byte[]> badVersion = new LinkedHashMap<>();
+            badVersion.put("v", "2".getBytes());
+            badVersion.put("enc", "json".getBytes());
+            badVersion.put("body", "{}".getBytes());
+            badVersion.put("extra", "kept".getBytes());
+            redis.xadd(keys.stream(queue, "low"), badVersion);
+            Map<String, byte[]> good = EntryCodec.encodeEntry(Envelope.builder("ok").build(), 0, Limits.DEFAULT);
+            redis.xadd(keys.stream(queue, "low"), good);
+            await("two dead letters and one success", () -> dead().size() == 2 && ran.get() == 1);
+            await("streams emptied", () -> streamLength() == 0);
+        }
+        // The two were read from different streams and handled concurrently: find each by its raw.v.
+        List<Map<String, byte[]>> d = new ArrayList<>();
+        dead().forEach(m -> d.add(m.getBody()));
+        d.sort((a, b) -> s(a.get("raw.v")).compareTo(s(b.get("raw.v"))));
+        Map<String, byte[]> first = d.get(0);
+        assertEquals("malformed_entry", s(first.get("failure_class")));
+        assertEquals("1", s(first.get("dlq")));
+        assertEquals("java", s(first.get("language")));
+        assertEquals(queue, s(first.get("queue")));
+        assertArrayEquals(new byte[] {(byte) 0xff, (byte) 0xfe, '{', 0, 1}, first.get("raw.body"));
+        assertEquals("1", s(first.get("raw.v")));
+        assertTrue(s(first.get("reason")).contains("envelope"), s(first.get("reason")));
+        Map<String, byte[]> second = d.get(1);
+        assertEquals("malformed_entry", s(second.get("failure_class")));
+        assertEquals("kept", s(second.get("raw.extra")));
+        assertTrue(s(second.get("reason")).startsWith("version"), s(second.get("reason")));
+        assertTrue(redis.sismember(keys.deadQueues(), queue.getBytes()));
+    }
+
+    @Test
+    void unknownTaskTypeAndUnsupportedVersionAreDeadLettered() throws Exception {
+        try (Producer p = producer(); Worker w = worker().handler("known", t -> { }).build().start()) {
+            p.publish(Envelope.builder("nobody.handles.this").build());
+            p.publish(Envelope.builder("known").payloadVersion(2).build());
+            await("two dead letters", () -> dead().size() == 2);
+        }
+        List<String> classes = new ArrayList<>();
+        for (StreamMessage<String, byte[]> m : dead()) {
+            classes.add(s(m.getBody().get("failure_class")));
+            assertEquals("1", s(m.getBody().get("attempts")));
+            assertNotNull(m.getBody().get("task_id"));
+        }
+        Collections.sort(classes);
+        assertEquals(List.of("unknown_task_type", "unsupported_payload_version"), classes);
+    }
+
+    @Test
+    void aFailureWithoutRetryPolicyIsFinal() throws Exception {
+        AtomicInteger calls = new AtomicInteger();
+        try (Producer p = producer(); Worker w = worker().handler("boom", t -> {
+            calls.incrementAndGet();
+            throw new IllegalStateException("kaput");
+        }).build().start()) {
+            p.publish(Envelope.builder("boom").build());
+            await("a dead letter", () -> dead().size() == 1);
+        }
+        Map<String, byte[]> d = dead().get(0).getBody();
+        assertEquals("task_error", s(d.get("failure_class")));
+        assertEquals("java.lang.IllegalStateException", s(d.get("exception_type")));
+        assertTrue(s(d.get("traceback")).contains("kaput"));
+        assertEquals(1, calls.get());
+    }
+
+    @Test
+    void aTransientFailureIsRetriedThenSucceeds() throws Exception {
+        List<Long> attempts = new CopyOnWriteArrayList<>();
+        List<Task> done = new CopyOnWriteArrayList<>();
+        try (Producer p = producer(); Worker w = worker().handler("flaky", t -> {
+            attempts.add(t.retryCount());
+            if (t.retryCount() < 1) {
+                throw new TaskFailure.Transient("connection reset");
+            }
+            done.add(t);
+        }).build().start()) {
+            p.publish(Envelope.builder("flaky").tieredRetries().build());
+            await("success after a retry", () -> done.size() == 1);
+        }
+        assertEquals(List.of(0L, 1L), attempts);
+        Envelope e = done.get(0).envelope();
+        assertEquals("1", e.headers().get("x-fast-retries"));
+        assertNotNull(e.headers().get("x-first-failure-at"));
+        assertTrue(dead().isEmpty());
+        assertEquals(0, streamLength());
+    }
+
+    @Test
+    void backoffRetryGoesThroughTheDelayedSet() throws Exception {
+        List<Long> attempts = new CopyOnWriteArrayList<>();
+        RetryPolicy fastBackoff = new RetryPolicy(0, Duration.ofMillis(300), Duration.ofSeconds(1), () -> 1.0);
+        try (Producer p = producer(); Worker w = worker().retryPolicy(fastBackoff).handler("slowfix", t -> {
+            attempts.add(t.retryCount());
+            if (t.retryCount() == 0) {
+                throw new RuntimeException("not yet");
+            }
+        }).build().start()) {
+            p.publish(Envelope.builder("slowfix").tieredRetries().build());
+            await("two attempts", () -> attempts.size() == 2);
+        }
+        assertEquals(List.of(0L, 1L), attempts);
+    }
+
+    @Test
+    void exhaustedRetriesAreDeadLettered() throws Exception {
+        try (Producer p = producer(); Worker w = worker().handler("always", t -> {
+            throw new TaskFailure.Transient("down");
+        }).build().start()) {
+            p.publish(Envelope.builder("always").tieredRetries().maxRetries(2L).build());
+            await("a dead letter", () -> dead().size() == 1);
+        }
+        Map<String, byte[]> d = dead().get(0).getBody();
+        assertEquals("transient_exhausted", s(d.get("failure_class")));
+        assertEquals("3", s(d.get("attempts")));
+    }
+
+    @Test
+    void explicitRetryAndTimeout() throws Exception {
+        List<Long> attempts = new CopyOnWriteArrayList<>();
+        try (Producer p = producer(); Worker w = worker().handler("explicit", t -> {
+            attempts.add(t.retryCount());
+            if (t.retryCount() == 0) {
+                throw t.retry("try again", Duration.ZERO);
+            }
+        }).handler("sleepy", t -> Thread.sleep(5000)).build().start()) {
+            p.publish(Envelope.builder("explicit").build());
+            p.publish(Envelope.builder("sleepy").timeoutMs(200L).build());
+            await("explicit retry ran", () -> attempts.size() == 2);
+            await("timeout dead letter", () -> dead().size() == 1);
+        }
+        assertEquals("timeout", s(dead().get(0).getBody().get("failure_class")));
+    }
+
+    @Test
+    void idempotencyKeyDoneMeansADuplicateDoesNotRun() throws Exception {
+        AtomicInteger ran = new AtomicInteger();
+        List<Envelope> duplicates = new CopyOnWriteArrayList<>();
+        try (Producer p = producer(); Worker w = worker().concurrency(1).handler("charge", t -> ran.incrementAndGet())
+                .onDuplicate(duplicates::add).build().start()) {
+            p.publish(Envelope.builder("charge").idempotencyKey("order-1").build());
+            await("first run", () -> ran.get() == 1 && streamLength() == 0);
+            String marker = s(redis.get(keys.idempotency("charge", "order-1")));
+            assertTrue(marker.startsWith("done "), marker);
+            p.publish(Envelope.builder("charge").idempotencyKey("order-1").build());
+            await("the duplicate acknowledged", () -> duplicates.size() == 1 && streamLength() == 0);
+        }
+        assertEquals(1, ran.get());
+        assertTrue(dead().isEmpty());
+    }
+
+    @Test
+    void cancelledTaskIsNotRun() throws Exception {
+        AtomicInteger ran = new AtomicInteger();
+        try (Producer p = producer()) {
+            Envelope e = Envelope.builder("c").build();
+            p.publish(e);
+            assertEquals("marked", p.cancel(e.taskId()));
+            Envelope later = Envelope.builder("c").build();
+            p.publishIn(later, Duration.ofMinutes(5));
+            assertEquals("removed", p.cancel(later.taskId()));
+            try (Worker w = worker().handler("c", t -> ran.incrementAndGet()).build().start()) {
+                await("acknowledged", () -> streamLength() == 0);
+                Thread.sleep(100);
+            }
+            assertNull(redis.zscore(keys.cancelled(queue), e.taskId().getBytes()));
+        }
+        assertEquals(0, ran.get());
+    }
+
+    @Test
+    void anEntryNotDueYetIsMovedToTheDelayedSet() throws Exception {
+        Envelope e = Envelope.builder("future").scheduleTime(Instant.now().plus(Duration.ofHours(1))).build();
+        redis.xadd(keys.stream(queue, "normal"), EntryCodec.encodeEntry(e, 0, Limits.DEFAULT));
+        try (Worker w = worker().runPromoter(false).handler("future", t -> { }).build().start()) {
+            await("moved", () -> streamLength() == 0);
+        }
+        assertEquals((double) e.scheduleTime().toEpochMilli(), redis.zscore(keys.delayed(queue), e.taskId().getBytes()));
+    }
+
+    @Test
+    void deadConsumersEntriesAreTakenOver() throws Exception {
+        try (Producer p = producer()) {
+            p.publish(Envelope.builder("orphan").build());
+        }
+        String stream = keys.stream(queue, "normal");
+        redis.xgroupCreate(io.lettuce.core.XReadArgs.StreamOffset.from(stream, "0"), "workers",
+                io.lettuce.core.XGroupCreateArgs.Builder.mkstream(true));
+        redis.xreadgroup(io.lettuce.core.Consumer.from("workers", "ghost"),
+                io.lettuce.core.XReadArgs.StreamOffset.lastConsumed(stream));
+        Thread.sleep(400);
+        CountDownLatch ran = new CountDownLatch(1);
+        List<Integer> redelivered = new CopyOnWriteArrayList<>();
+        try (Worker w = worker().lease(Duration.ofMillis(300)).handler("orphan", t -> {
+            redelivered.add(t.redeliveries());
+            ran.countDown();
+        }).build().start()) {
+            assertTrue(ran.await(10, TimeUnit.SECONDS), "the orphaned entry never ran");
+        }
+        assertEquals(List.of(1), redelivered);
+    }
+
+    @Test
+    void deadLettersCanBeListedReplayedAndDeleted() throws Exception {
+        AtomicInteger runs = new AtomicInteger();
+        try (Producer p = producer();
+             DeadLetters dl = DeadLetters.builder().client(client).prefix(prefix).build();
+             Worker w = worker().handler("fixme", t -> {
+                 if (t.get("ok").asBoolean(false)) {
+                     runs.incrementAndGet();
+                 } else {
+                     throw new TaskFailure.InvalidPayload("ok must be true");
+                 }
+             }).build().start()) {
+            Envelope e = Envelope.builder("fixme").put("ok", false).build();
+            p.publish(e);
+            Map<String, byte[]> junk = new LinkedHashMap<>();
+            junk.put("v", "1".getBytes());
+            redis.xadd(keys.stream(queue, "normal"), junk);
+            await("two dead letters", () -> dead().size() == 2);
+            assertEquals(List.of(queue), dl.queues());
+            List<DeadLetter> all = dl.list(queue, 10);
+            assertEquals(2, all.size());
+            DeadLetter invalid = all.stream().filter(d -> "invalid_payload".equals(d.failureClass())).findFirst().get();
+            assertEquals(e.taskId(), invalid.taskId());
+            assertEquals(e, invalid.envelope());
+            DeadLetter broken = all.stream().filter(d -> "malformed_entry".equals(d.failureClass())).findFirst().get();
+            assertNull(broken.envelope());
+            assertTrue(broken.decodeError().startsWith("missing_field"), broken.decodeError());
+            assertThrows(IllegalStateException.class, () -> dl.replay(queue, broken.entryId(), "test"));
+
+            String newId = dl.replay(queue, invalid.entryId(), b -> b.put("ok", true), "test");
+            assertNotNull(newId);
+            assertNull(dl.replay(queue, invalid.entryId(), "test"), "replayed twice");
+            await("the replay ran", () -> runs.get() == 1);
+            assertEquals(1, redis.xlen(keys.replayed(queue)));
+            assertEquals(1, dl.delete(queue, broken.entryId()));
+            assertEquals(0, dl.count(queue));
+        }
+    }
+
+    @Test
+    void deadConsumersThatHoldNothingAreForgotten() throws Exception {
+        String stream = keys.stream(queue, "normal");
+        redis.xgroupCreate(io.lettuce.core.XReadArgs.StreamOffset.from(stream, "0"), "workers",
+                io.lettuce.core.XGroupCreateArgs.Builder.mkstream(true));
+        String id = redis.xadd(stream, Map.of("x", "y".getBytes()));
+        redis.xreadgroup(io.lettuce.core.Consumer.from("workers", "gone"),
+                io.lettuce.core.XReadArgs.StreamOffset.lastConsumed(stream));
+        redis.xack(stream, "workers", id);
+        redis.xdel(stream, id);
+        assertTrue(consumerNames(stream).contains("gone"));
+        Thread.sleep(350);
+        try (Worker w = worker().lease(Duration.ofMillis(300)).forgetDeadConsumersAfter(Duration.ZERO, Duration.ZERO)
+                .build().start()) {
+            await("the empty dead consumer forgotten", () -> !consumerNames(stream).contains("gone"));
+        }
+    }
+
+    static List<String> consumerNames(String stream) {
+        List<String> names = new ArrayList<>();
+        for (Object c : redis.xinfoConsumers(stream, "workers")) {
+            List<?> info = (List<?>) c;
+            for (int i = 0; i + 1 < info.size(); i += 2) {
+                if ("name".equals(Redis.s(info.get(i)))) {
+                    names.add(Redis.s(info.get(i + 1)));
+                }
+            }
+        }
+        return names;
+    }
+
+    @Test
+    void aBusyIdempotencyKeyOfALiveConsumerDefersTheTask() throws Exception {
+        redis.set(keys.consumer("other"), "h 1 go".getBytes());
+        redis.set(keys.idempotency("pay", "k1"), "running other someid".getBytes());
+        AtomicInteger ran = new AtomicInteger();
+        try (Producer p = producer();
+             Worker w = worker().deferDelay(Duration.ofMillis(300)).handler("pay", t -> ran.incrementAndGet())
+                     .build().start()) {
+            p.publish(Envelope.builder("pay").idempotencyKey("k1").build());
+            Thread.sleep(600);
+            assertEquals(0, ran.get(), "ran while another live consumer held the key");
+            redis.del(keys.consumer("other"));
+            await("run after the holder died", () -> ran.get() == 1);
+        }
+    }
+
+    @Test
+    void retriesOfATaskTypeWaitForAFreeSlot() throws Exception {
+        String slots = keys.retrying("capped");
+        redis.zadd(slots, System.currentTimeMillis() + 60_000, "someone-else".getBytes());
+        AtomicInteger ran = new AtomicInteger();
+        RetryPolicy quick = new RetryPolicy(0, Duration.ofMillis(200), Duration.ofMillis(200), () -> 1.0);
+        try (Producer p = producer();
+             Worker w = worker().retryConcurrency(1).retryPolicy(quick).handler("capped", t -> ran.incrementAndGet())
+                     .build().start()) {
+            p.publish(Envelope.builder("capped").tieredRetries().retryCount(1).build());
+            Thread.sleep(700);
+            assertEquals(0, ran.get(), "a retry ran although every slot was taken");
+            redis.del(slots);
+            await("the retry ran once a slot was free", () -> ran.get() == 1);
+        }
+        assertEquals(0, redis.zcard(slots));
+    }
+
+    @Test
+    void entriesAConsumerReadButNeverSettledAreDeliveredWhenItStartsAgain() throws Exception {
+        try (Producer p = producer()) {
+            p.publish(Envelope.builder("resume").build());
+        }
+        String stream = keys.stream(queue, "normal");
+        redis.xgroupCreate(io.lettuce.core.XReadArgs.StreamOffset.from(stream, "0"), "workers",
+                io.lettuce.core.XGroupCreateArgs.Builder.mkstream(true));
+        redis.xreadgroup(io.lettuce.core.Consumer.from("workers", "same-name"),
+                io.lettuce.core.XReadArgs.StreamOffset.lastConsumed(stream));
+        CountDownLatch ran = new CountDownLatch(1);
+        try (Worker w = worker().consumer("same-name").handler("resume", t -> ran.countDown()).build().start()) {
+            assertTrue(ran.await(10, TimeUnit.SECONDS), "the pending entry was never delivered");
+            await("acknowledged", () -> streamLength() == 0);
+        }
+    }
+
+    @Test
+    void aTaskStillRunningAtShutdownKeepsItsConsumerAliveUntilItEnds() throws Exception {
+        CountDownLatch started = new CountDownLatch(1);
+        CountDownLatch release = new CountDownLatch(1);
+        Worker w = worker().shutdownTimeout(Duration.ofMillis(200)).lease(Duration.ofMillis(600))
+                .handler("long", t -> {
+                    started.countDown();
+                    release.await();
+                }).build().start();
+        try (Producer p = producer()) {
+            p.publish(Envelope.builder("long").build());
+        }
+        assertTrue(started.await(10, TimeUnit.SECONDS));
+        w.close();
+        Thread.sleep(900); // longer than the lease: only renewals keep the key
+        assertEquals(1, redis.exists(keys.consumer(w.consumer())), "liveness given up while a task ran");
+        release.countDown();
+        await("acknowledged and the key deleted",
+                () -> streamLength() == 0 && redis.exists(keys.consumer(w.consumer())) == 0);
+    }
+
+    @Test
+    void maxRetriesZeroIsFinalAndNullIsUnlimited() throws Exception {
+        List<Long> unlimited = new CopyOnWriteArrayList<>();
+        RetryPolicy quick = new RetryPolicy(0, Duration.ofMillis(20), Duration.ofMillis(50), () -> 1.0);
+        try (Producer p = producer(); Worker w = worker().retryPolicy(quick)
+                .handler("zero", t -> {
+                    throw new TaskFailure.Transient("down");
+                })
+                .handler("forever", t -> {
+                    unlimited.add(t.retryCount());
+                    if (t.retryCount() < 5) {
+                        throw new RuntimeException("again");
+                    }
+                }).build().start()) {
+            p.publish(Envelope.builder("zero").tieredRetries().maxRetries(0L).build());
+            p.publish(Envelope.builder("forever").tieredRetries().maxRetries(null).build());
+            await("zero dead-lettered and forever done", () -> dead().size() == 1 && unlimited.size() == 6);
+        }
+        Map<String, byte[]> d = dead().get(0).getBody();
+        assertEquals("transient_exhausted", s(d.get("failure_class")));
+        assertEquals("1", s(d.get("attempts")));
+        assertEquals(List.of(0L, 1L, 2L, 3L, 4L, 5L), unlimited);
+    }
+
+    @Test
+    void theWorkerCreatesItsGroupsAgainWhenRedisLostThem() throws Exception {
+        AtomicInteger ran = new AtomicInteger();
+        try (Producer p = producer(); Worker w = worker().handler("again", t -> ran.incrementAndGet()).build().start()) {
+            Thread.sleep(300);
+            for (String st : keys.taskStreams(queue)) {
+                redis.del(st); // what a restart without persistence looks like
+            }
+            Thread.sleep(300);
+            p.publish(Envelope.builder("again").build());
+            await("run after the groups were created again", () -> ran.get() == 1);
+        }
+    }
+}

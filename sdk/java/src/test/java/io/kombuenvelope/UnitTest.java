@@ -1,0 +1,92 @@
+package io.kombuenvelope;
+
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertNotEquals;
+import static org.junit.jupiter.api.Assertions.assertNull;
+import static org.junit.jupiter.api.Assertions.assertThrows;
+import static org.junit.jupiter.api.Assertions.assertTrue;
+
+import com.fasterxml.jackson.databind.JsonNode;
+
+import java.time.Duration;
+import java.time.OffsetDateTime;
+import java.time.ZoneOffset;
+import java.util.List;
+import java.util.Map;
+
+import org.junit.jupiter.api.Test;
+
+class UnitTest {
+    static JsonNode json(String s) throws Exception {
+        return Json.parse(s);
+    }
+
+    @Test
+    void idempotencyKeysFollowTheProtocolRule() throws Exception {
+        assertEquals("202509110001", IdempotencyKeys.derive(json("{\"order_id\":\"202509110001\"}"), "order_id"));
+        assertEquals("202509110001", IdempotencyKeys.derive(json("{\"order_id\":202509110001}"), "order_id"));
+        assertEquals("acme:7", IdempotencyKeys.derive(json("{\"order_id\":7,\"tenant\":\"acme\"}"), "tenant", "order_id"));
+        assertEquals("{\"a\":\"\\u00e9\",\"b\":[true,null]}",
+                IdempotencyKeys.derive(json("{\"x\":{\"b\":[true,null],\"a\":\"é\"}}"), "x"));
+        IllegalArgumentException e = assertThrows(IllegalArgumentException.class,
+                () -> IdempotencyKeys.derive(json("{}"), "order_id"));
+        assertTrue(e.getMessage().startsWith("payload.order_id"));
+    }
+
+    @Test
+    void timestampsKeepTheirOffset() {
+        Timestamp t = Timestamp.parse("2025-09-11T12:45:00.25+08:00");
+        assertEquals("2025-09-11T12:45:00.250000+08:00", t.toString());
+        assertEquals("2025-09-11T04:45:00Z", Timestamp.of(OffsetDateTime.of(2025, 9, 11, 4, 45, 0, 0, ZoneOffset.UTC)).toString());
+        IllegalArgumentException e = assertThrows(IllegalArgumentException.class, () -> Timestamp.parse("2025-09-11T12:45:00"));
+        assertTrue(e.getMessage().contains("[timezone_required]"));
+    }
+
+    @Test
+    void envelopeWritesCanonicalJsonAndRoundTrips() {
+        Envelope e = Envelope.builder("order.close_timeout").put("order_id", "1").maxRetries(null)
+                .header("b", "2").header("a", "1").build();
+        String text = e.toString();
+        assertTrue(text.contains("\"max_retries\":null"), text);
+        assertTrue(text.indexOf("\"a\"") < text.indexOf("\"b\""), text);
+        assertEquals(e, Envelope.parse(text));
+        assertNull(e.scheduleTime());
+    }
+
+    @Test
+    void traceIdComesFromTheMdcWhileServingARequest() {
+        try (TraceContext.Scope scope = TraceContext.with("req-42")) {
+            assertEquals("req-42", Envelope.builder("x").build().traceId());
+        }
+        assertNotEquals("req-42", Envelope.builder("x").build().traceId());
+    }
+
+    @Test
+    void gzipBodiesRoundTrip() throws Exception {
+        StringBuilder big = new StringBuilder();
+        for (int i = 0; i < 2000; i++) {
+            big.append("abcdefgh");
+        }
+        Envelope e = Envelope.builder("x").put("blob", big.toString()).build();
+        Map<String, byte[]> fields = EntryCodec.encodeEntry(e, EntryCodec.GZIP_MIN_BYTES, Limits.DEFAULT);
+        assertEquals("json+gzip", new String(fields.get("enc")));
+        assertEquals(e, EntryCodec.decodeEntry(fields, Limits.DEFAULT));
+    }
+
+    @Test
+    void backoffFollowsTheFormula() {
+        RetryPolicy p = new RetryPolicy(2, Duration.ofSeconds(30), Duration.ofHours(1), () -> 1.0);
+        assertEquals(List.of(30L, 60L, 120L), List.of(p.backoffDelay(1, 0).toSeconds(), p.backoffDelay(2, 0).toSeconds(),
+                p.backoffDelay(3, 0).toSeconds()));
+        assertEquals(30L, p.backoffDelay(3, 2).toSeconds());
+        assertEquals(3600L, p.backoffDelay(100, 0).toSeconds());
+    }
+
+    @Test
+    void bucketsFollowPriority() {
+        assertEquals("high", Keys.bucketFor(170));
+        assertEquals("normal", Keys.bucketFor(85));
+        assertEquals("low", Keys.bucketFor(84));
+        assertThrows(IllegalArgumentException.class, () -> Keys.checkQueueName("a{b}"));
+    }
+}
