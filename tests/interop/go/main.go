@@ -23,7 +23,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"kombu-envelope/interop/go/envelope"
+	envelope "github.com/kombu-envelope/kombu-envelope/sdk/go"
 )
 
 const usage = `usage: envelope-peer <command> [flags]
@@ -76,7 +76,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.prefix, "prefix", envelope.DefaultPrefix, "key prefix")
 	fs.StringVar(&c.queue, "queue", "", "queue name (required)")
 	fs.StringVar(&c.luaDir, "lua-dir", "", "directory of the protocol's Lua scripts (default $"+
-		envelope.ScriptDirEnv+", else "+envelope.DefaultScriptDir+")")
+		envelope.ScriptDirEnv+", else the scripts embedded in the SDK)")
 }
 
 func (c *common) connect() (*redis.Client, envelope.Scripts, error) {

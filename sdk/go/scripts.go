@@ -2,9 +2,11 @@ package envelope
 
 import (
 	"context"
+	"embed"
 	"fmt"
+	"io/fs"
 	"os"
-	"path/filepath"
+	"path"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -12,8 +14,11 @@ import (
 // ScriptDirEnv names the environment variable that points at the Lua scripts.
 const ScriptDirEnv = "ENVELOPE_LUA_DIR"
 
-// DefaultScriptDir is where the scripts are relative to tests/interop/go.
-const DefaultScriptDir = "../../../kombu_envelope/lua"
+// embedded are the scripts this module ships: sdk/go/lua/ is a copy of
+// kombu_envelope/lua/ made by sdk/sync_lua.py, never edited by hand.
+//
+//go:embed lua/*.lua
+var embedded embed.FS
 
 // ScriptNames are the Lua files every language loads as they are.
 var ScriptNames = []string{
@@ -21,28 +26,43 @@ var ScriptNames = []string{
 	"idem_begin", "idem_finish", "retry_slot", "forget_consumer",
 }
 
-// Scripts are the protocol's Lua scripts, read from disk, never re-implemented.
+// Scripts are the protocol's Lua scripts, shipped with the module, never re-implemented.
 type Scripts map[string]*redis.Script
 
-// ResolveScriptDir returns dir, else $ENVELOPE_LUA_DIR, else DefaultScriptDir.
+// ResolveScriptDir returns dir, else $ENVELOPE_LUA_DIR, else "" (the embedded scripts).
 func ResolveScriptDir(dir string) string {
 	if dir != "" {
 		return dir
 	}
-	if env := os.Getenv(ScriptDirEnv); env != "" {
-		return env
-	}
-	return DefaultScriptDir
+	return os.Getenv(ScriptDirEnv)
 }
 
-// LoadScripts reads every script from dir (see ResolveScriptDir).
+// DefaultScripts are the scripts embedded in this module.
+func DefaultScripts() Scripts {
+	s, err := loadFrom(embedded, "lua")
+	if err != nil {
+		panic(err) // the build embeds every script; sdk/sync_lua.py --check guards the copies
+	}
+	return s
+}
+
+// LoadScripts reads every script from dir, else from $ENVELOPE_LUA_DIR; with
+// neither it returns the embedded scripts (DefaultScripts). A directory is only
+// needed to run scripts other than the ones this module version ships.
 func LoadScripts(dir string) (Scripts, error) {
 	dir = ResolveScriptDir(dir)
+	if dir == "" {
+		return DefaultScripts(), nil
+	}
+	return loadFrom(os.DirFS(dir), ".")
+}
+
+func loadFrom(fsys fs.FS, dir string) (Scripts, error) {
 	s := Scripts{}
 	for _, name := range ScriptNames {
-		src, err := os.ReadFile(filepath.Join(dir, name+".lua"))
+		src, err := fs.ReadFile(fsys, path.Join(dir, name+".lua"))
 		if err != nil {
-			return nil, fmt.Errorf("loading Lua script %s (set --lua-dir or $%s): %w", name, ScriptDirEnv, err)
+			return nil, fmt.Errorf("loading Lua script %s (from %s; $%s overrides): %w", name, dir, ScriptDirEnv, err)
 		}
 		s[name] = redis.NewScript(string(src))
 	}
