@@ -23,7 +23,7 @@ var embedded embed.FS
 // ScriptNames are the Lua files every language loads as they are.
 var ScriptNames = []string{
 	"enqueue", "schedule", "promote", "read", "requeue", "dead_letter", "retry", "cancel",
-	"idem_begin", "idem_finish", "retry_slot", "forget_consumer",
+	"idem_begin", "idem_finish", "retry_slot", "forget_consumer", "replay",
 }
 
 // Scripts are the protocol's Lua scripts, shipped with the module, never re-implemented.
