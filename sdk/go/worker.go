@@ -26,7 +26,8 @@ const Language = "go"
 // final unless the Envelope asks for automatic retries (x-retry-policy:
 // tiered); then wrap it with Transient to retry it on the fast tier, with
 // InvalidPayload or Reject to dead-letter it at once. ctx ends when timeout_ms
-// passes.
+// passes, and carries the task's trace id (TraceIDFromContext), which
+// PublishTask stamps on the tasks the handler publishes.
 type HandlerFunc func(ctx context.Context, t *Task) error
 
 // Task is what a handler receives.
@@ -842,7 +843,7 @@ func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
 // run calls the handler with the attempt's deadline; a handler that outlives
 // its deadline is abandoned (it should honour ctx) and the attempt times out.
 func (w *Worker) run(fn HandlerFunc, task *Task) error {
-	ctx, cancel := context.Background(), context.CancelFunc(func() {})
+	ctx, cancel := ContextWithTraceID(context.Background(), task.TraceID), context.CancelFunc(func() {})
 	if task.TimeoutMS != nil {
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
 	}
