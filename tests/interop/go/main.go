@@ -284,38 +284,22 @@ func worker(args []string) error {
 		go func() { defer promoter.Done(); p.Run(promoteCtx) }()
 	}
 
-	errs := make(chan error, *concurrency)
-	var wg sync.WaitGroup
-	for i := 0; i < *concurrency; i++ {
-		w, err := envelope.NewWorker(client, scripts, envelope.Config{
-			Prefix: c.prefix, Queue: c.queue, Group: *group, Consumer: *consumer,
-			Lease: ms(*leaseMS), Block: ms(*blockMS), Prefetch: *prefetch,
-			Retry: envelope.RetryPolicy{FastRetries: *fastRetries, Backoff: ms(*backoffMS),
-				MaxBackoff: ms(*maxBackoffMS)},
-			RetryConcurrency: *retryConcurrency, MaxRedeliveries: *maxRedeliveries,
-			DeferDelay: ms(*deferMS), ExitAfterIdle: ms(*idleMS), Logger: logger,
-			OnDuplicate: func(ctx context.Context, t *envelope.Task) {
-				client.RPush(ctx, c.prefix+":effects:duplicates", envelope.Language+":"+t.TaskID)
-			},
-		})
-		if err != nil {
-			return err
-		}
-		registerBuiltins(w, client, c.prefix)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs <- w.Run(ctx)
-		}()
+	w, err := envelope.NewWorker(client, scripts, envelope.Config{
+		Prefix: c.prefix, Queue: c.queue, Group: *group, Consumer: *consumer,
+		Lease: ms(*leaseMS), Block: ms(*blockMS), Prefetch: *prefetch, Concurrency: *concurrency,
+		Retry: envelope.RetryPolicy{FastRetries: *fastRetries, Backoff: ms(*backoffMS),
+			MaxBackoff: ms(*maxBackoffMS)},
+		RetryConcurrency: *retryConcurrency, MaxRedeliveries: *maxRedeliveries,
+		DeferDelay: ms(*deferMS), ExitAfterIdle: ms(*idleMS), Logger: logger,
+		OnDuplicate: func(ctx context.Context, t *envelope.Task) {
+			client.RPush(ctx, c.prefix+":effects:duplicates", envelope.Language+":"+t.TaskID)
+		},
+	})
+	if err != nil {
+		return err
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	registerBuiltins(w, client, c.prefix)
+	return w.Run(ctx)
 }
 
 // --- built-in handlers ---------------------------------------------------------------------
