@@ -18,7 +18,15 @@ from typing import Any
 import pytest
 import redis
 from support import wait_for
-from support.peers import FIRST_BUILD_TIMEOUT_S, GO, GO_DIR, GoPeer, build_go_peer, go_env
+from support.peers import (
+    FIRST_BUILD_TIMEOUT_S,
+    GO,
+    GO_DIR,
+    GO_SDK_DIR,
+    GoPeer,
+    build_go_peer,
+    go_env,
+)
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_entry, encode_entry
@@ -82,15 +90,22 @@ def effect(client: redis.Redis, prefix: str, order_id: str) -> int:
     return int(client.get(f"{prefix}:effects:order.close_timeout:{order_id}") or 0)
 
 
-# --- the Go test-suite: conformance vectors and unit tests --------------------------------
+# --- the Go SDK's own test-suite: conformance vectors, unit and Redis tests, README example --
 
 
-def test_go_conformance_suite(go_peer: Path, redis_url: str) -> None:
+def test_go_sdk_suite(go_peer: Path, redis_url: str) -> None:
     done = subprocess.run(
-        [GO, "test", "-count=1", "./..."], cwd=GO_DIR, capture_output=True, text=True,
+        [GO, "test", "-count=1", "./..."], cwd=GO_SDK_DIR, capture_output=True, text=True,
         timeout=FIRST_BUILD_TIMEOUT_S, env=go_env(ENVELOPE_TEST_REDIS_URL=redis_url),
     )
-    assert done.returncode == 0, f"go test failed:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, f"go test failed in sdk/go:\n{done.stdout}\n{done.stderr}"
+
+
+def test_go_peer_vets(go_peer: Path) -> None:
+    """The interop command builds against the SDK as a user's module would, and vets clean."""
+    done = subprocess.run([GO, "vet", "./..."], cwd=GO_DIR, capture_output=True, text=True,
+                          timeout=FIRST_BUILD_TIMEOUT_S, env=go_env())
+    assert done.returncode == 0, f"go vet failed in tests/interop/go:\n{done.stdout}\n{done.stderr}"
 
 
 # --- cross-language scenarios --------------------------------------------------------------

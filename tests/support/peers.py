@@ -34,6 +34,7 @@ __all__ = [
     "FIRST_BUILD_TIMEOUT_S",
     "GO",
     "GO_DIR",
+    "GO_SDK_DIR",
     "LUA_DIR",
     "NODE",
     "NODE_DIR",
@@ -50,7 +51,10 @@ __all__ = [
 
 GO = shutil.which("go")
 NODE = shutil.which("node")
+#: The Go peer (the interop command); it requires the SDK through a ``replace`` directive.
 GO_DIR = PROJECT_ROOT / "tests" / "interop" / "go"
+#: The Go SDK (a Go module of its own), whose tests include every conformance vector.
+GO_SDK_DIR = PROJECT_ROOT / "sdk" / "go"
 NODE_DIR = PROJECT_ROOT / "tests" / "interop" / "node"
 NODE_PEER = NODE_DIR / "peer.js"
 NODE_SDK_DIR = PROJECT_ROOT / "sdk" / "node"
@@ -143,8 +147,9 @@ class GoPeer:
     workers: list[GoWorker] = field(default_factory=list)
 
     def common(self) -> list[str]:
-        return ["--redis", self.redis_url, "--prefix", self.prefix, "--queue", self.queue,
-                "--lua-dir", str(LUA_DIR)]
+        # No --lua-dir: the peer runs the scripts embedded in the SDK, as a user's service does
+        # (tests/test_sdk_lua_copies.py keeps those copies equal to kombu_envelope/lua/).
+        return ["--redis", self.redis_url, "--prefix", self.prefix, "--queue", self.queue]
 
     def run(self, command: str, *args: str) -> list[str]:
         done = subprocess.run([str(self.binary), command, *self.common(), *args],

@@ -2,10 +2,16 @@ module kombu-envelope/interop/go
 
 go 1.26.0
 
-require github.com/redis/go-redis/v9 v9.23.0
+require (
+	github.com/kombu-envelope/kombu-envelope/sdk/go v0.0.0
+	github.com/redis/go-redis/v9 v9.23.0
+)
 
 require (
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
 	go.uber.org/atomic v1.12.0 // indirect
 	golang.org/x/sys v0.48.0 // indirect
 )
+
+// The peer uses the SDK of this checkout, as a user's service requires the released module.
+replace github.com/kombu-envelope/kombu-envelope/sdk/go => ../../../sdk/go

@@ -23,7 +23,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
-	"kombu-envelope/interop/go/envelope"
+	envelope "github.com/kombu-envelope/kombu-envelope/sdk/go"
 )
 
 const usage = `usage: envelope-peer <command> [flags]
@@ -76,7 +76,7 @@ func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.prefix, "prefix", envelope.DefaultPrefix, "key prefix")
 	fs.StringVar(&c.queue, "queue", "", "queue name (required)")
 	fs.StringVar(&c.luaDir, "lua-dir", "", "directory of the protocol's Lua scripts (default $"+
-		envelope.ScriptDirEnv+", else "+envelope.DefaultScriptDir+")")
+		envelope.ScriptDirEnv+", else the scripts embedded in the SDK)")
 }
 
 func (c *common) connect() (*redis.Client, envelope.Scripts, error) {
@@ -284,38 +284,22 @@ func worker(args []string) error {
 		go func() { defer promoter.Done(); p.Run(promoteCtx) }()
 	}
 
-	errs := make(chan error, *concurrency)
-	var wg sync.WaitGroup
-	for i := 0; i < *concurrency; i++ {
-		w, err := envelope.NewWorker(client, scripts, envelope.Config{
-			Prefix: c.prefix, Queue: c.queue, Group: *group, Consumer: *consumer,
-			Lease: ms(*leaseMS), Block: ms(*blockMS), Prefetch: *prefetch,
-			Retry: envelope.RetryPolicy{FastRetries: *fastRetries, Backoff: ms(*backoffMS),
-				MaxBackoff: ms(*maxBackoffMS)},
-			RetryConcurrency: *retryConcurrency, MaxRedeliveries: *maxRedeliveries,
-			DeferDelay: ms(*deferMS), ExitAfterIdle: ms(*idleMS), Logger: logger,
-			OnDuplicate: func(ctx context.Context, t *envelope.Task) {
-				client.RPush(ctx, c.prefix+":effects:duplicates", envelope.Language+":"+t.TaskID)
-			},
-		})
-		if err != nil {
-			return err
-		}
-		registerBuiltins(w, client, c.prefix)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs <- w.Run(ctx)
-		}()
+	w, err := envelope.NewWorker(client, scripts, envelope.Config{
+		Prefix: c.prefix, Queue: c.queue, Group: *group, Consumer: *consumer,
+		Lease: ms(*leaseMS), Block: ms(*blockMS), Prefetch: *prefetch, Concurrency: *concurrency,
+		Retry: envelope.RetryPolicy{FastRetries: *fastRetries, Backoff: ms(*backoffMS),
+			MaxBackoff: ms(*maxBackoffMS)},
+		RetryConcurrency: *retryConcurrency, MaxRedeliveries: *maxRedeliveries,
+		DeferDelay: ms(*deferMS), ExitAfterIdle: ms(*idleMS), Logger: logger,
+		OnDuplicate: func(ctx context.Context, t *envelope.Task) {
+			client.RPush(ctx, c.prefix+":effects:duplicates", envelope.Language+":"+t.TaskID)
+		},
+	})
+	if err != nil {
+		return err
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	registerBuiltins(w, client, c.prefix)
+	return w.Run(ctx)
 }
 
 // --- built-in handlers ---------------------------------------------------------------------

@@ -13,11 +13,11 @@ import (
 )
 
 // conformanceDir is the repository's conformance/ directory ($ENVELOPE_CONFORMANCE_DIR overrides).
-func conformanceDir() string {
+func conformanceDir(t testing.TB) string {
 	if dir := os.Getenv("ENVELOPE_CONFORMANCE_DIR"); dir != "" {
 		return dir
 	}
-	return filepath.Join("..", "..", "..", "..", "conformance")
+	return filepath.Join(repoRoot(t), "conformance")
 }
 
 type manifest struct {
@@ -49,7 +49,7 @@ type entryCase struct {
 
 func loadManifest(t *testing.T) manifest {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(conformanceDir(), "manifest.json"))
+	data, err := os.ReadFile(filepath.Join(conformanceDir(t), "manifest.json"))
 	if err != nil {
 		t.Fatalf("reading the conformance manifest: %v", err)
 	}
@@ -65,7 +65,7 @@ func loadManifest(t *testing.T) manifest {
 
 func loadCase(t *testing.T, relative string, into any) {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(conformanceDir(), filepath.FromSlash(relative)))
+	data, err := os.ReadFile(filepath.Join(conformanceDir(t), filepath.FromSlash(relative)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -220,7 +220,7 @@ func TestConformanceManifestListsEveryVector(t *testing.T) {
 		dir    string
 		listed []string
 	}{{"envelopes", m.Envelopes}, {"entries", m.Entries}} {
-		files, _ := filepath.Glob(filepath.Join(conformanceDir(), kind.dir, "*.json"))
+		files, _ := filepath.Glob(filepath.Join(conformanceDir(t), kind.dir, "*.json"))
 		listed := map[string]bool{}
 		for _, name := range kind.listed {
 			listed[name] = true

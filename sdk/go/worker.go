@@ -26,7 +26,8 @@ const Language = "go"
 // final unless the Envelope asks for automatic retries (x-retry-policy:
 // tiered); then wrap it with Transient to retry it on the fast tier, with
 // InvalidPayload or Reject to dead-letter it at once. ctx ends when timeout_ms
-// passes.
+// passes, and carries the task's trace id (TraceIDFromContext), which
+// PublishTask stamps on the tasks the handler publishes.
 type HandlerFunc func(ctx context.Context, t *Task) error
 
 // Task is what a handler receives.
@@ -72,6 +73,11 @@ type Config struct {
 	Limits        Limits
 	GzipMin       int           // default GzipMinBytes
 	ExitAfterIdle time.Duration // stop after this long without entries (0: never)
+
+	// Concurrency is how many tasks the Worker runs at once (1): it runs that
+	// many consumers, "<Consumer>-<i>", each with its own liveness key and
+	// Prefetch, sharing the handlers.
+	Concurrency int
 
 	Logger *slog.Logger
 	// OnDuplicate is called when a task is acknowledged without running because
@@ -169,6 +175,10 @@ type Worker struct {
 	log      *slog.Logger
 	host     string
 	pid      string
+
+	stopOnce sync.Once
+	stop     chan struct{} // closed by Shutdown
+	runs     sync.WaitGroup
 }
 
 // NewWorker returns a worker for cfg.Queue; register handlers, then Run it.
@@ -180,16 +190,34 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
 	}
 	cfg.defaults()
+	return newWorker(client, scripts, cfg, map[string]handler{}), nil
+}
+
+func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handlers map[string]handler) *Worker {
 	keys := KeySpace{cfg.Prefix}
 	return &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, queue: keys.Queue(cfg.Queue),
-		handlers: map[string]handler{},
-		log:      cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
-		host:     hostname(), pid: strconv.Itoa(os.Getpid()),
-	}, nil
+		handlers: handlers, stop: make(chan struct{}),
+		log:  cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
+		host: hostname(), pid: strconv.Itoa(os.Getpid()),
+	}
 }
 
-// Consumer is this worker's consumer name.
+// serves lists the task types and payload versions this worker runs, for its start log.
+func (w *Worker) serves() []string {
+	out := make([]string, 0, len(w.handlers))
+	for taskType, h := range w.handlers {
+		versions := make([]string, len(h.versions))
+		for i, v := range h.versions {
+			versions[i] = strconv.FormatInt(v, 10)
+		}
+		out = append(out, taskType+"@"+strings.Join(versions, ","))
+	}
+	slices.Sort(out)
+	return out
+}
+
+// Consumer is this worker's consumer name (with Concurrency > 1, the prefix of its consumers').
 func (w *Worker) Consumer() string { return w.cfg.Consumer }
 
 // Handle registers fn for taskType. versions lists the payload_version values
@@ -201,10 +229,66 @@ func (w *Worker) Handle(taskType string, fn HandlerFunc, versions ...int64) {
 	w.handlers[taskType] = handler{fn, versions}
 }
 
-// Run consumes until ctx ends (or ExitAfterIdle passes), then shuts down
-// cleanly: the task running finishes, entries read but not started go back
-// to their stream, and the liveness key is deleted.
+// Run consumes until ctx ends, Shutdown is called or ExitAfterIdle passes,
+// then shuts down cleanly: the tasks running finish, entries read but not
+// started go back to their stream, and the liveness keys are deleted. With
+// Concurrency > 1 it runs that many consumers and returns when all stopped.
 func (w *Worker) Run(ctx context.Context) error {
+	w.runs.Add(1)
+	defer w.runs.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-w.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	if w.cfg.Concurrency <= 1 {
+		return w.consume(ctx)
+	}
+	errs := make(chan error, w.cfg.Concurrency)
+	var wg sync.WaitGroup
+	for i := range w.cfg.Concurrency {
+		cfg := w.cfg
+		cfg.Concurrency = 1
+		cfg.Consumer = fmt.Sprintf("%s-%d", w.cfg.Consumer, i)
+		child := newWorker(w.client, w.scripts, cfg, w.handlers)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- child.consume(ctx)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	return errors.Join(all...)
+}
+
+// Shutdown stops Run as ending its ctx does (SIGTERM in a service): the
+// running tasks finish, entries read but not started are handed back with
+// requeue.lua, the liveness keys are deleted. It waits for that until ctx
+// ends (then it returns ctx's error; the worker goes on stopping). A Worker
+// that was shut down does not run again.
+func (w *Worker) Shutdown(ctx context.Context) error {
+	w.stopOnce.Do(func() { close(w.stop) })
+	done := make(chan struct{})
+	go func() { w.runs.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// consume is one consumer's loop.
+func (w *Worker) consume(ctx context.Context) error {
 	bg := context.Background()
 	if err := w.scripts.Load(bg, w.client); err != nil {
 		return err
@@ -222,7 +306,8 @@ func (w *Worker) Run(ctx context.Context) error {
 		defer keeper.Done()
 		w.keepAlive(keeperCtx)
 	}()
-	w.log.Info("worker started", "lease_ms", w.cfg.Lease.Milliseconds(), "language", Language)
+	w.log.Info("worker started", "lease_ms", w.cfg.Lease.Milliseconds(), "language", Language,
+		"serves", w.serves())
 
 	lastWork := time.Now()
 	for ctx.Err() == nil {
@@ -842,7 +927,7 @@ func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
 // run calls the handler with the attempt's deadline; a handler that outlives
 // its deadline is abandoned (it should honour ctx) and the attempt times out.
 func (w *Worker) run(fn HandlerFunc, task *Task) error {
-	ctx, cancel := context.Background(), context.CancelFunc(func() {})
+	ctx, cancel := ContextWithTraceID(context.Background(), task.TraceID), context.CancelFunc(func() {})
 	if task.TimeoutMS != nil {
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
 	}

@@ -103,6 +103,9 @@ func (q QueueKeys) DelayedData() string { return q.Base() + ":delayed:data" }
 // Dead is the dead-letter stream.
 func (q QueueKeys) Dead() string { return q.Base() + ":dead" }
 
+// Replayed is the stream of replay records (replay.lua).
+func (q QueueKeys) Replayed() string { return q.Base() + ":replayed" }
+
 // Cancelled is the sorted set of task ids cancelled after they left the
 // delayed set, scored by cancel time (ms).
 func (q QueueKeys) Cancelled() string { return q.Base() + ":cancelled" }

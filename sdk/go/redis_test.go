@@ -1,8 +1,8 @@
 package envelope
 
-// Worker tests against a real Redis. They run when $ENVELOPE_TEST_REDIS_URL is
-// set (tests/test_interop_go.py sets it to its private server) and are skipped
-// otherwise. Every test uses its own key prefix.
+// Worker tests against a real Redis: $ENVELOPE_TEST_REDIS_URL, else a private
+// redis-server started by TestMain (main_test.go); skipped when there is
+// neither. Every test uses its own key prefix.
 
 import (
 	"bytes"
@@ -10,8 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -50,19 +48,15 @@ func (b *lockedBuffer) String() string {
 }
 
 func newEnv(t *testing.T) *env {
-	url := os.Getenv("ENVELOPE_TEST_REDIS_URL")
+	url := testRedisURL
 	if url == "" {
-		t.Skip("set ENVELOPE_TEST_REDIS_URL to run the worker tests against Redis")
+		t.Skip("no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH")
 	}
 	client, err := NewClient(url)
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := os.Getenv(ScriptDirEnv)
-	if dir == "" {
-		dir = filepath.Join("..", "..", "..", "..", "kombu_envelope", "lua")
-	}
-	scripts, err := LoadScripts(dir)
+	scripts, err := LoadScripts("") // $ENVELOPE_LUA_DIR, else the embedded copies
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,29 @@
+-- enqueue.lua: add a due task to its stream, replacing any delayed copy.
+--
+-- KEYS[1]  the task stream of the task's priority bucket
+-- KEYS[2]  <prefix>:{<queue>}:delayed        ZSET  task_id -> due time (ms)
+-- KEYS[3]  <prefix>:{<queue>}:delayed:data   HASH  task_id -> stored entry
+-- KEYS[4]  <prefix>:{<queue>}:published:<task_id>  STRING "<token> <entry id>"
+-- ARGV[1]  task_id
+-- ARGV[2]  enc of the body
+-- ARGV[3]  body: the encoded Envelope
+-- ARGV[4]  publish token, the same for every try of one publish
+-- ARGV[5]  how long KEYS[4] is kept (ms)
+--
+-- Publishing a task_id that is still waiting in the delayed set (scheduled
+-- earlier, now published to run at once) must not deliver it twice: the
+-- delayed copy is removed in the same step.
+-- A try repeated with the token of the last publish of this task_id (its reply
+-- was lost with the connection) adds nothing and answers the same entry id.
+-- Returns the new stream entry id.
+
+local last = redis.call('GET', KEYS[4])
+if last then
+    local token, id = string.match(last, '^(%S+) (%S+)$')
+    if token == ARGV[4] then return id end
+end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+local id = redis.call('XADD', KEYS[1], '*', 'v', '1', 'enc', ARGV[2], 'body', ARGV[3])
+redis.call('SET', KEYS[4], ARGV[4] .. ' ' .. id, 'PX', tonumber(ARGV[5]))
+return id

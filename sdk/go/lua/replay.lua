@@ -1,0 +1,25 @@
+-- replay.lua: publish a dead-lettered task again, once, and keep a record of it.
+--
+-- KEYS[1]  <prefix>:{<queue>}:dead       dead-letter stream
+-- KEYS[2]  the task stream to publish to (the priority bucket of the new Envelope)
+-- KEYS[3]  <prefix>:{<queue>}:replayed   stream of replay records
+-- ARGV[1]  id of the dead-letter entry
+-- ARGV[2]  enc of the new body
+-- ARGV[3]  new body: the validated, possibly edited, Envelope
+-- ARGV[4..] field, value pairs added to the replay record (replayed_at, operator, ...)
+--
+-- The dead-letter entry is removed and a replay record (the extra fields, the
+-- new entry id, then every field of the dead-letter entry) is added in the same
+-- step, so two operators replaying the same entry publish it once.
+-- Returns the new stream entry id, or false when the entry was already gone.
+
+local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #found == 0 then return false end
+local new_id = redis.call('XADD', KEYS[2], '*', 'v', '1', 'enc', ARGV[2], 'body', ARGV[3])
+local record = {'dead_id', ARGV[1], 'new_id', new_id, 'stream', KEYS[2]}
+for i = 4, #ARGV do record[#record + 1] = ARGV[i] end
+local fields = found[1][2]
+for i = 1, #fields do record[#record + 1] = fields[i] end
+redis.call('XADD', KEYS[3], '*', unpack(record))
+redis.call('XDEL', KEYS[1], ARGV[1])
+return new_id

@@ -1,0 +1,72 @@
+-- requeue.lua: put a pending entry back at the end of a stream, for any consumer.
+--
+-- KEYS[1]  the stream holding the entry
+-- KEYS[2]  the stream to put it in (usually KEYS[1])
+-- KEYS[3]  the queue's dead-letter stream <prefix>:{<queue>}:dead
+-- ARGV[1]  consumer group
+-- ARGV[2]  entry id
+-- ARGV[3]  owner the entry must still have, or "" for any owner
+-- ARGV[4]  idle time (ms) the entry must have reached, or 0
+-- ARGV[5]  1 to count this as a redelivery after a consumer died (field "n"), else 0
+-- ARGV[6]  redeliveries after which the entry is dead-lettered instead (0: no limit)
+-- ARGV[7]  dead_at timestamp (RFC 3339) for a dead-letter entry
+-- ARGV[8..] field, value pairs added to a dead-letter entry (queue, language,
+--           host, pid, consumer, ...; see docs/protocol.md section 7)
+--
+-- Used for reject(requeue=True), for returning prefetched entries on shutdown
+-- and for taking over the entries of a consumer whose liveness key expired.
+-- A copy put back by a live consumer (ARGV[5] = 0) counts it in field "r", so
+-- its next consumer sees it as redelivered, as AMQP and kombu's redis
+-- transport do; a taken-over copy counts in "n".
+-- The entry is copied, acknowledged and deleted in one step, so two callers
+-- racing over the same entry requeue it once.
+-- Returns the new entry id, "dead:<id>" when it was dead-lettered, or false
+-- when the entry was no longer pending (with the required owner and idle time).
+
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', tonumber(ARGV[4]), ARGV[2], ARGV[2], 1)
+if #pending == 0 then return false end
+if ARGV[3] ~= '' and pending[1][2] ~= ARGV[3] then return false end
+local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if #found == 0 then return false end
+
+local fields = found[1][2]
+local copy = {}
+local redeliveries = 0
+local requeues = 0
+for i = 1, #fields, 2 do
+    if fields[i] == 'n' then
+        redeliveries = tonumber(fields[i + 1]) or 0
+    elseif fields[i] == 'r' then
+        requeues = tonumber(fields[i + 1]) or 0
+    else
+        copy[#copy + 1] = fields[i]
+        copy[#copy + 1] = fields[i + 1]
+    end
+end
+if ARGV[5] == '1' then redeliveries = redeliveries + 1 end
+
+local limit = tonumber(ARGV[6])
+if limit > 0 and redeliveries >= limit then
+    local dead = {'dlq', '1', 'failure_class', 'redelivery_limit',
+        'reason', 'its consumer died ' .. redeliveries .. ' times while holding it',
+        'source_stream', KEYS[1], 'source_id', ARGV[2], 'dead_at', ARGV[7],
+        'redeliveries', tostring(redeliveries)}
+    for i = 8, #ARGV do dead[#dead + 1] = ARGV[i] end
+    for i = 1, #fields, 2 do
+        dead[#dead + 1] = 'raw.' .. fields[i]
+        dead[#dead + 1] = fields[i + 1]
+    end
+    return 'dead:' .. redis.call('XADD', KEYS[3], '*', unpack(dead))
+end
+if redeliveries > 0 then
+    copy[#copy + 1] = 'n'
+    copy[#copy + 1] = tostring(redeliveries)
+end
+if ARGV[5] ~= '1' then requeues = requeues + 1 end
+if requeues > 0 then
+    copy[#copy + 1] = 'r'
+    copy[#copy + 1] = tostring(requeues)
+end
+return redis.call('XADD', KEYS[2], '*', unpack(copy))

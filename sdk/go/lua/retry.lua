@@ -1,0 +1,39 @@
+-- retry.lua: replace a pending entry by its next attempt, now or after a delay.
+--
+-- KEYS[1]  the stream holding the failed attempt
+-- KEYS[2]  the stream the next attempt goes to when due now (its priority bucket)
+-- KEYS[3]  <prefix>:{<queue>}:delayed        ZSET  task_id -> due time (ms)
+-- KEYS[4]  <prefix>:{<queue>}:delayed:data   HASH  task_id -> "<bucket>\n<enc>\n<body>"
+-- ARGV[1]  consumer group
+-- ARGV[2]  entry id of the failed attempt
+-- ARGV[3]  task_id
+-- ARGV[4]  due time of the next attempt, ms since the Unix epoch (0: now)
+-- ARGV[5]  bucket of the next attempt: "high", "normal" or "low"
+-- ARGV[6]  enc of the new body
+-- ARGV[7]  new body: the next attempt (retry_count + 1 for a retry, unchanged for a
+--          deferral; schedule_time = now + delay, absent when the delay is 0)
+-- ARGV[8]  pub/sub channel that wakes promoters (<prefix>:wakeup)
+--
+-- The next attempt is stored and the failed one acknowledged and deleted in
+-- one step, so a crash never loses the task nor runs it twice. The caller
+-- adds the queue to <prefix>:queues when the attempt is delayed.
+-- Returns 1, or false when the entry was no longer pending.
+
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if #pending == 0 then return false end
+local due = tonumber(ARGV[4])
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+if due <= now_ms then
+    redis.call('XADD', KEYS[2], '*', 'v', '1', 'enc', ARGV[6], 'body', ARGV[7])
+else
+    local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+    redis.call('ZADD', KEYS[3], due, ARGV[3])
+    redis.call('HSET', KEYS[4], ARGV[3], ARGV[5] .. '\n' .. ARGV[6] .. '\n' .. ARGV[7])
+    if first[2] == nil or due < tonumber(first[2]) then
+        redis.call('PUBLISH', ARGV[8], ARGV[4])
+    end
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
