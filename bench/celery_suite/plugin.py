@@ -7,9 +7,10 @@ Two things, and nothing that changes a test:
   conftest and tests are, as a Celery app module using that broker does. Celery's session
   worker runs in the pytest process (prefork children are forked from it), so this covers
   the worker too;
-* no test runs longer than pytest-timeout's ``--timeout``: Celery's own ``timeout`` marks
+* a test is stopped after pytest-timeout's ``--timeout``: Celery's own ``timeout`` marks
   above it (its ``flaky`` helper adds 300 s) are lowered to it, so a hang is one failure,
-  not a stuck run. Lower marks are kept.
+  not a stuck run. Lower marks are kept. (A timeout inside a subtest fails that subtest
+  only, and the test goes on.)
 """
 
 from __future__ import annotations
