@@ -21,7 +21,7 @@ import pytest
 from bench.celery_suite.explained import DOC, ExplanationError, explanations
 from bench.celery_suite.junit import CaseResult, Outcome, read_junit
 from bench.celery_suite.rerun import rerun_differences
-from bench.celery_suite.run import BROKERS, SUITES, BrokerRun, node_id
+from bench.celery_suite.run import BROKERS, SUITES, BrokerRun, node_id, run_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = SUITES["tasks"]
@@ -210,3 +210,28 @@ def test_node_ids_of_test_ids() -> None:
         "t/integration/test_tasks.py::test_tasks::test_fail"
     with pytest.raises(ValueError):
         node_id((TASKS,), "test_canvas.py::test_chain::test_simple_chain")
+
+
+@pytest.mark.timeout(120)
+def test_a_run_past_its_time_limit_is_interrupted_and_keeps_what_finished(
+        tmp_path: Path) -> None:
+    tests_dir = tmp_path / "tree"
+    (tests_dir / "t" / "integration").mkdir(parents=True)
+    for package in ("t", "t/integration"):
+        (tests_dir / package / "__init__.py").write_text("", encoding="utf-8")
+    (tests_dir / "t" / "integration" / "test_slow.py").write_text(textwrap.dedent("""\
+        import os
+        import threading
+
+        def test_quick():
+            assert os.environ["TEST_BROKER"].startswith("envelope://127.0.0.1:")
+
+        def test_hangs():
+            threading.Event().wait()
+        """), encoding="utf-8")
+    run = run_broker(BROKERS["envelope"], tests_dir, ("t/integration/test_slow.py",),
+                     tmp_path / "out", timeout_s=100, run_timeout_s=8)
+    assert run.error is not None and "did not finish" in run.error
+    assert {t: r.outcome for t, r in run.results.items()} == \
+        {"test_slow.py::test_quick": Outcome.PASSED}
+    assert run.seconds < 8 + 60

@@ -48,6 +48,9 @@ WORKER_LOGLEVEL = "info"
 
 _BROKER_DB, _BACKEND_DB = 1, 2
 
+#: Seconds an interrupted pytest gets to write its report before it is killed.
+_INTERRUPT_GRACE_S = 60.0
+
 
 @dataclass(frozen=True)
 class Broker:
@@ -163,8 +166,8 @@ def run_broker(
     """Run ``files`` (paths relative to ``tests_dir``) against ``broker``.
 
     :param timeout_s: longest a single test may take (setup and teardown included).
-    :param run_timeout_s: longest the whole run may take; past it the run is killed and
-        reported with :attr:`BrokerRun.error`.
+    :param run_timeout_s: longest the whole run may take; past it the run is interrupted,
+        reported with :attr:`BrokerRun.error` and the results of the tests that finished.
     :param pytest_args: more pytest arguments (``-k test_fail``), for both brokers alike.
     :param select: test ids (:mod:`~bench.celery_suite.junit`) to run instead of the whole
         files.
@@ -187,15 +190,24 @@ def run_broker(
             run.returncode = proc.wait(timeout=run_timeout_s)
         except subprocess.TimeoutExpired:
             run.error = f"the run did not finish within {run_timeout_s:g} s"
+            _interrupt(proc)
         finally:
             _kill_group(proc)
         run.seconds = time.monotonic() - started
-    if run.error is None:
-        if run.junit_path.is_file():
-            run.results = read_junit(run.junit_path, map(module_name, files))
-        else:
-            run.error = f"pytest exited with status {run.returncode} and wrote no report"
+    if run.junit_path.is_file():  # after an interrupt: the tests that had finished
+        run.results = read_junit(run.junit_path, map(module_name, files))
+    elif run.error is None:
+        run.error = f"pytest exited with status {run.returncode} and wrote no report"
     return run
+
+
+def _interrupt(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT pytest, as Ctrl-C does: it stops and still writes the report of the tests
+    that finished. Waits up to ``_INTERRUPT_GRACE_S`` for it."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=_INTERRUPT_GRACE_S)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
