@@ -22,7 +22,8 @@ import {
   DeadLetters, InvalidEnvelope, KeySpace, Producer, RETRY_POLICY_HEADER, TimeError, Timestamp, Worker, bucketFor, createLogger,
   parseJson, parseOffset, parseRedisUrl, validateEnvelope,
 } from 'kombu-envelope';
-import { registerBuiltinHandlers } from './handlers.js';
+// The SDK's own test handlers: the same module instance as the SDK (npm links file: deps).
+import { registerBuiltinHandlers } from '../../../sdk/node/support/handlers.js';
 
 class UsageError extends Error {}
 
