@@ -3,6 +3,7 @@ package envelope
 import (
 	"context"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -50,4 +51,36 @@ func TestPublishOptionsSetExpires(t *testing.T) {
 	if err := e.Validate(DefaultLimits); err != nil {
 		t.Fatal(err)
 	}
+}
+
+func TestExpiredTasksAreAcknowledgedWithoutRunning(t *testing.T) {
+	e := newEnv(t)
+	var ran atomic.Value
+	w := e.worker(nil)
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { ran.Store(task.TaskID); return nil })
+	p := NewProducer(e.client, e.prefix, e.scripts)
+	ctx := context.Background()
+	expired, err := p.PublishTask(ctx, e.queue, "jobs.run", nil, WithExpires(time.Now().Add(-time.Second)),
+		WithTieredRetries())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Expired before its type is checked: not dead-lettered as unknown either.
+	if _, err := p.PublishTask(ctx, e.queue, "nobody.handles", nil, WithExpiresIn(-time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	e.start(w)
+	e.waitFor("the expired tasks to be acknowledged", e.drained)
+	if ran.Load() != nil || len(e.dead()) != 0 {
+		t.Fatalf("ran %v; dead-letter entries %v", ran.Load(), e.dead())
+	}
+	if n := strings.Count(e.logs.String(), `"outcome":"expired"`); n != 2 ||
+		!strings.Contains(e.logs.String(), `"task_id":"`+expired.TaskID+`"`) {
+		t.Fatalf("%d expired outcomes logged, want 2:\n%s", n, e.logs.String())
+	}
+	live, err := p.PublishTask(ctx, e.queue, "jobs.run", nil, WithExpiresIn(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.waitFor("a task that has not expired to run", func() bool { return ran.Load() == live.TaskID })
 }
