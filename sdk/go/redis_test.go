@@ -665,3 +665,33 @@ func TestShutdownPutsUnstartedEntriesBackAndDeletesTheLivenessKey(t *testing.T) 
 		t.Fatal("liveness key left behind")
 	}
 }
+
+func TestAnAbandonedAttemptKeepsItsIdempotencyClaimUntilItReturns(t *testing.T) {
+	e := newEnv(t)
+	var effects atomic.Int32
+	w := e.worker(nil)
+	w.Handle("jobs.overrun", func(ctx context.Context, task *Task) error {
+		time.Sleep(1500 * time.Millisecond) // ignores its deadline: abandoned at 100 ms
+		effects.Add(1)
+		return nil
+	})
+	one, timeout, key := int64(1), int64(100), "overrun-1"
+	task := tiered(New("jobs.overrun", nil)) // the timeout is retried once, 100-400 ms later
+	task.MaxRetries, task.TimeoutMS, task.IdempotencyKey = &one, &timeout, &key
+	e.publish(task)
+	e.start(w)
+
+	idemKey := e.keys.Idempotency("jobs.overrun", key)
+	e.waitFor("the abandoned attempt to mark the key done", func() bool {
+		v, _ := e.client.Get(context.Background(), idemKey).Result()
+		return strings.HasPrefix(v, "done ")
+	})
+	e.waitFor("the queue to drain", e.drained)
+	time.Sleep(300 * time.Millisecond)
+	if n := effects.Load(); n != 1 {
+		t.Fatalf("%d effects: the retry ran while the abandoned attempt still held the key", n)
+	}
+	if dead := e.dead(); len(dead) != 0 {
+		t.Fatalf("dead-lettered: %v", dead)
+	}
+}

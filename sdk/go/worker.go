@@ -186,6 +186,11 @@ type Worker struct {
 	stopOnce sync.Once
 	stop     chan struct{} // closed by Shutdown
 	runs     sync.WaitGroup
+
+	// Idempotency keys (Redis keys) held by this consumer's abandoned attempts. A claim
+	// is re-entrant for its holder, so this consumer defers their retries itself.
+	overrunMu sync.Mutex
+	overrun   map[string]bool
 }
 
 // NewWorker returns a worker for cfg.Queue; register handlers, then Run it.
@@ -205,7 +210,7 @@ func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handle
 	keys := KeySpace{cfg.Prefix}
 	return &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, queue: keys.Queue(cfg.Queue),
-		handlers: handlers, results: res, stop: make(chan struct{}),
+		handlers: handlers, results: res, stop: make(chan struct{}), overrun: map[string]bool{},
 		log:  cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
 		host: hostname(), pid: strconv.Itoa(os.Getpid()),
 	}
@@ -885,7 +890,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 
 	e.log.Info("task started", "retry_count", env.RetryCount, "redelivered", task.Redelivered)
 	started := time.Now()
-	value, err := w.run(h.run, task)
+	value, late, err := w.run(h.run, task)
 	elapsed := time.Since(started)
 	var result json.RawMessage
 	if err == nil && asksForResult(env) {
@@ -901,10 +906,51 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 			"retry_count", env.RetryCount)
 		return
 	}
-	if holder != "" {
+	if holder != "" && late != nil {
+		w.finishIdemWhenReturned(e, holder, late)
+	} else if holder != "" {
 		w.finishIdem(ctx, e, holder, "release")
 	}
 	w.fail(ctx, e, err, elapsed)
+}
+
+// finishIdemWhenReturned keeps (renews) the idempotency claim of an abandoned attempt
+// until its handler really returns, then settles it (docs/protocol.md section 8): a
+// retry meanwhile is deferred, so the effect the abandoned code may still have happens once.
+func (w *Worker) finishIdemWhenReturned(e *entry, holder string, late <-chan handlerReturn) {
+	key := w.keys.Idempotency(e.env.TaskType, *e.env.IdempotencyKey)
+	w.overrunMu.Lock()
+	w.overrun[key] = true
+	w.overrunMu.Unlock()
+	go func() {
+		defer func() {
+			w.overrunMu.Lock()
+			delete(w.overrun, key)
+			w.overrunMu.Unlock()
+		}()
+		claimFor := w.claimTime(e.env)
+		renew := time.NewTicker(claimFor / 3)
+		defer renew.Stop()
+		var o handlerReturn
+		for waiting := true; waiting; {
+			select {
+			case o = <-late:
+				waiting = false
+			case <-renew.C: // idem_begin is re-entrant for its holder: it extends the claim
+				res, err := w.scripts.Get("idem_begin").Run(context.Background(), w.client,
+					[]string{key}, holder, claimFor.Milliseconds(), "").StringSlice()
+				if err == nil && len(res) > 0 && res[0] != "acquired" {
+					e.log.Warn("an abandoned attempt lost its idempotency claim", "claim", res)
+				}
+			}
+		}
+		how := "release"
+		if o.err == nil {
+			how = "done"
+		}
+		e.log.Info("an abandoned attempt returned; settling its idempotency claim", "claim", how)
+		w.finishIdem(context.Background(), e, holder, how)
+	}()
 }
 
 // firstFailure is when the task first failed: the x-first-failure-at header
@@ -928,9 +974,12 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 	env := e.env
 	key := w.keys.Idempotency(env.TaskType, *env.IdempotencyKey)
 	holder := w.cfg.Consumer + " " + env.TaskID
-	claimFor := w.cfg.IdemClaim
-	if env.TimeoutMS != nil {
-		claimFor = time.Duration(*env.TimeoutMS)*time.Millisecond + w.cfg.Lease
+	claimFor := w.claimTime(env)
+	if w.overrunning(key) {
+		e.log.Info("an abandoned attempt of this task still runs; deferred",
+			"delay_ms", w.cfg.DeferDelay.Milliseconds())
+		w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+		return "", false
 	}
 	replace := ""
 	for round := 0; round < 2; round++ {
@@ -988,37 +1037,55 @@ func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
 	})
 }
 
+// claimTime is how long an idempotency claim of env lasts unless renewed.
+func (w *Worker) claimTime(env *Envelope) time.Duration {
+	if env.TimeoutMS != nil {
+		return time.Duration(*env.TimeoutMS)*time.Millisecond + w.cfg.Lease
+	}
+	return w.cfg.IdemClaim
+}
+
+// overrunning reports whether an abandoned attempt of this consumer holds key.
+func (w *Worker) overrunning(key string) bool {
+	w.overrunMu.Lock()
+	defer w.overrunMu.Unlock()
+	return w.overrun[key]
+}
+
+// handlerReturn is what a handler returned.
+type handlerReturn struct {
+	value any
+	err   error
+}
+
 // run calls the handler with the attempt's deadline; a handler that outlives
-// its deadline is abandoned (it should honour ctx) and the attempt times out.
-func (w *Worker) run(fn ResultHandlerFunc, task *Task) (any, error) {
+// its deadline is abandoned (it should honour ctx) and the attempt times out:
+// run returns at once, and late receives the handler's outcome when it ends.
+func (w *Worker) run(fn ResultHandlerFunc, task *Task) (value any, late <-chan handlerReturn, err error) {
 	ctx, cancel := ContextWithTraceID(context.Background(), task.TraceID), context.CancelFunc(func() {})
 	if task.TimeoutMS != nil {
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
 	}
 	defer cancel()
-	type attempt struct {
-		value any
-		err   error
-	}
-	done := make(chan attempt, 1)
+	done := make(chan handlerReturn, 1)
 	go func() {
 		defer func() {
 			if r := recover(); r != nil {
-				done <- attempt{err: &PanicError{Value: r, Stack: string(debug.Stack())}}
+				done <- handlerReturn{err: &PanicError{Value: r, Stack: string(debug.Stack())}}
 			}
 		}()
 		value, err := fn(ctx, task)
-		done <- attempt{value, err}
+		done <- handlerReturn{value, err}
 	}()
 	select {
-	case a := <-done:
-		if a.err != nil && task.TimeoutMS != nil && isTimeout(ctx, a.err) {
-			return nil, &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: a.err}
+	case o := <-done:
+		if o.err != nil && task.TimeoutMS != nil && isTimeout(ctx, o.err) {
+			return nil, nil, &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: o.err}
 		}
-		return a.value, a.err
+		return o.value, nil, o.err
 	case <-ctx.Done():
 		task.Log.Warn("attempt exceeded timeout_ms; abandoned", "timeout_ms", *task.TimeoutMS)
-		return nil, &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: ctx.Err()}
+		return nil, done, &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: ctx.Err()}
 	}
 }
 
