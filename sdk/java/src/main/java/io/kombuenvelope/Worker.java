@@ -490,6 +490,11 @@ public final class Worker implements AutoCloseable {
             LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
             return;
         }
+        if (env.isExpired(now)) {
+            ack(e);
+            LOG.info("task expired at {}; acknowledged without running (outcome=expired)", env.expires());
+            return;
+        }
         Handler h = handlers.get(env.taskType());
         if (h == null) {
             deadLetter(e, env, notRun(env, "unknown_task_type",

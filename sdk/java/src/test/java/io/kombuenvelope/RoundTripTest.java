@@ -358,6 +358,20 @@ class RoundTripTest {
     }
 
     @Test
+    void anExpiredTaskIsAcknowledgedWithoutRunning() throws Exception {
+        List<String> ran = new CopyOnWriteArrayList<>();
+        try (Producer p = producer(); Worker w = worker().handler("x", t -> ran.add(t.taskId())).build().start()) {
+            Envelope expired = Envelope.builder("x").expires(Instant.now().minusSeconds(1)).build();
+            Envelope fresh = Envelope.builder("x").expiresIn(Duration.ofHours(1)).build();
+            p.publish(expired);
+            p.publish(fresh);
+            await("the fresh one ran and both were acknowledged", () -> ran.size() == 1 && streamLength() == 0);
+            assertEquals(List.of(fresh.taskId()), ran);
+        }
+        assertTrue(dead().isEmpty(), "an expired task is not a failure");
+    }
+
+    @Test
     void anEntryNotDueYetIsMovedToTheDelayedSet() throws Exception {
         Envelope e = Envelope.builder("future").scheduleTime(Instant.now().plus(Duration.ofHours(1))).build();
         redis.xadd(keys.stream(queue, "normal"), EntryCodec.encodeEntry(e, 0, Limits.DEFAULT));

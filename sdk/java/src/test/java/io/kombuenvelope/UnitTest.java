@@ -1,6 +1,7 @@
 package io.kombuenvelope;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNotEquals;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
@@ -51,6 +52,23 @@ class UnitTest {
         assertTrue(text.indexOf("\"a\"") < text.indexOf("\"b\""), text);
         assertEquals(e, Envelope.parse(text));
         assertNull(e.scheduleTime());
+    }
+
+    @Test
+    void expiresIsWrittenAsGivenAndExpiresAtItsInstant() {
+        Timestamp at = Timestamp.parse("2025-09-11T12:45:00+08:00");
+        Envelope e = Envelope.builder("x").timeoutMs(5L).expires(at).build();
+        String text = e.toString();
+        assertTrue(text.contains("\"timeout_ms\":5,\"expires\":\"2025-09-11T12:45:00+08:00\",\"max_retries\""), text);
+        assertEquals(e, Envelope.parse(text));
+        assertTrue(e.isExpired(at.toInstant()), "expired at its instant");
+        assertFalse(e.isExpired(at.toInstant().minusNanos(1000)));
+        assertFalse(Envelope.builder("x").build().isExpired(java.time.Instant.MAX));
+        assertFalse(Envelope.builder("x").build().toString().contains("expires"), "left out when unset");
+        java.time.Instant before = java.time.Instant.now();
+        Timestamp in = Envelope.builder("x").expiresIn(Duration.ofMinutes(10)).build().expires();
+        assertTrue(!in.isAfter(java.time.Instant.now().plus(Duration.ofMinutes(10)))
+                && in.isAfter(before.plus(Duration.ofMinutes(10)).minusMillis(1)), in.toString());
     }
 
     @Test
