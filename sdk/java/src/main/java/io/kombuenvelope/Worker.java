@@ -451,7 +451,7 @@ public final class Worker implements AutoCloseable {
         }
         try {
             byte[][] members = ids.stream().map(Redis::b).toArray(byte[][]::new);
-            List<Double> scores = redis.zmscore(keys.cancelled(queue), members);
+            List<Double> scores = redis.zmscore(keys.cancelled(), members);
             java.util.HashSet<String> out = new java.util.HashSet<>();
             for (int i = 0; i < ids.size(); i++) {
                 if (scores.get(i) != null) {
@@ -486,7 +486,6 @@ public final class Worker implements AutoCloseable {
         }
         if (cancelled) {
             ack(e);
-            settle("zrem cancelled", () -> redis.zrem(keys.cancelled(queue), Redis.b(env.taskId())));
             LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
             return;
         }

@@ -339,22 +339,50 @@ class RoundTripTest {
     }
 
     @Test
-    void cancelledTaskIsNotRun() throws Exception {
+    void cancelledTaskIsNotRunWhateverItsQueueAndItsMarkStays() throws Exception {
         AtomicInteger ran = new AtomicInteger();
         try (Producer p = producer()) {
             Envelope e = Envelope.builder("c").build();
             p.publish(e);
             assertEquals("marked", p.cancel(e.taskId()));
+            assertEquals("already", p.cancel(e.taskId()));
+            Envelope elsewhere = Envelope.builder("c").build();
+            p.publishIn("other", elsewhere, Duration.ofMinutes(5));
+            assertEquals(new CancelResult(CancelResult.Outcome.REMOVED, "other"),
+                    p.canceller().cancel(elsewhere.taskId()), "found in a queue the caller did not name");
+            assertNull(redis.zscore(keys.delayed("other"), elsewhere.taskId().getBytes()));
+            assertFalse(redis.hexists(keys.delayedData("other"), elsewhere.taskId()));
             Envelope later = Envelope.builder("c").build();
             p.publishIn(later, Duration.ofMinutes(5));
-            assertEquals("removed", p.cancel(later.taskId()));
+            assertEquals("marked", p.cancel("other", later.taskId()), "only the named queue is looked in");
+            assertNotNull(redis.zscore(keys.delayed(queue), later.taskId().getBytes()));
             try (Worker w = worker().handler("c", t -> ran.incrementAndGet()).build().start()) {
                 await("acknowledged", () -> streamLength() == 0);
+                p.publish(e); // the same id again: its mark is still there
+                await("acknowledged again", () -> streamLength() == 0);
                 Thread.sleep(100);
             }
-            assertNull(redis.zscore(keys.cancelled(queue), e.taskId().getBytes()));
+            assertNotNull(redis.zscore(keys.cancelled(), e.taskId().getBytes()), "the worker removed the mark");
+            assertEquals(3, redis.zcard(keys.cancelled()));
         }
         assertEquals(0, ran.get());
+        assertTrue(dead().isEmpty());
+        assertEquals(0, redis.exists(keys.base(queue) + ":cancelled"), "no per-queue cancel key");
+    }
+
+    @Test
+    void cancelDropsMarksOlderThanAWeek() {
+        long eightDaysAgo = System.currentTimeMillis() - Duration.ofDays(8).toMillis();
+        redis.zadd(keys.cancelled(), eightDaysAgo, "stale".getBytes());
+        redis.zadd(keys.cancelled(), System.currentTimeMillis(), "fresh".getBytes());
+        try (Canceller c = Canceller.builder().client(client).prefix(prefix).build()) {
+            assertEquals(new CancelResult(CancelResult.Outcome.MARKED, null), c.cancel("new-one"));
+            IllegalArgumentException ex = assertThrows(IllegalArgumentException.class, () -> c.cancel("has space"));
+            assertTrue(ex.getMessage().startsWith("task_id"), ex.getMessage());
+        }
+        assertNull(redis.zscore(keys.cancelled(), "stale".getBytes()));
+        assertNotNull(redis.zscore(keys.cancelled(), "fresh".getBytes()));
+        assertNotNull(redis.zscore(keys.cancelled(), "new-one".getBytes()));
     }
 
     @Test
