@@ -72,6 +72,35 @@ class UnitTest {
     }
 
     @Test
+    void resultRequestsAreReadFromExtCelery() throws Exception {
+        assertNull(CeleryResults.requestOf(Envelope.builder("x").build()));
+        assertEquals(new CeleryResults.Request("k", 86400L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":86400}")));
+        assertEquals(new CeleryResults.Request("k", 60L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":60.0}")));
+        assertEquals(new CeleryResults.Request("k", null), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":null}")));
+        for (String bad : List.of("[]", "{}", "{\"key\":7}", "{\"key\":\"\"}", "{\"key\":\"k\",\"expires_s\":0}",
+                "{\"key\":\"k\",\"expires_s\":1.5}", "{\"key\":\"k\",\"expires_s\":\"60\"}")) {
+            IllegalArgumentException e = assertThrows(IllegalArgumentException.class,
+                    () -> CeleryResults.requestOf(withResult(bad)), bad);
+            assertTrue(e.getMessage().startsWith("ext.celery.result"), e.getMessage());
+        }
+    }
+
+    static Envelope withResult(String result) throws Exception {
+        com.fasterxml.jackson.databind.node.ObjectNode celery = Json.MAPPER.createObjectNode();
+        celery.set("result", json(result));
+        return Envelope.builder("x").ext("celery", celery).build();
+    }
+
+    @Test
+    void resultDocumentsHaveTheCeleryShape() {
+        String revoked = new String(CeleryResults.revoked("t-1", "expired"), java.nio.charset.StandardCharsets.UTF_8);
+        assertTrue(revoked.matches("\\{\"status\":\"REVOKED\",\"result\":\\{\"exc_type\":\"TaskRevokedError\","
+                + "\"exc_message\":\\[\"expired\"],\"exc_module\":\"celery.exceptions\"},\"traceback\":null,"
+                + "\"children\":\\[],\"date_done\":\"\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}\\+00:00\","
+                + "\"task_id\":\"t-1\"}"), revoked);
+    }
+
+    @Test
     void traceIdComesFromTheMdcWhileServingARequest() {
         try (TraceContext.Scope scope = TraceContext.with("req-42")) {
             assertEquals("req-42", Envelope.builder("x").build().traceId());
