@@ -128,6 +128,13 @@ public final class Worker implements AutoCloseable {
         return queue;
     }
 
+    /** Each task type this worker runs, with the payload versions it accepts, in order. */
+    public Map<String, List<Long>> serves() {
+        Map<String, List<Long>> serves = new java.util.TreeMap<>();
+        handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
+        return serves;
+    }
+
     /** Creates the consumer groups, sets the liveness key and starts reading, renewing and promoting. */
     public synchronized Worker start() {
         if (loop != null) {
@@ -149,10 +156,9 @@ public final class Worker implements AutoCloseable {
         if (cfg.closeOnShutdown) {
             Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
         }
-        Map<String, List<Long>> serves = new java.util.TreeMap<>();
-        handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
-        LOG.info("worker started: queue={} consumer={} concurrency={} serves (task_type=payload_versions) {}",
-                queue, consumer, cfg.concurrency, serves);
+        LOG.atInfo().addKeyValue("queue", queue).addKeyValue("consumer", consumer)
+                .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
+                .addKeyValue("result_backend", results != null).log("worker started");
         return this;
     }
 

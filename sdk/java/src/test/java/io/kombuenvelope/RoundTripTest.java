@@ -21,6 +21,7 @@ import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 import java.util.UUID;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
@@ -118,6 +119,19 @@ class RoundTripTest {
         assertEquals(1, seen.size());
         assertEquals(List.of(seen.get(0).traceId()), childTraces, "a task built in a handler carries its trace id");
         assertTrue(dead().isEmpty());
+    }
+
+    @Test
+    void theStartLineSaysWhatTheWorkerServes() {
+        try (LogCapture log = new LogCapture();
+             Worker w = worker().handler("b.second", Set.of(2L, 1L), t -> { }).resultHandler("a.first", t -> 1)
+                     .build().start()) {
+            assertEquals(Map.of("a.first", List.of(1L), "b.second", List.of(1L, 2L)), w.serves());
+            List<String> lines = log.lines("worker started");
+            assertEquals(1, lines.size(), lines.toString());
+            assertTrue(lines.get(0).contains("queue=" + queue + " "), lines.get(0));
+            assertTrue(lines.get(0).contains("task_types={a.first=[1], b.second=[1, 2]}"), lines.get(0));
+        }
     }
 
     @Test
