@@ -23,7 +23,9 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * ``timelimit`` ``[hard, soft]`` (seconds) -> ``timeout_ms``: the soft limit,
   else the hard one; delivered as ``[soft + grace, soft]`` (see
   :mod:`celery_ext.headers`).
-* ``eta`` -> ``schedule_time``; an eta without offset is refused.
+* ``eta`` -> ``schedule_time`` and ``expires`` -> ``expires``; a time without
+  offset is refused. On delivery both headers are rebuilt from the fields, so
+  the worker's own eta and expiry apply (an expired task is marked ``REVOKED``).
 * priority 0..9 (0 most urgent) or none -> ``priority`` 255..0 or 100, see
   :mod:`celery_ext.priority`.
 * ``trace_id`` header -> ``trace_id`` (a new one when missing).
@@ -71,9 +73,9 @@ from kombu.serialization import registry
 from celery_ext.arguments import bind, unbind
 from celery_ext.headers import (
     celery_headers_of,
-    eta_header,
     is_envelope_header,
-    schedule_time_of,
+    time_header,
+    time_of,
     timelimit_header,
     timeout_ms_of,
 )
@@ -98,7 +100,7 @@ DEFAULT_PAYLOAD_VERSIONS = (1,)
 MAX_RETRIES_HEADER = "max_retries"
 
 # Headers that become Envelope fields and are not kept in ext.celery.headers.
-_FIELD_HEADERS = ("task", "id", "retries", "trace_id")
+_FIELD_HEADERS = ("task", "id", "retries", "trace_id", "expires")
 # Properties the transport sets on every message: not part of the task.
 _TRANSPORT_PROPERTIES = frozenset({"delivery_info", "delivery_tag", "body_encoding",
                                    "priority", UNSET_PRIORITY_PROPERTY})
@@ -215,7 +217,8 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         "task_type": name,
         "payload": bound.payload,
         "payload_version": headers.get("payload_version", 1),
-        "schedule_time": schedule_time_of(headers.get("eta")),
+        "schedule_time": time_of(headers.get("eta")),
+        "expires": time_of(headers.get("expires")),
         "timeout_ms": timeout_ms_of(headers.get("timelimit")),
         "max_retries": max_retries,
         "retry_count": retries,
@@ -323,7 +326,8 @@ def _delivered_headers(envelope: Envelope, celery: dict[str, Any] | None) -> dic
     if celery is None or celery.get("max_retries", envelope.max_retries) != envelope.max_retries:
         headers[MAX_RETRIES_HEADER] = envelope.max_retries  # the Envelope's cap, not the task's
     if envelope.schedule_time is not None or "eta" in headers:
-        headers["eta"] = eta_header(headers.get("eta"), envelope.schedule_time)
+        headers["eta"] = time_header(headers.get("eta"), envelope.schedule_time)
+    headers["expires"] = envelope.expires.isoformat() if envelope.expires else None
     if "timelimit" in headers or envelope.timeout_ms is not None:
         headers["timelimit"] = timelimit_header(headers.get("timelimit"), envelope.timeout_ms)
     if envelope.payload_version != 1 or "payload_version" in headers:
