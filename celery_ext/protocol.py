@@ -52,6 +52,11 @@ An Envelope without ``ext.celery`` (written by another language) is
 delivered as a plain Celery task: no positional arguments, the payload as
 keyword arguments, and headers built from its fields.
 
+A task that must not run (cancelled, or expired) is delivered to a Celery
+worker that has it, which records it as ``REVOKED`` with Celery's own revoke
+(the task id joins the worker's revoked ids) or expiry; other processes let the
+transport acknowledge it without delivering it.
+
 On delivery in a Celery worker (see :func:`serve_worker_app`), a task whose
 ``task_type`` the worker's app does not know is dead-lettered as
 ``unknown_task_type``; a task accepts the payload versions in its
@@ -68,6 +73,7 @@ from typing import Any
 
 from celery import Celery, current_app
 from celery.utils.saferepr import saferepr
+from celery.worker import state as worker_state
 from kombu.serialization import registry
 
 from celery_ext.arguments import bind, unbind
@@ -85,7 +91,7 @@ from celery_ext.priority import (
     to_envelope_priority,
 )
 from celery_ext.tracing import remember_delivery
-from kombu_envelope.adapter import MessageAdapter, Undeliverable
+from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.deadletter import FailureClass
 from kombu_envelope.envelope import MAX_RETRIES_DEFAULT, Envelope, Limits
 from kombu_envelope.errors import UnsupportedMessage
@@ -176,6 +182,24 @@ class CeleryAdapter(MessageAdapter):
             "properties": {**properties, "priority": _celery_priority(envelope, known),
                            "body_encoding": None, "delivery_info": {}},
         }
+
+    def to_not_run_message(self, envelope: Envelope, queue: str,
+                           why: NotRun) -> dict[str, Any] | None:
+        """The message of a task that must not run, for the Celery worker that has it.
+
+        The worker records it ``REVOKED`` (its result too): a cancelled id is
+        added to the worker's revoked ids, an expired task carries its ``expires``.
+        """
+        tasks = _worker_tasks()
+        if tasks is None or envelope.task_type not in tasks:
+            return None
+        try:
+            message = self.to_message(envelope, queue)
+        except Undeliverable:  # a payload version it refuses: nothing to record
+            return None
+        if why is NotRun.REVOKED:
+            worker_state.revoked.add(envelope.task_id)
+        return message
 
 
 # ------------------------------------------------------------------ publish
