@@ -37,6 +37,8 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * everything else -> ``ext.celery``: ``headers`` (every other header, eta and
   timelimit included), ``properties`` (correlation_id, reply_to...),
   ``priority`` (Celery's own) and ``embed`` (callbacks, errbacks, chain, chord).
+* where the task's result goes, for a task that wants one from a Redis result
+  backend -> ``ext.celery.result`` (see :mod:`celery_ext.results`).
 
 On delivery, a value kept in ``ext.celery`` is used while it still agrees
 with the Envelope field it maps to (see :mod:`celery_ext.headers`).
@@ -90,6 +92,7 @@ from celery_ext.priority import (
     to_celery_priority,
     to_envelope_priority,
 )
+from celery_ext.results import RESULT_EXT_KEY, result_ext
 from celery_ext.tracing import remember_delivery
 from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.deadletter import FailureClass
@@ -113,12 +116,12 @@ _TRANSPORT_PROPERTIES = frozenset({"delivery_info", "delivery_tag", "body_encodi
 _EMPTY_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
-def _app_tasks() -> Mapping[str, Any]:
-    """Task registry of ``celery.current_app``, read without finalizing the app.
+def _app_tasks(app: Any) -> Mapping[str, Any]:
+    """Task registry of ``app``, read without finalizing it.
 
     ``send_task`` reads it the same way: publishing must not finalize an app.
     """
-    tasks: Mapping[str, Any] = current_app._get_current_object()._tasks
+    tasks: Mapping[str, Any] = app._tasks
     return tasks
 
 
@@ -210,7 +213,8 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     _require_json(message, headers)
     args, kwargs, embed = _parse_body(body)
     name = headers["task"]
-    task = _app_tasks().get(name) if isinstance(name, str) else None
+    app = current_app._get_current_object()
+    task = _app_tasks(app).get(name) if isinstance(name, str) else None
     bound = bind(getattr(task, "run", None), args, kwargs)
 
     kept = {k: v for k, v in headers.items()
@@ -228,6 +232,10 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         ext["argnames"] = bound.argnames
     if bound.rest:
         ext["args"] = bound.rest
+    if isinstance(headers["id"], str):
+        result = result_ext(app, headers["id"], headers)
+        if result is not None:
+            ext[RESULT_EXT_KEY] = result
 
     retries = headers.get("retries", 0)
     max_retries = (headers[MAX_RETRIES_HEADER] if MAX_RETRIES_HEADER in headers
