@@ -323,7 +323,7 @@ def _check_deliverable(envelope: Envelope) -> None:
             FailureClass.UNKNOWN_TASK_TYPE.value,
             f"no task named {envelope.task_type!r} is registered in this worker",
         )
-    versions = _payload_versions(task)
+    versions = payload_versions(task)
     if envelope.payload_version not in versions:
         raise Undeliverable(
             FailureClass.UNSUPPORTED_PAYLOAD_VERSION.value,
@@ -332,7 +332,8 @@ def _check_deliverable(envelope: Envelope) -> None:
         )
 
 
-def _payload_versions(task: Any) -> frozenset[int]:
+def payload_versions(task: Any) -> frozenset[int]:
+    """The payload versions ``task`` accepts (its ``payload_versions`` option)."""
     versions = getattr(task, "payload_versions", DEFAULT_PAYLOAD_VERSIONS)
     if isinstance(versions, int):
         return frozenset({versions})
