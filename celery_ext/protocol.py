@@ -92,7 +92,7 @@ from celery_ext.priority import (
     to_celery_priority,
     to_envelope_priority,
 )
-from celery_ext.results import RESULT_EXT_KEY, result_ext
+from celery_ext.results import RESULT_EXT_KEY, record_undeliverable, result_ext
 from celery_ext.tracing import remember_delivery
 from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.deadletter import FailureClass
@@ -168,8 +168,17 @@ class CeleryAdapter(MessageAdapter):
         return envelope
 
     def to_message(self, envelope: Envelope, queue: str) -> dict[str, Any]:
-        """The Celery task message of an Envelope; Undeliverable when no task takes it."""
-        _check_deliverable(envelope)
+        """The Celery task message of an Envelope; Undeliverable when no task takes it.
+
+        An undeliverable task whose producer asked for a result gets its ``FAILURE``
+        (docs/protocol.md, section 12) before it is dead-lettered.
+        """
+        try:
+            _check_deliverable(envelope)
+        except Undeliverable as exc:
+            if _worker_app is not None:
+                record_undeliverable(_worker_app, envelope, exc.failure_class, exc.reason)
+            raise
         celery = envelope.ext.get(EXT_NAMESPACE)
         known = celery or {}
         args, kwargs = unbind(envelope.payload, _names(known), _list(known, "args"))

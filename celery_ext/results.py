@@ -14,10 +14,17 @@ What is per app (the key prefix, the expiry) is worked out once per app.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 from weakref import WeakKeyDictionary
 
 from celery.backends.redis import RedisBackend
+from celery.utils.serialization import create_exception_cls
+
+from kombu_envelope.envelope import Envelope
+
+logger = logging.getLogger(__name__)
 
 #: Key of ``ext.celery`` naming where the result goes.
 RESULT_EXT_KEY = "result"
@@ -36,7 +43,7 @@ def _target(app: Any) -> tuple[str, int | None] | None:
     if isinstance(backend, RedisBackend):
         prefix = backend.key_t(backend.task_keyprefix)
         text = prefix.decode() if isinstance(prefix, bytes) else str(prefix)
-        target = (text, int(backend.expires) if backend.expires else None)
+        target = (text, math.ceil(backend.expires) if backend.expires else None)
     _targets[app] = target
     return target
 
@@ -50,3 +57,23 @@ def result_ext(app: Any, task_id: str, headers: dict[str, Any]) -> dict[str, Any
         return None
     prefix, expires_s = target
     return {"key": prefix + task_id, "expires_s": expires_s}
+
+
+def record_undeliverable(app: Any, envelope: Envelope, failure_class: str, reason: str) -> None:
+    """Store ``FAILURE`` for a task this worker dead-letters before Celery sees it.
+
+    Only when its producer asked for a result (``ext.celery.result``) and ``app``
+    has a Redis result backend: the exception is named after the failure class,
+    with the dead-letter reason as its message, as every language writes it.
+    A backend error is logged; the task is dead-lettered anyway.
+    """
+    if not isinstance((envelope.ext.get("celery") or {}).get(RESULT_EXT_KEY), dict):
+        return
+    if not isinstance(app.backend, RedisBackend):
+        return
+    error = create_exception_cls(failure_class, __name__)(reason)
+    try:
+        app.backend.mark_as_failure(envelope.task_id, error)
+    except Exception as exc:  # the result backend is not the broker: never block a dead letter
+        logger.warning("task %s: storing its FAILURE result failed: %r", envelope.task_id, exc)
+

@@ -170,7 +170,9 @@ def test_envelope_from_another_language_runs(app: Celery, worker: CeleryWorker,
 def test_undeliverable_tasks_are_dead_lettered(app: Celery, worker: CeleryWorker,
                                                redis_client: redis.Redis, prefix: str) -> None:
     unknown = str(uuid.uuid4())
-    xadd_envelope(redis_client, prefix, {"task_id": unknown, "task_type": "nobody.knows"})
+    xadd_envelope(redis_client, prefix, {
+        "task_id": unknown, "task_type": "nobody.knows",
+        "ext": {"celery": {"result": {"key": f"celery-task-meta-{unknown}", "expires_s": 60}}}})
     old_version = app.tasks["envelope_app.v2_only"].delay(a=1)
     new_version = str(uuid.uuid4())
     xadd_envelope(redis_client, prefix, {"task_id": new_version,
@@ -182,6 +184,11 @@ def test_undeliverable_tasks_are_dead_lettered(app: Celery, worker: CeleryWorker
         dead = wait_for(lambda task_id=task_id: dead_by_task(redis_client, prefix, task_id),
                         message=worker.log_tail)
         assert dead["failure_class"] == failure_class
+        # Their callers asked for a result: it is the FAILURE every language writes.
+        with pytest.raises(Exception) as failed:
+            AsyncResult(task_id, app=app).get(timeout=RESULT_TIMEOUT)
+        assert type(failed.value).__name__ == failure_class.decode()
+        assert dead["reason"].decode() == str(failed.value)
     assert app.tasks["envelope_app.add"].delay(1, 1).get(timeout=RESULT_TIMEOUT) == 2
 
 
