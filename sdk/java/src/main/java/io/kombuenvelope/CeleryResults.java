@@ -9,6 +9,7 @@ import io.lettuce.core.SetArgs;
 import io.lettuce.core.api.StatefulRedisConnection;
 
 import java.math.BigDecimal;
+import java.math.RoundingMode;
 import java.time.Duration;
 import java.time.Instant;
 import java.time.ZoneOffset;
@@ -106,20 +107,28 @@ final class CeleryResults implements AutoCloseable {
         if (key.textValue().isEmpty()) {
             throw new IllegalArgumentException("ext.celery.result.key must not be empty [length]");
         }
-        JsonNode ttl = r.get("expires_s");
-        if (ttl == null || ttl.isNull()) {
-            return new Request(key.textValue(), null);
-        }
-        if (!ttl.isNumber() || !isWhole(ttl.decimalValue()) || ttl.decimalValue().signum() <= 0
-                || ttl.decimalValue().compareTo(BigDecimal.valueOf(Envelope.MAX_SAFE_INTEGER)) > 0) {
-            throw new IllegalArgumentException("ext.celery.result.expires_s must be a whole number of seconds >= 1, "
-                    + "or null, not " + ttl + " [range]");
-        }
-        return new Request(key.textValue(), ttl.decimalValue().longValueExact());
+        return new Request(key.textValue(), lifetime(r.get("expires_s")));
     }
 
-    private static boolean isWhole(BigDecimal d) {
-        return d.signum() == 0 || d.stripTrailingZeros().scale() <= 0;
+    /**
+     * {@code expires_s} in whole seconds, a fraction rounded up; null for no expiry ({@code 0},
+     * {@code null} or absent, as Celery's {@code result_expires}).
+     */
+    private static Long lifetime(JsonNode ttl) {
+        if (ttl == null || ttl.isNull()) {
+            return null;
+        }
+        if (!ttl.isNumber()) {
+            throw new IllegalArgumentException("ext.celery.result.expires_s must be a number of seconds or null, not "
+                    + Json.kind(ttl) + " " + ttl + " [type]");
+        }
+        BigDecimal given = ttl.decimalValue();
+        if (given.signum() < 0 || given.compareTo(BigDecimal.valueOf(Envelope.MAX_SAFE_INTEGER)) > 0) {
+            throw new IllegalArgumentException("ext.celery.result.expires_s must be between 0 and "
+                    + Envelope.MAX_SAFE_INTEGER + " seconds, not " + ttl + " [range]");
+        }
+        long seconds = given.setScale(0, RoundingMode.CEILING).longValueExact();
+        return seconds == 0 ? null : seconds;
     }
 
     /** The compact JSON result document of section 12, dated now. */

@@ -279,6 +279,24 @@ class ResultsTest {
     }
 
     @Test
+    void zeroMeansNoExpiryAndAFractionIsRoundedUp() throws Exception {
+        Envelope none = asking("plain", 0L).build();
+        String id = Envelope.newTaskId();
+        ObjectNode celery = Json.MAPPER.createObjectNode();
+        celery.putObject("result").put("key", key(id)).put("expires_s", new java.math.BigDecimal("1.25"));
+        Envelope fraction = Envelope.builder("plain").taskId(id).ext("celery", celery).build();
+        try (Producer p = producer(); Worker w = worker().handler("plain", t -> { }).build().start()) {
+            p.publish(none);
+            p.publish(fraction);
+            awaitResult(fraction.taskId());
+            long ttl = results.pttl(key(fraction.taskId()));
+            assertTrue(ttl > 1000 && ttl <= 2000, "expires_s 1.25 is 2 s: " + ttl);
+            awaitResult(none.taskId());
+            assertEquals(-1, results.ttl(key(none.taskId())), "expires_s 0: no expiry");
+        }
+    }
+
+    @Test
     void aMalformedResultRequestIsLoggedAndTheTaskStillSucceeds() throws Exception {
         ObjectNode celery = Json.MAPPER.createObjectNode();
         celery.putObject("result").put("key", "k").put("expires_s", -1);
