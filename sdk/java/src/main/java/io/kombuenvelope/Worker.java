@@ -1,5 +1,7 @@
 package io.kombuenvelope;
 
+import com.fasterxml.jackson.databind.JsonNode;
+
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.models.stream.PendingMessage;
@@ -555,11 +557,20 @@ public final class Worker implements AutoCloseable {
             Attempt attempt = run(h.handler, task);
             long ms = (System.nanoTime() - started) / 1_000_000;
             Throwable err = attempt.error();
+            JsonNode value = null;
+            if (err == null && CeleryResults.asksForResult(env)) {
+                try {
+                    value = CeleryResults.encode(attempt.value());
+                } catch (CeleryResults.EncodeError ex) {
+                    err = ex;
+                }
+            }
             if (err == null) {
                 if (holder != null) {
                     finishIdem(env, holder, "done");
                 }
-                results.report(env, () -> CeleryResults.success(env.taskId(), attempt.value()));
+                JsonNode result = value;
+                results.report(env, () -> CeleryResults.success(env.taskId(), result));
                 ack(e);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
                 return;
@@ -736,7 +747,7 @@ public final class Worker implements AutoCloseable {
     private void fail(Entry e, Envelope env, Throwable err) {
         Timestamp first = firstFailure(env);
         Timestamp now = Timestamp.now();
-        String type = err.getClass().getName();
+        String type = err instanceof CeleryResults.EncodeError ? CeleryResults.EncodeError.TYPE : err.getClass().getName();
         String trace = stackTrace(err);
         long attempts = env.retryCount() + 1;
         String message = Objects.toString(err.getMessage(), "");
