@@ -1,6 +1,16 @@
 package io.kombuenvelope;
 
+import com.fasterxml.jackson.core.JsonGenerator;
+import com.fasterxml.jackson.databind.BeanDescription;
+import com.fasterxml.jackson.databind.JsonMappingException;
 import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.JsonSerializer;
+import com.fasterxml.jackson.databind.ObjectMapper;
+import com.fasterxml.jackson.databind.SerializationConfig;
+import com.fasterxml.jackson.databind.SerializerProvider;
+import com.fasterxml.jackson.databind.module.SimpleModule;
+import com.fasterxml.jackson.databind.ser.BeanSerializerModifier;
+import com.fasterxml.jackson.databind.ser.std.StdSerializer;
 import com.fasterxml.jackson.databind.node.JsonNodeFactory;
 import com.fasterxml.jackson.databind.node.ObjectNode;
 
@@ -8,11 +18,15 @@ import io.lettuce.core.RedisClient;
 import io.lettuce.core.SetArgs;
 import io.lettuce.core.api.StatefulRedisConnection;
 
+import java.io.IOException;
 import java.math.BigDecimal;
+import java.math.RoundingMode;
 import java.time.Duration;
 import java.time.Instant;
 import java.time.ZoneOffset;
 import java.time.format.DateTimeFormatter;
+import java.util.ArrayDeque;
+import java.util.Deque;
 import java.util.Set;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.function.Supplier;
@@ -91,9 +105,8 @@ final class CeleryResults implements AutoCloseable {
      * @throws IllegalArgumentException naming the field and the rule when the request is malformed
      */
     static Request requestOf(Envelope env) {
-        ObjectNode celery = env.ext().get("celery");
-        JsonNode r = celery == null ? null : celery.get("result");
-        if (r == null || r.isNull()) {
+        JsonNode r = resultField(env);
+        if (r == null) {
             return null;
         }
         if (!r.isObject()) {
@@ -106,20 +119,39 @@ final class CeleryResults implements AutoCloseable {
         if (key.textValue().isEmpty()) {
             throw new IllegalArgumentException("ext.celery.result.key must not be empty [length]");
         }
-        JsonNode ttl = r.get("expires_s");
-        if (ttl == null || ttl.isNull()) {
-            return new Request(key.textValue(), null);
-        }
-        if (!ttl.isNumber() || !isWhole(ttl.decimalValue()) || ttl.decimalValue().signum() <= 0
-                || ttl.decimalValue().compareTo(BigDecimal.valueOf(Envelope.MAX_SAFE_INTEGER)) > 0) {
-            throw new IllegalArgumentException("ext.celery.result.expires_s must be a whole number of seconds >= 1, "
-                    + "or null, not " + ttl + " [range]");
-        }
-        return new Request(key.textValue(), ttl.decimalValue().longValueExact());
+        return new Request(key.textValue(), lifetime(r.get("expires_s")));
     }
 
-    private static boolean isWhole(BigDecimal d) {
-        return d.signum() == 0 || d.stripTrailingZeros().scale() <= 0;
+    /** Whether {@code env} asks for a result, with a well-formed request or not. */
+    static boolean asksForResult(Envelope env) {
+        return resultField(env) != null;
+    }
+
+    private static JsonNode resultField(Envelope env) {
+        ObjectNode celery = env.ext().get("celery");
+        JsonNode r = celery == null ? null : celery.get("result");
+        return r == null || r.isNull() ? null : r;
+    }
+
+    /**
+     * {@code expires_s} in whole seconds, a fraction rounded up; null for no expiry ({@code 0},
+     * {@code null} or absent, as Celery's {@code result_expires}).
+     */
+    private static Long lifetime(JsonNode ttl) {
+        if (ttl == null || ttl.isNull()) {
+            return null;
+        }
+        if (!ttl.isNumber()) {
+            throw new IllegalArgumentException("ext.celery.result.expires_s must be a number of seconds or null, not "
+                    + Json.kind(ttl) + " " + ttl + " [type]");
+        }
+        BigDecimal given = ttl.decimalValue();
+        if (given.signum() < 0 || given.compareTo(BigDecimal.valueOf(Envelope.MAX_SAFE_INTEGER)) > 0) {
+            throw new IllegalArgumentException("ext.celery.result.expires_s must be between 0 and "
+                    + Envelope.MAX_SAFE_INTEGER + " seconds, not " + ttl + " [range]");
+        }
+        long seconds = given.setScale(0, RoundingMode.CEILING).longValueExact();
+        return seconds == 0 ? null : seconds;
     }
 
     /** The compact JSON result document of section 12, dated now. */
@@ -144,17 +176,77 @@ final class CeleryResults implements AutoCloseable {
         return o;
     }
 
-    /** The SUCCESS document of a handler's value; a value Jackson cannot write gives a FAILURE one. */
-    static byte[] success(String taskId, Object value) {
+    /**
+     * A handler's value that cannot be written as JSON: the attempt fails as a task error whose
+     * exception type is {@link #TYPE}, as in Celery (section 12).
+     */
+    static final class EncodeError extends Exception {
+        private static final long serialVersionUID = 1L;
+        static final String TYPE = "EncodeError";
+
+        EncodeError(String message, Throwable cause) {
+            super("the result is not JSON: " + message, cause);
+        }
+    }
+
+    /** Writes handlers' values: as {@link Json#MAPPER}, refusing functions (Jackson writes a lambda as {@code {}}). */
+    private static final ObjectMapper VALUES = Json.MAPPER.copy().registerModule(new SimpleModule()
+            .setSerializerModifier(new BeanSerializerModifier() {
+                @Override
+                public JsonSerializer<?> modifySerializer(SerializationConfig config, BeanDescription bean,
+                                                          JsonSerializer<?> serializer) {
+                    return bean.getBeanClass().isSynthetic() ? FunctionSerializer.INSTANCE : serializer;
+                }
+            }));
+
+    /** Refuses a function (a lambda or method reference): it has no JSON form. */
+    private static final class FunctionSerializer extends StdSerializer<Object> {
+        private static final long serialVersionUID = 1L;
+        static final FunctionSerializer INSTANCE = new FunctionSerializer();
+
+        private FunctionSerializer() {
+            super(Object.class);
+        }
+
+        @Override
+        public void serialize(Object value, JsonGenerator gen, SerializerProvider provider) throws IOException {
+            throw JsonMappingException.from(gen, "a function (" + value.getClass().getName() + ") has no JSON form");
+        }
+    }
+
+    /** A handler's value as JSON (Jackson; null gives JSON {@code null}). */
+    static JsonNode encode(Object value) throws EncodeError {
         JsonNode json;
         try {
-            json = Json.MAPPER.valueToTree(value);
+            json = VALUES.valueToTree(value);
         } catch (IllegalArgumentException ex) {
-            LOG.error("the handler's return value cannot be written as JSON: {}", ex.getMessage());
-            return failure(taskId, ex.getClass().getName(),
-                    "the task's return value cannot be written as JSON: " + ex.getMessage(), null);
+            throw new EncodeError(ex.getMessage(), ex);
         }
-        return meta(SUCCESS, json, null, taskId);
+        String bad = nonFinite(json);
+        if (bad != null) {
+            throw new EncodeError(bad + " is not a JSON number", null);
+        }
+        return json;
+    }
+
+    /** The first NaN or infinity in {@code root}, written as Java does, else null. */
+    private static String nonFinite(JsonNode root) {
+        Deque<JsonNode> todo = new ArrayDeque<>();
+        todo.push(root);
+        while (!todo.isEmpty()) {
+            JsonNode n = todo.pop();
+            if (n.isContainerNode()) {
+                n.forEach(todo::push);
+            } else if ((n.isDouble() || n.isFloat()) && !Double.isFinite(n.doubleValue())) {
+                return n.asText();
+            }
+        }
+        return null;
+    }
+
+    /** The SUCCESS document of a handler's value, {@link #encode encoded} first. */
+    static byte[] success(String taskId, JsonNode value) {
+        return meta(SUCCESS, value, null, taskId);
     }
 
     /** The FAILURE document of a dead-lettered task. */

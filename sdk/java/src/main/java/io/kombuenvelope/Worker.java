@@ -1,5 +1,7 @@
 package io.kombuenvelope;
 
+import com.fasterxml.jackson.databind.JsonNode;
+
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.models.stream.PendingMessage;
@@ -31,10 +33,10 @@ import java.util.Map;
 import java.util.Objects;
 import java.util.Set;
 import java.util.UUID;
+import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
-import java.util.concurrent.Future;
 import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.Semaphore;
 import java.util.concurrent.ThreadFactory;
@@ -88,6 +90,7 @@ public final class Worker implements AutoCloseable {
     private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
     private volatile Promoter promoter;
     private final CeleryResults results;
+    private final AbandonedClaims abandoned;
 
     private Worker(Builder b) {
         this.cfg = b;
@@ -111,6 +114,7 @@ public final class Worker implements AutoCloseable {
         this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + queue));
         this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + queue));
         this.results = new CeleryResults(b.resultBackend);
+        this.abandoned = new AbandonedClaims(lease);
     }
 
     public static Builder builder() {
@@ -555,16 +559,27 @@ public final class Worker implements AutoCloseable {
             Attempt attempt = run(h.handler, task);
             long ms = (System.nanoTime() - started) / 1_000_000;
             Throwable err = attempt.error();
+            JsonNode value = null;
+            if (err == null && CeleryResults.asksForResult(env)) {
+                try {
+                    value = CeleryResults.encode(attempt.value());
+                } catch (CeleryResults.EncodeError ex) {
+                    err = ex;
+                }
+            }
             if (err == null) {
                 if (holder != null) {
                     finishIdem(env, holder, "done");
                 }
-                results.report(env, () -> CeleryResults.success(env.taskId(), attempt.value()));
+                JsonNode result = value;
+                results.report(env, () -> CeleryResults.success(env.taskId(), result));
                 ack(e);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
                 return;
             }
-            if (holder != null) {
+            if (holder != null && attempt.stillRunning() != null) {
+                keepClaimUntilReturned(env, holder, attempt.stillRunning());
+            } else if (holder != null) {
                 finishIdem(env, holder, "release");
             }
             fail(e, env, err);
@@ -597,13 +612,16 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** How an attempt ended: the handler's value, or the failure (then not null). */
-    private record Attempt(Object value, Throwable error) {}
+    /**
+     * How an attempt ended: the handler's value, or the failure (then not null). {@code stillRunning}
+     * is set when the handler was abandoned: it completes when the handler really returns.
+     */
+    private record Attempt(Object value, Throwable error, CompletableFuture<Object> stillRunning) {}
 
-    /** Runs the handler within timeout_ms. */
+    /** Runs the handler within timeout_ms, interrupting it at the deadline. */
     private Attempt run(ResultHandler handler, Task task) {
         Map<String, String> mdc = MDC.getCopyOfContextMap();
-        Future<Object> f = handlerThreads.submit(() -> {
+        HandlerCall call = HandlerCall.start(handlerThreads, () -> {
             if (mdc != null) {
                 MDC.setContextMap(mdc);
             }
@@ -615,17 +633,17 @@ public final class Worker implements AutoCloseable {
         });
         Long timeout = task.envelope().timeoutMs();
         try {
-            return new Attempt(timeout == null ? f.get() : f.get(timeout, TimeUnit.MILLISECONDS), null);
+            return new Attempt(call.await(timeout), null, null);
         } catch (TimeoutException ex) {
-            f.cancel(true);
+            call.stop();
             LOG.warn("attempt exceeded timeout_ms {}; abandoned", timeout);
-            return new Attempt(null, new AttemptTimeout(timeout));
+            return new Attempt(null, new AttemptTimeout(timeout), call.returned());
         } catch (ExecutionException ex) {
-            return new Attempt(null, ex.getCause());
+            return new Attempt(null, ex.getCause(), null);
         } catch (InterruptedException ex) {
-            f.cancel(true);
+            call.stop();
             Thread.currentThread().interrupt();
-            return new Attempt(null, ex);
+            return new Attempt(null, ex, call.returned());
         }
     }
 
@@ -636,7 +654,12 @@ public final class Worker implements AutoCloseable {
     private String claim(Entry e, Envelope env) {
         String key = keys.idempotency(env.taskType(), env.idempotencyKey());
         String holder = consumer + " " + env.taskId();
-        long claimFor = env.timeoutMs() != null ? env.timeoutMs() + cfg.leaseMs : 3_600_000L;
+        long claimFor = claimTime(env);
+        if (abandoned.holds(key)) {
+            LOG.info("an abandoned attempt of this idempotency key still runs here; deferred");
+            replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
+            return null;
+        }
         String replace = "";
         for (int round = 0; round < 2; round++) {
             List<Object> res;
@@ -683,6 +706,46 @@ public final class Worker implements AutoCloseable {
         }
         replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
         return null;
+    }
+
+    /** How long an idempotency claim of {@code env} lasts unless renewed, in ms. */
+    private long claimTime(Envelope env) {
+        return env.timeoutMs() != null ? env.timeoutMs() + cfg.leaseMs : 3_600_000L;
+    }
+
+    /**
+     * Keeps the claim of an abandoned attempt until its handler really returns, renewing it every
+     * third of the claim time with idem_begin.lua (re-entrant for its holder), then settles it
+     * with {@code done} or {@code release} as the handler ended (section 8).
+     */
+    private void keepClaimUntilReturned(Envelope env, String holder, CompletableFuture<Object> stillRunning) {
+        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
+        long claimFor = claimTime(env);
+        Map<String, String> mdc = MDC.getCopyOfContextMap();
+        LOG.info("the abandoned attempt keeps its idempotency claim until its handler returns");
+        abandoned.keep(key, Duration.ofMillis(claimFor / 3), () -> {
+            List<Object> res = Scripts.run(redis, "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, "");
+            if (!"acquired".equals(Redis.s(res.get(0)))) {
+                LOG.warn("an abandoned attempt of {} lost its idempotency claim: {} {}", env.taskId(),
+                        Redis.s(res.get(0)), res.size() > 1 ? Redis.s(res.get(1)) : "");
+            }
+        }, stillRunning, returnedNormally -> {
+            Map<String, String> before = MDC.getCopyOfContextMap();
+            if (mdc != null) {
+                MDC.setContextMap(mdc);
+            }
+            try {
+                String how = returnedNormally ? "done" : "release";
+                LOG.info("an abandoned attempt returned; its idempotency claim is settled with {}", how);
+                finishIdem(env, holder, how);
+            } finally {
+                if (before != null) {
+                    MDC.setContextMap(before);
+                } else {
+                    MDC.clear();
+                }
+            }
+        });
     }
 
     private void finishIdem(Envelope env, String holder, String how) {
@@ -736,7 +799,7 @@ public final class Worker implements AutoCloseable {
     private void fail(Entry e, Envelope env, Throwable err) {
         Timestamp first = firstFailure(env);
         Timestamp now = Timestamp.now();
-        String type = err.getClass().getName();
+        String type = err instanceof CeleryResults.EncodeError ? CeleryResults.EncodeError.TYPE : err.getClass().getName();
         String trace = stackTrace(err);
         long attempts = env.retryCount() + 1;
         String message = Objects.toString(err.getMessage(), "");
@@ -974,9 +1037,10 @@ public final class Worker implements AutoCloseable {
     // --- shutdown ---------------------------------------------------------------------------
 
     /**
-     * Stops reading and waits up to the shutdown timeout for running tasks, then deletes the
-     * liveness key. Tasks still running after that keep their consumer alive (renewed in the
-     * background) until they end; nothing is put back while it may still run.
+     * Stops reading and waits up to the shutdown timeout for running tasks, and for the handlers
+     * of attempts abandoned at their deadline that still hold an idempotency claim, then deletes
+     * the liveness key. Those still running after that keep their consumer alive (renewed in the
+     * background) until they end; nothing is put back or given up while it may still run.
      */
     @Override
     public void close() {
@@ -992,9 +1056,11 @@ public final class Worker implements AutoCloseable {
             }
         }
         pool.shutdown();
+        long deadline = System.nanoTime() + cfg.shutdownTimeout.toNanos();
         boolean drained;
         try {
-            drained = pool.awaitTermination(cfg.shutdownTimeout.toMillis(), TimeUnit.MILLISECONDS);
+            drained = pool.awaitTermination(cfg.shutdownTimeout.toMillis(), TimeUnit.MILLISECONDS)
+                    && abandoned.awaitSettled(Duration.ofNanos(deadline - System.nanoTime()));
         } catch (InterruptedException e) {
             Thread.currentThread().interrupt();
             drained = false;
@@ -1008,11 +1074,14 @@ public final class Worker implements AutoCloseable {
         }
         // Liveness belongs to the process while it runs anything it read: keep renewing until
         // the last running task is settled, then let go.
-        LOG.warn("{} tasks still running after the shutdown timeout; their consumer stays alive until they end",
-                inFlight.get());
+        LOG.warn("{} tasks and {} abandoned attempts still running after the shutdown timeout; "
+                + "their consumer stays alive until they end", inFlight.get(), abandoned.size());
         Thread rest = new Thread(() -> {
             try {
                 pool.awaitTermination(Long.MAX_VALUE, TimeUnit.MILLISECONDS);
+                while (!abandoned.awaitSettled(Duration.ofMinutes(1))) {
+                    LOG.info("{} abandoned attempts still running", abandoned.size());
+                }
             } catch (InterruptedException e) {
                 Thread.currentThread().interrupt();
             }

@@ -279,6 +279,55 @@ class ResultsTest {
     }
 
     @Test
+    void aValueThatIsNotJsonFailsTheAttemptAsAnEncodeError() throws Exception {
+        Envelope nan = asking("nan", 60L).idempotencyKey("nan-1").build();
+        Envelope function = asking("function", 60L).tieredRetries().maxRetries(1L).build();
+        RetryPolicy quick = new RetryPolicy(0, Duration.ofMillis(50), Duration.ofMillis(50));
+        try (Producer p = producer(); Worker w = worker().retryPolicy(quick).resultHandler("nan", t -> Double.NaN)
+                .resultHandler("function", t -> (Runnable) () -> { }).build().start()) {
+            p.publish(nan);
+            p.publish(function);
+            RoundTripTest.await("two dead letters", () -> dead().size() == 2);
+            awaitResult(nan.taskId());
+            awaitResult(function.taskId());
+        }
+        Map<String, byte[]> deadNan = deadLetterOf(nan.taskId());
+        assertEquals("task_error", s(deadNan.get("failure_class")));
+        assertEquals("EncodeError", s(deadNan.get("exception_type")));
+        assertEquals("1", s(deadNan.get("attempts")));
+        String stored = s(results.get(key(nan.taskId())));
+        assertEquals(expected(stored, "FAILURE", "{\"exc_type\":\"EncodeError\",\"exc_message\":"
+                + "[\"the result is not JSON: NaN is not a JSON number\"],\"exc_module\":null}",
+                s(Json.write(Json.MAPPER.getNodeFactory().textNode(s(deadNan.get("traceback"))))), nan.taskId()), stored);
+        assertEquals(0, redis.exists(keys.idempotency("nan", "nan-1")), "the claim of a failed attempt is released");
+
+        Map<String, byte[]> deadFunction = deadLetterOf(function.taskId());
+        assertEquals("EncodeError", s(deadFunction.get("exception_type")));
+        assertEquals("2", s(deadFunction.get("attempts")), "retried as a task error");
+        stored = s(results.get(key(function.taskId())));
+        assertTrue(stored.startsWith("{\"status\":\"FAILURE\",\"result\":{\"exc_type\":\"EncodeError\","
+                + "\"exc_message\":[\"the result is not JSON: a function ("), stored);
+    }
+
+    @Test
+    void zeroMeansNoExpiryAndAFractionIsRoundedUp() throws Exception {
+        Envelope none = asking("plain", 0L).build();
+        String id = Envelope.newTaskId();
+        ObjectNode celery = Json.MAPPER.createObjectNode();
+        celery.putObject("result").put("key", key(id)).put("expires_s", new java.math.BigDecimal("1.25"));
+        Envelope fraction = Envelope.builder("plain").taskId(id).ext("celery", celery).build();
+        try (Producer p = producer(); Worker w = worker().handler("plain", t -> { }).build().start()) {
+            p.publish(none);
+            p.publish(fraction);
+            awaitResult(fraction.taskId());
+            long ttl = results.pttl(key(fraction.taskId()));
+            assertTrue(ttl > 1000 && ttl <= 2000, "expires_s 1.25 is 2 s: " + ttl);
+            awaitResult(none.taskId());
+            assertEquals(-1, results.ttl(key(none.taskId())), "expires_s 0: no expiry");
+        }
+    }
+
+    @Test
     void aMalformedResultRequestIsLoggedAndTheTaskStillSucceeds() throws Exception {
         ObjectNode celery = Json.MAPPER.createObjectNode();
         celery.putObject("result").put("key", "k").put("expires_s", -1);

@@ -336,6 +336,44 @@ class RoundTripTest {
     }
 
     @Test
+    void anAbandonedAttemptKeepsItsIdempotencyClaimUntilItReturns() throws Exception {
+        AtomicInteger effects = new AtomicInteger();
+        CountDownLatch started = new CountDownLatch(1);
+        RetryPolicy quick = new RetryPolicy(2, Duration.ofMillis(100), Duration.ofMillis(400));
+        // a claim of timeout_ms + lease = 700 ms: only its renewals keep it through the 1.5 s run
+        try (Producer p = producer(); Worker w = worker().lease(Duration.ofMillis(600)).retryPolicy(quick)
+                .deferDelay(Duration.ofMillis(200)).handler("overrun", t -> {
+                    started.countDown();
+                    long end = System.nanoTime() + TimeUnit.MILLISECONDS.toNanos(1500);
+                    for (long left; (left = end - System.nanoTime()) > 0; ) {
+                        try {
+                            TimeUnit.NANOSECONDS.sleep(left);
+                        } catch (InterruptedException ignored) {
+                            // ignores interruption: abandoned at 100 ms, it still has its effect
+                        }
+                    }
+                    effects.incrementAndGet();
+                }).build().start()) {
+            // the timeout is retried once, 100-400 ms later
+            p.publish(Envelope.builder("overrun").tieredRetries().maxRetries(1L).timeoutMs(100L)
+                    .idempotencyKey("overrun-1").build());
+            String idemKey = keys.idempotency("overrun", "overrun-1");
+            assertTrue(started.await(10, TimeUnit.SECONDS));
+            Thread.sleep(1200);
+            String claim = s(redis.get(idemKey));
+            assertTrue(claim != null && claim.startsWith("running "), "the claim was not renewed: " + claim);
+            await("the abandoned attempt to mark the key done", () -> {
+                String v = s(redis.get(idemKey));
+                return v != null && v.startsWith("done ");
+            });
+            await("the queue to drain", () -> streamLength() == 0 && redis.zcard(keys.delayed(queue)) == 0);
+            Thread.sleep(300);
+        }
+        assertEquals(1, effects.get(), "the retry ran while the abandoned attempt still held the key");
+        assertTrue(dead().isEmpty(), "dead-lettered");
+    }
+
+    @Test
     void idempotencyKeyDoneMeansADuplicateDoesNotRun() throws Exception {
         AtomicInteger ran = new AtomicInteger();
         List<Envelope> duplicates = new CopyOnWriteArrayList<>();

@@ -76,9 +76,17 @@ class UnitTest {
         assertNull(CeleryResults.requestOf(Envelope.builder("x").build()));
         assertEquals(new CeleryResults.Request("k", 86400L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":86400}")));
         assertEquals(new CeleryResults.Request("k", 60L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":60.0}")));
-        assertEquals(new CeleryResults.Request("k", null), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":null}")));
-        for (String bad : List.of("[]", "{}", "{\"key\":7}", "{\"key\":\"\"}", "{\"key\":\"k\",\"expires_s\":0}",
-                "{\"key\":\"k\",\"expires_s\":1.5}", "{\"key\":\"k\",\"expires_s\":\"60\"}")) {
+        assertEquals(new CeleryResults.Request("k", 2L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":1.5}")),
+                "a fraction is rounded up");
+        assertEquals(new CeleryResults.Request("k", 1L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":0.001}")));
+        for (String noExpiry : List.of("null", "0", "0.0", "-0")) {
+            assertEquals(new CeleryResults.Request("k", null),
+                    CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":" + noExpiry + "}")), noExpiry);
+        }
+        assertEquals(new CeleryResults.Request("k", null), CeleryResults.requestOf(withResult("{\"key\":\"k\"}")));
+        for (String bad : List.of("[]", "{}", "{\"key\":7}", "{\"key\":\"\"}", "{\"key\":\"k\",\"expires_s\":-1}",
+                "{\"key\":\"k\",\"expires_s\":-0.5}", "{\"key\":\"k\",\"expires_s\":\"60\"}",
+                "{\"key\":\"k\",\"expires_s\":true}", "{\"key\":\"k\",\"expires_s\":1e300}")) {
             IllegalArgumentException e = assertThrows(IllegalArgumentException.class,
                     () -> CeleryResults.requestOf(withResult(bad)), bad);
             assertTrue(e.getMessage().startsWith("ext.celery.result"), e.getMessage());
