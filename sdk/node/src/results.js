@@ -12,7 +12,7 @@ import { retryWhileAway } from './outage.js';
 /** The exception Celery raises for a revoked task, as the REVOKED result names it. */
 const REVOKED_ERROR = Object.freeze({ type: 'TaskRevokedError', module: 'celery.exceptions' });
 
-/** The result request is not {"key": non-empty string, "expires_s": integer >= 1 | null}. */
+/** The result request is not {"key": non-empty string, "expires_s": number >= 0 | null}. */
 export class InvalidResultRequest extends Error {
   constructor(field, rule, message) {
     super(`${field}: ${message} [${rule}]`);
@@ -23,8 +23,29 @@ export class InvalidResultRequest extends Error {
 }
 
 /**
- * The result an Envelope asks for: { key, expiresS (null: no expiry) }, or
- * null when it asks for none. Throws InvalidResultRequest naming the field.
+ * The whole seconds a result lives (section 12): a fraction is rounded up;
+ * 0, null or absent is null (no expiry). Throws InvalidResultRequest for a
+ * negative value, one beyond 2^53 - 1 or one that is not a number.
+ * @param {unknown} value
+ * @returns {number | null}
+ */
+function expirySeconds(value) {
+  const field = 'ext.celery.result.expires_s';
+  if (value === undefined || value === null) return null;
+  if (typeof value !== 'number' && typeof value !== 'bigint') {
+    throw new InvalidResultRequest(field, 'type', `must be a number of seconds or null, not ${JSON.stringify(value)}`);
+  }
+  const seconds = typeof value === 'number' ? Math.ceil(value) : value;
+  if (value < 0 || typeof seconds !== 'number' || !Number.isSafeInteger(seconds)) {
+    throw new InvalidResultRequest(field, 'range', `must be >= 0 and at most 2^53 - 1 seconds, not ${String(value)}`);
+  }
+  return seconds === 0 ? null : seconds;
+}
+
+/**
+ * The result an Envelope asks for: { key, expiresS (whole seconds, null: no
+ * expiry) }, or null when it asks for none. Throws InvalidResultRequest
+ * naming the field.
  * @param {any} env
  * @returns {{ key: string, expiresS: number | null } | null}
  */
@@ -38,11 +59,7 @@ export function resultRequestOf(env) {
   if (typeof request.key !== 'string' || !request.key) {
     throw new InvalidResultRequest(`${field}.key`, 'type', 'must be a non-empty string');
   }
-  const expires = request.expires_s ?? null;
-  if (expires !== null && (typeof expires !== 'number' || !Number.isSafeInteger(expires) || expires < 1)) {
-    throw new InvalidResultRequest(`${field}.expires_s`, 'range', `must be an integer number of seconds >= 1 or null, not ${String(expires)}`);
-  }
-  return { key: request.key, expiresS: expires };
+  return { key: request.key, expiresS: expirySeconds(request.expires_s) };
 }
 
 /** `YYYY-MM-DDThh:mm:ss.ffffff+00:00` (UTC) of a time in ms since the epoch. */

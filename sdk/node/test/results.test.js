@@ -49,8 +49,21 @@ describe('result meta (pure)', () => {
     assert.deepEqual(resultRequestOf({ ext: asking('k', null) }), { key: 'k', expiresS: null });
     assert.throws(() => resultRequestOf({ ext: { celery: { result: { expires_s: 5 } } } }),
       (err) => err instanceof InvalidResultRequest && err.field === 'ext.celery.result.key' && err.rule === 'type');
-    assert.throws(() => resultRequestOf({ ext: asking('k', 1.5) }), (err) => err.field === 'ext.celery.result.expires_s' && err.rule === 'range');
     assert.throws(() => resultRequestOf({ ext: { celery: { result: 'k' } } }), (err) => err.field === 'ext.celery.result');
+  });
+
+  test('expires_s: 0, null or absent is no expiry, a fraction is rounded up, a negative or non-number value is refused', () => {
+    const expiresOf = (value) => resultRequestOf({ ext: asking('k', value) }).expiresS;
+    assert.equal(expiresOf(0), null);
+    assert.equal(expiresOf(null), null);
+    assert.equal(expiresOf(undefined), null);
+    assert.equal(expiresOf(1.5), 2);
+    assert.equal(expiresOf(0.001), 1);
+    assert.equal(expiresOf(86400), 86400);
+    for (const [value, rule] of [[-1, 'range'], [-0.5, 'range'], [2n ** 60n, 'range'], ['60', 'type'], [true, 'type'], [{}, 'type']]) {
+      assert.throws(() => resultRequestOf({ ext: asking('k', value) }),
+        (err) => err instanceof InvalidResultRequest && err.field === 'ext.celery.result.expires_s' && err.rule === rule, String(value));
+    }
   });
 
   test('retryWhileAway repeats only while Redis is away, within its tolerance', async () => {
@@ -144,6 +157,24 @@ describe('results and expiry (worker)', { skip, concurrency: false }, () => {
     } finally {
       subscriber.disconnect();
     }
+  });
+
+  test('expires_s 0 writes a plain SET, a fraction is rounded up, a negative one writes nothing and the task runs', async () => {
+    const prefix = prefixFor();
+    const { worker, lines } = await startWorker(prefix);
+    const producer = new Producer(redis, { prefix });
+    await producer.publish(QUEUE, { task_type: 'test.value', payload: { echo: 0 }, ext: asking(`${prefix}-zero`, 0) });
+    await producer.publish(QUEUE, { task_type: 'test.value', payload: { echo: 1 }, ext: asking(`${prefix}-fraction`, 59.2) });
+    const negative = await producer.publish(QUEUE, { task_type: 'test.value', payload: { echo: 2 }, ext: asking(`${prefix}-negative`, -5) });
+    await waitFor(() => worker.stats.succeeded === 3);
+    assert.equal(JSON.parse(await stored(`${prefix}-zero`)).status, 'SUCCESS');
+    assert.equal(await backend.ttl(`${prefix}-zero`), -1, 'expires_s 0: no expiry');
+    const ttl = await backend.ttl(`${prefix}-fraction`);
+    assert.ok(ttl > 55 && ttl <= 60, `59.2 s is rounded up to 60: ${ttl}`);
+    assert.equal(await backend.exists(`${prefix}-negative`), 0);
+    const line = lines.find((l) => l.msg.startsWith('the Envelope asks for a result in a form') && l.task_id === negative.taskId);
+    assert.deepEqual([line.field, line.rule], ['ext.celery.result.expires_s', 'range']);
+    assert.deepEqual(await deadOf(prefix), []);
   });
 
   test('FAILURE: the dead-letter exception type, message and stack; the failure class when no handler error caused it', async () => {
