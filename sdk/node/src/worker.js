@@ -43,7 +43,7 @@ import {
   FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, asksForTiered, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
-import { ResultWriter } from './results.js';
+import { ResultWriter, checkResult } from './results.js';
 import { Scripts } from './scripts.js';
 import { parseRedisUrl } from './url.js';
 
@@ -118,8 +118,10 @@ function positiveInt(name, value, { allowZero = false } = {}) {
 /**
  * Handlers given to the Worker constructor: task_type -> function, or
  * task_type -> { handler, payloadVersions, timeoutMs }.
- * A handler's value (or what its promise resolves to) is the task's result: a
- * JSON value, written as the SUCCESS result when the Envelope asks for one.
+ * A handler's value (or what its promise resolves to) is the task's result,
+ * written as JSON (JSON.stringify's) as the SUCCESS result when the Envelope
+ * asks for one; a value JSON cannot hold (NaN, a function, a BigInt, a
+ * circular object) fails the attempt with a ResultEncodeError (EncodeError).
  * @typedef {(payload: any, ctx: TaskContext) => any} Handler
  * @typedef {{ handler: Handler, payloadVersions?: number[], timeoutMs?: number | null }} HandlerSpec
  * @typedef {{ envelope: any, taskId: string, traceId: string, attempt: number,
@@ -637,6 +639,7 @@ export class Worker extends EventEmitter {
     };
     try {
       const result = await Promise.race([Promise.resolve().then(() => handler.fn(env.payload, ctx)), stopped]);
+      checkResult(env, result); // a value the asked-for result cannot hold fails the attempt (EncodeError)
       return { ok: true, result, durationMs: Date.now() - started };
     } catch (error) {
       return { ok: false, error, timeout: error instanceof TaskTimeoutError, durationMs: Date.now() - started };
