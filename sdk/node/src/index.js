@@ -11,7 +11,9 @@ export { parseRedisUrl } from './url.js';
 export { Promoter, redisNowMs } from './promoter.js';
 export { DeadLetters, jsonMergePatch, readDeadLetter } from './deadletters.js';
 export { cancelTask, CANCEL_MARK_TTL_MS } from './cancel.js';
-export { InvalidResultRequest, formatDateDone, resultMeta, resultRequestOf } from './results.js';
+export {
+  InvalidResultRequest, ResultEncodeError, checkResult, encodeResult, formatDateDone, resultMeta, resultRequestOf,
+} from './results.js';
 export { OUTAGE_TOLERANCE_MS } from './outage.js';
 export { createLogger } from './log.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';

@@ -5,14 +5,15 @@
 // SET <key> <meta> EX <expires_s> (plain SET without expiry) and
 // PUBLISH <key> <meta>, in one MULTI, on the result backend's client. <meta>
 // is compact JSON: status, result, traceback, children, date_done, task_id.
+// A handler's value that cannot be written as JSON fails the attempt with a
+// ResultEncodeError (exception type EncodeError, as in Celery).
 
-import { stringifyJson } from './json.js';
 import { retryWhileAway } from './outage.js';
 
 /** The exception Celery raises for a revoked task, as the REVOKED result names it. */
 const REVOKED_ERROR = Object.freeze({ type: 'TaskRevokedError', module: 'celery.exceptions' });
 
-/** The result request is not {"key": non-empty string, "expires_s": integer >= 1 | null}. */
+/** The result request is not {"key": non-empty string, "expires_s": number >= 0 | null}. */
 export class InvalidResultRequest extends Error {
   constructor(field, rule, message) {
     super(`${field}: ${message} [${rule}]`);
@@ -23,8 +24,29 @@ export class InvalidResultRequest extends Error {
 }
 
 /**
- * The result an Envelope asks for: { key, expiresS (null: no expiry) }, or
- * null when it asks for none. Throws InvalidResultRequest naming the field.
+ * The whole seconds a result lives (section 12): a fraction is rounded up;
+ * 0, null or absent is null (no expiry). Throws InvalidResultRequest for a
+ * negative value, one beyond 2^53 - 1 or one that is not a number.
+ * @param {unknown} value
+ * @returns {number | null}
+ */
+function expirySeconds(value) {
+  const field = 'ext.celery.result.expires_s';
+  if (value === undefined || value === null) return null;
+  if (typeof value !== 'number' && typeof value !== 'bigint') {
+    throw new InvalidResultRequest(field, 'type', `must be a number of seconds or null, not ${JSON.stringify(value)}`);
+  }
+  const seconds = typeof value === 'number' ? Math.ceil(value) : value;
+  if (value < 0 || typeof seconds !== 'number' || !Number.isSafeInteger(seconds)) {
+    throw new InvalidResultRequest(field, 'range', `must be >= 0 and at most 2^53 - 1 seconds, not ${String(value)}`);
+  }
+  return seconds === 0 ? null : seconds;
+}
+
+/**
+ * The result an Envelope asks for: { key, expiresS (whole seconds, null: no
+ * expiry) }, or null when it asks for none. Throws InvalidResultRequest
+ * naming the field.
  * @param {any} env
  * @returns {{ key: string, expiresS: number | null } | null}
  */
@@ -38,11 +60,57 @@ export function resultRequestOf(env) {
   if (typeof request.key !== 'string' || !request.key) {
     throw new InvalidResultRequest(`${field}.key`, 'type', 'must be a non-empty string');
   }
-  const expires = request.expires_s ?? null;
-  if (expires !== null && (typeof expires !== 'number' || !Number.isSafeInteger(expires) || expires < 1)) {
-    throw new InvalidResultRequest(`${field}.expires_s`, 'range', `must be an integer number of seconds >= 1 or null, not ${String(expires)}`);
+  return { key: request.key, expiresS: expirySeconds(request.expires_s) };
+}
+
+/**
+ * A handler's value that cannot be written as JSON, for an Envelope that asks
+ * for a result: the attempt fails as a task error whose exception type (its
+ * name) is `EncodeError`, as in Celery.
+ */
+export class ResultEncodeError extends Error {
+  /** @param {Error} cause what JSON could not write */
+  constructor(cause) {
+    super(`the handler's value cannot be written as JSON: ${cause.message}`, { cause });
+    this.name = 'EncodeError';
   }
-  return { key: request.key, expiresS: expires };
+}
+
+/** JSON.stringify's replacer that refuses what JSON cannot hold instead of dropping or changing it. */
+function refuseNonJson(key, value) {
+  const where = key === '' ? 'the value' : `the member ${JSON.stringify(key)}`;
+  if (typeof value === 'number' && !Number.isFinite(value)) throw new TypeError(`${where} is ${value}, not a JSON number`);
+  if (typeof value === 'function' || typeof value === 'symbol' || typeof value === 'bigint') {
+    throw new TypeError(`${where} is a ${typeof value}, not a JSON value`);
+  }
+  return value;
+}
+
+/**
+ * Compact JSON of a handler's value, as JSON.stringify writes it (a Date is
+ * its toJSON() string, undefined at the top level is null, undefined members
+ * are left out), except that NaN, infinities, functions, symbols and BigInt
+ * are refused. Throws ResultEncodeError for those and for circular objects.
+ * @param {unknown} value
+ * @returns {string}
+ */
+export function encodeResult(value) {
+  try {
+    return JSON.stringify(value, refuseNonJson) ?? 'null';
+  } catch (err) {
+    throw new ResultEncodeError(err);
+  }
+}
+
+/**
+ * Throws ResultEncodeError when env asks for a result (ext.celery.result,
+ * readable or not) and value cannot be written as JSON.
+ * @param {any} env
+ * @param {unknown} value
+ */
+export function checkResult(env, value) {
+  const request = env?.ext?.celery?.result;
+  if (request !== undefined && request !== null) encodeResult(value);
 }
 
 /** `YYYY-MM-DDThh:mm:ss.ffffff+00:00` (UTC) of a time in ms since the epoch. */
@@ -51,13 +119,14 @@ export function formatDateDone(epochMs) {
 }
 
 /**
- * The compact JSON Celery's result backend stores for a task.
+ * The compact JSON Celery's result backend stores for a task. Throws
+ * ResultEncodeError when `result` cannot be written as JSON (encodeResult).
  * @param {{ status: 'SUCCESS' | 'FAILURE' | 'REVOKED', result?: any, traceback?: string | null,
  *   taskId: string, nowMs?: number }} outcome
  * @returns {string}
  */
 export function resultMeta({ status, result = null, traceback = null, taskId, nowMs = Date.now() }) {
-  return stringifyJson({
+  return encodeResult({
     status, result, traceback, children: [], date_done: formatDateDone(nowMs), task_id: taskId,
   });
 }
@@ -83,7 +152,7 @@ export class ResultWriter {
     this.unwritten = new Set(); // task types already logged as asking without a backend
   }
 
-  /** SUCCESS with the handler's value (a JSON value; anything else is written as null and logged). */
+  /** SUCCESS with the handler's value (one checkResult accepted). */
   success(env, value, log) {
     return this.write(env, { status: 'SUCCESS', result: value ?? null }, log);
   }
@@ -118,13 +187,7 @@ export class ResultWriter {
       }
       return false;
     }
-    let meta;
-    try {
-      meta = resultMeta({ ...outcome, taskId: env.task_id });
-    } catch (err) {
-      log.warn('the handler returned a value that is not JSON; its result is written as null', { err });
-      meta = resultMeta({ ...outcome, result: null, taskId: env.task_id });
-    }
+    const meta = resultMeta({ ...outcome, taskId: env.task_id });
     try {
       await retryWhileAway(async () => {
         const multi = this.client.multi();

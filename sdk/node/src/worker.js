@@ -14,7 +14,8 @@
 //     dead-letters unknown task types and unaccepted payload versions, claims
 //     the idempotency key, takes a retry slot for retries, runs the handler
 //     with a timeout, acknowledges only on success, and otherwise applies the
-//     retry rules;
+//     retry rules; an attempt abandoned at its timeout keeps its idempotency
+//     claim until its handler's promise settles (abandoned.js);
 //   - writes the result an Envelope asks for (ext.celery.result, section 12)
 //     before settling its entry: SUCCESS, FAILURE when dead-lettered, REVOKED
 //     when cancelled or expired;
@@ -31,19 +32,20 @@ import { EventEmitter } from 'node:events';
 import os from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
+import { AbandonedClaims } from './abandoned.js';
 import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js';
 import { readDeadLetter } from './deadletters.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isExpired } from './envelope.js';
 import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
-import { OUTAGE_TOLERANCE_MS } from './outage.js';
+import { OUTAGE_TOLERANCE_MS, retryWhileAway } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
 import {
   FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, asksForTiered, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
-import { ResultWriter } from './results.js';
+import { ResultWriter, checkResult } from './results.js';
 import { Scripts } from './scripts.js';
 import { parseRedisUrl } from './url.js';
 
@@ -92,6 +94,20 @@ class ShutdownAbort extends Error {
   }
 }
 
+/**
+ * Whether `promise` settles within `ms`; the timer never outlives the wait, so
+ * a stopped worker leaves nothing that keeps the process alive.
+ */
+async function settlesWithin(promise, ms) {
+  let timer;
+  const late = new Promise((resolve) => { timer = setTimeout(resolve, ms, false); });
+  try {
+    return await Promise.race([promise.then(() => true, () => true), late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 const text = (value) => (Buffer.isBuffer(value) ? value.toString('utf8') : String(value));
 /** The x-first-failure-at header of env when it holds an RFC 3339 time, else undefined. */
 function firstFailureOf(env) {
@@ -118,8 +134,10 @@ function positiveInt(name, value, { allowZero = false } = {}) {
 /**
  * Handlers given to the Worker constructor: task_type -> function, or
  * task_type -> { handler, payloadVersions, timeoutMs }.
- * A handler's value (or what its promise resolves to) is the task's result: a
- * JSON value, written as the SUCCESS result when the Envelope asks for one.
+ * A handler's value (or what its promise resolves to) is the task's result,
+ * written as JSON (JSON.stringify's) as the SUCCESS result when the Envelope
+ * asks for one; a value JSON cannot hold (NaN, a function, a BigInt, a
+ * circular object) fails the attempt with a ResultEncodeError (EncodeError).
  * @typedef {(payload: any, ctx: TaskContext) => any} Handler
  * @typedef {{ handler: Handler, payloadVersions?: number[], timeoutMs?: number | null }} HandlerSpec
  * @typedef {{ envelope: any, taskId: string, traceId: string, attempt: number,
@@ -189,6 +207,11 @@ export class Worker extends EventEmitter {
     this.inflight = new Map(); // "<stream> <id>" -> { entry, abort, promise }
     this.waiting = []; // read, not started (most urgent first)
     this.held = new Set(); // "<stream> <id>" of waiting and running entries
+    this.abandoned = new AbandonedClaims({
+      renew: async (claim) => (await this.scripts.run('idem_begin', [claim.key], [claim.holder, claim.claimMs, '']))[0],
+      // Safe to repeat: retried while Redis is away (section 9).
+      finish: (claim, how, log) => retryWhileAway(() => this.finishClaim(claim, how, log), { toleranceMs: this.opts.outageToleranceMs }),
+    });
     this.running = false;
     this.recoverAt = null;
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
@@ -550,6 +573,11 @@ export class Worker extends EventEmitter {
     }
     let claim = null;
     if (env.idempotency_key !== null) {
+      // The claim is re-entrant for this consumer: it defers its own retries while their abandoned attempt runs.
+      if (this.abandoned.holds(this.keys.idempotency(env.task_type, env.idempotency_key))) {
+        await this.defer(entry, env, log, 'an abandoned attempt of this idempotency key still runs on this consumer; deferred');
+        return;
+      }
       claim = await this.claim(env, log);
       if (claim.state === 'done') {
         await this.results.success(env, null, log); // as a Celery worker does for a duplicate
@@ -561,10 +589,7 @@ export class Worker extends EventEmitter {
         return;
       }
       if (claim.state === 'busy') {
-        const delayMs = this.opts.deferMs;
-        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
-        this.stats.deferred += 1;
-        log.info('another live consumer runs this idempotency key; deferred', { holder: claim.value, delay_ms: delayMs });
+        await this.defer(entry, env, log, 'another live consumer runs this idempotency key; deferred', { holder: claim.value });
         return;
       }
     }
@@ -593,6 +618,14 @@ export class Worker extends EventEmitter {
     }
   }
 
+  /** Hand the entry back without running it, due deferMs later, retry_count unchanged (a deferral, section 8). */
+  async defer(entry, env, log, message, fields = {}) {
+    const delayMs = this.opts.deferMs;
+    await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
+    this.stats.deferred += 1;
+    log.info(message, { ...fields, delay_ms: delayMs });
+  }
+
   /** Failure fields of a task dead-lettered before its handler ran. */
   notRun(env, failureClass, reason) {
     return {
@@ -613,7 +646,8 @@ export class Worker extends EventEmitter {
       this.notify('completed', env, { result: outcome.result, durationMs: outcome.durationMs });
       return;
     }
-    if (claim) await this.finishClaim(claim, 'release', log);
+    if (claim && outcome.late) this.abandoned.keep(claim, outcome.late, log); // its effect may still come
+    else if (claim) await this.finishClaim(claim, 'release', log);
     if (outcome.error instanceof ShutdownAbort) {
       await this.requeueOwn(entry, 'stopped by shutdown before it finished');
       return;
@@ -621,12 +655,19 @@ export class Worker extends EventEmitter {
     await this.failed(entry, env, outcome, log);
   }
 
+  /**
+   * Run the handler until it settles or `abort` fires (its timeout or the
+   * shutdown). An aborted attempt is abandoned at once: a promise cannot be
+   * stopped, so the outcome carries `late`, the handler's promise, which may
+   * still settle (and have its effect) later.
+   */
   async runHandler(env, handler, timeoutMs, abort, log) {
     const started = Date.now();
     let timer = null;
-    const stopped = new Promise((_, reject) => {
-      if (abort.signal.aborted) reject(abort.signal.reason);
-      abort.signal.addEventListener('abort', () => reject(abort.signal.reason), { once: true });
+    const ABORTED = Symbol('aborted');
+    const stopped = new Promise((resolve) => {
+      if (abort.signal.aborted) resolve(ABORTED);
+      abort.signal.addEventListener('abort', () => resolve(ABORTED), { once: true });
     });
     if (timeoutMs !== null && timeoutMs !== undefined) {
       timer = setTimeout(() => abort.abort(new TaskTimeoutError(timeoutMs)), timeoutMs);
@@ -635,11 +676,21 @@ export class Worker extends EventEmitter {
       envelope: env, taskId: env.task_id, traceId: env.trace_id, attempt: env.retry_count,
       signal: abort.signal, log, redis: this.cmd, keys: this.keys,
     };
+    const running = Promise.resolve().then(() => handler.fn(env.payload, ctx));
+    const failure = (error, late = null) => ({
+      ok: false, error, timeout: error instanceof TaskTimeoutError, late, durationMs: Date.now() - started,
+    });
     try {
-      const result = await Promise.race([Promise.resolve().then(() => handler.fn(env.payload, ctx)), stopped]);
-      return { ok: true, result, durationMs: Date.now() - started };
+      const first = await Promise.race([running.then((value) => ({ value }), (error) => ({ error })), stopped]);
+      if (first === ABORTED) {
+        if (abort.signal.reason instanceof TaskTimeoutError) log.warn('attempt exceeded its timeout; abandoned (its handler may still run)', { timeout_ms: timeoutMs });
+        return failure(abort.signal.reason, running);
+      }
+      if ('error' in first) return failure(first.error);
+      checkResult(env, first.value); // a value the asked-for result cannot hold fails the attempt (EncodeError)
+      return { ok: true, result: first.value, durationMs: Date.now() - started };
     } catch (error) {
-      return { ok: false, error, timeout: error instanceof TaskTimeoutError, durationMs: Date.now() - started };
+      return failure(error);
     } finally {
       if (timer) clearTimeout(timer);
     }
@@ -703,7 +754,7 @@ export class Worker extends EventEmitter {
         [state, value] = await this.scripts.run('idem_begin', [key], [holder, claimMs, value]);
       }
     }
-    return { state, value, key, holder };
+    return { state, value, key, holder, claimMs };
   }
 
   async finishClaim(claim, how, log) {
@@ -971,14 +1022,18 @@ export class Worker extends EventEmitter {
       await this.requeueOwn(entry, 'prefetched but not started before shutdown').catch((err) => this.log.error('requeue failed', { err }));
       this.held.delete(`${entry.stream} ${entry.id}`);
     }
+    const graceEnds = Date.now() + graceMs;
     if (this.inflight.size) {
       const all = Promise.allSettled([...this.inflight.values()].map((t) => t.promise));
-      const late = await Promise.race([all.then(() => false), sleep(graceMs).then(() => true)]);
-      if (late) {
+      if (!(await settlesWithin(all, graceMs))) {
         this.log.warn('tasks still running after the grace period; aborting them', { running: this.inflight.size });
         for (const task of this.inflight.values()) task.abort.abort(new ShutdownAbort());
-        await Promise.race([all, sleep(5000)]);
+        await settlesWithin(all, 5000);
       }
+    }
+    // Abandoned attempts get what is left of the grace period to settle their claims.
+    if (this.abandoned.size && !(await settlesWithin(this.abandoned.all(), Math.max(0, graceEnds - Date.now())))) {
+      this.abandoned.giveUp(this.log);
     }
     await this.takingOver;
     try {

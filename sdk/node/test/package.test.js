@@ -43,7 +43,8 @@ describe('package', () => {
   test('import and require give the same API', () => {
     const cjs = require('kombu-envelope');
     assert.deepEqual(Object.keys(cjs).sort(), Object.keys(esm).sort());
-    for (const name of ['Producer', 'Worker', 'Promoter', 'Timestamp', 'InvalidEnvelope', 'TransientError', 'decodeEntry']) {
+    for (const name of ['Producer', 'Worker', 'Promoter', 'Timestamp', 'InvalidEnvelope', 'TransientError', 'decodeEntry',
+      'ResultEncodeError', 'encodeResult', 'checkResult']) {
       assert.equal(typeof esm[name], 'function', name);
       assert.equal(typeof cjs[name], 'function', name);
     }
@@ -66,7 +67,7 @@ describe('package', () => {
     const dir = fs.mkdtempSync(path.join(ROOT, '.types-check-'));
     try {
       fs.writeFileSync(path.join(dir, 'consumer.ts'), [
-        "import { DeadLetters, Producer, Worker, Timestamp, type CancelResult, type PublishOptions, type PublishResult, type WorkerOptions } from 'kombu-envelope';",
+        "import { DeadLetters, Producer, ResultEncodeError, Worker, Timestamp, encodeResult, type CancelResult, type PublishOptions, type PublishResult, type WorkerOptions } from 'kombu-envelope';",
         "const producer = new Producer({ connection: 'redis://127.0.0.1:6379/0', prefix: 'envelope' });",
         "const result: Promise<PublishResult> = producer.publish('orders', { task_type: 'a.b' });",
         "const worker = new Worker('orders', { 'a.b': async (payload, ctx) => ctx.taskId }, { connection: 'redis://127.0.0.1:6379/0', autorun: false });",
@@ -79,6 +80,9 @@ describe('package', () => {
         "export { options };",
         'const closed: Promise<void> = worker.close();',
         'const when: Timestamp = Timestamp.fromEpochMs(0, 480);',
+        "const written: string = encodeResult({ at: new Date(0) });",
+        "const unwritable: Error = new ResultEncodeError(new TypeError('a bigint'));",
+        'export { written, unwritable };',
         "const replayed: Promise<string | null> = new DeadLetters({ connection: 'redis://127.0.0.1:6379/0' }).replay('orders', '1-0', { mergePatch: { a: 1 } });",
         'export { result, closed, when, replayed, expiring };',
         '',

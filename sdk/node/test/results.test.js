@@ -9,8 +9,9 @@ import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
 import { registerBuiltinHandlers } from '../support/handlers.js';
 import {
-  InvalidResultRequest, KeySpace, Producer, Timestamp, Worker, createLogger, encodeEntry, formatDateDone,
-  newEnvelope, parseRedisUrl, resultMeta, resultRequestOf,
+  InvalidResultRequest, KeySpace, Producer, RETRY_POLICY_HEADER, ResultEncodeError, TIERED, Timestamp, Worker,
+  checkResult, createLogger, encodeEntry, encodeResult, formatDateDone, newEnvelope, parseRedisUrl, resultMeta,
+  resultRequestOf,
 } from '../src/index.js';
 import { retryWhileAway } from '../src/outage.js';
 import { startRedisServer, testRedis, waitFor } from '../support/helpers.js';
@@ -49,8 +50,40 @@ describe('result meta (pure)', () => {
     assert.deepEqual(resultRequestOf({ ext: asking('k', null) }), { key: 'k', expiresS: null });
     assert.throws(() => resultRequestOf({ ext: { celery: { result: { expires_s: 5 } } } }),
       (err) => err instanceof InvalidResultRequest && err.field === 'ext.celery.result.key' && err.rule === 'type');
-    assert.throws(() => resultRequestOf({ ext: asking('k', 1.5) }), (err) => err.field === 'ext.celery.result.expires_s' && err.rule === 'range');
     assert.throws(() => resultRequestOf({ ext: { celery: { result: 'k' } } }), (err) => err.field === 'ext.celery.result');
+  });
+
+  test('expires_s: 0, null or absent is no expiry, a fraction is rounded up, a negative or non-number value is refused', () => {
+    const expiresOf = (value) => resultRequestOf({ ext: asking('k', value) }).expiresS;
+    assert.equal(expiresOf(0), null);
+    assert.equal(expiresOf(null), null);
+    assert.equal(expiresOf(undefined), null);
+    assert.equal(expiresOf(1.5), 2);
+    assert.equal(expiresOf(0.001), 1);
+    assert.equal(expiresOf(86400), 86400);
+    for (const [value, rule] of [[-1, 'range'], [-0.5, 'range'], [2n ** 60n, 'range'], ['60', 'type'], [true, 'type'], [{}, 'type']]) {
+      assert.throws(() => resultRequestOf({ ext: asking('k', value) }),
+        (err) => err instanceof InvalidResultRequest && err.field === 'ext.celery.result.expires_s' && err.rule === rule, String(value));
+    }
+  });
+
+  test('a handler value is written as JSON.stringify writes it; what JSON cannot hold is an EncodeError', () => {
+    assert.equal(encodeResult(undefined), 'null');
+    assert.equal(encodeResult(new Date(0)), '"1970-01-01T00:00:00.000Z"', 'a Date is JSON via toJSON');
+    assert.equal(encodeResult({ a: undefined, b: [undefined, 1], c: 'é' }), '{"b":[null,1],"c":"é"}');
+    const circular = { name: 'loop' };
+    circular.self = circular;
+    const refused = [circular, 10n, () => 1, { f() {} }, [Symbol('s')], Number.NaN, { n: Infinity }];
+    for (const value of refused) {
+      assert.throws(() => encodeResult(value), (err) => err instanceof ResultEncodeError && err.name === 'EncodeError' &&
+        /cannot be written as JSON/.test(err.message), String(typeof value));
+    }
+    const asks = { ext: asking('k') };
+    assert.throws(() => checkResult(asks, 10n), ResultEncodeError);
+    assert.throws(() => checkResult({ ext: asking('') }, 10n), ResultEncodeError, 'a request it cannot read still asks');
+    checkResult({ ext: {} }, 10n); // no result asked for: nothing to write
+    checkResult(asks, { at: new Date(0) });
+    assert.throws(() => resultMeta({ status: 'SUCCESS', result: circular, taskId: 't' }), ResultEncodeError);
   });
 
   test('retryWhileAway repeats only while Redis is away, within its tolerance', async () => {
@@ -106,7 +139,12 @@ describe('results and expiry (worker)', { skip, concurrency: false }, () => {
       resultBackend: backendServer.url, logger: sink.logger, ...options,
     });
     registerBuiltinHandlers(worker);
-    worker.register('test.value', async (payload) => ({ echo: payload.echo, big: 2n ** 60n }));
+    worker.register('test.value', async (payload) => ({ echo: payload.echo, at: new Date(Date.UTC(2025, 8, 11)) }));
+    worker.register('test.unwritable', async () => {
+      const value = { n: 1 };
+      value.self = value;
+      return value;
+    });
     workers.push(worker);
     await worker.start();
     return { worker, lines: sink.lines };
@@ -134,7 +172,7 @@ describe('results and expiry (worker)', { skip, concurrency: false }, () => {
     try {
       const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, { task_type: 'test.value', payload: { echo: 'é' }, ext: asking(key, 600) });
       const text = await stored(key);
-      assert.equal(text, `{"status":"SUCCESS","result":{"echo":"é","big":1152921504606846976},"traceback":null,"children":[],"date_done":"${JSON.parse(text).date_done}","task_id":"${taskId}"}`);
+      assert.equal(text, `{"status":"SUCCESS","result":{"echo":"é","at":"2025-09-11T00:00:00.000Z"},"traceback":null,"children":[],"date_done":"${JSON.parse(text).date_done}","task_id":"${taskId}"}`);
       assert.match(JSON.parse(text).date_done, DATE_DONE);
       const ttl = await backend.ttl(key);
       assert.ok(ttl > 590 && ttl <= 600, String(ttl));
@@ -144,6 +182,24 @@ describe('results and expiry (worker)', { skip, concurrency: false }, () => {
     } finally {
       subscriber.disconnect();
     }
+  });
+
+  test('expires_s 0 writes a plain SET, a fraction is rounded up, a negative one writes nothing and the task runs', async () => {
+    const prefix = prefixFor();
+    const { worker, lines } = await startWorker(prefix);
+    const producer = new Producer(redis, { prefix });
+    await producer.publish(QUEUE, { task_type: 'test.value', payload: { echo: 0 }, ext: asking(`${prefix}-zero`, 0) });
+    await producer.publish(QUEUE, { task_type: 'test.value', payload: { echo: 1 }, ext: asking(`${prefix}-fraction`, 59.2) });
+    const negative = await producer.publish(QUEUE, { task_type: 'test.value', payload: { echo: 2 }, ext: asking(`${prefix}-negative`, -5) });
+    await waitFor(() => worker.stats.succeeded === 3);
+    assert.equal(JSON.parse(await stored(`${prefix}-zero`)).status, 'SUCCESS');
+    assert.equal(await backend.ttl(`${prefix}-zero`), -1, 'expires_s 0: no expiry');
+    const ttl = await backend.ttl(`${prefix}-fraction`);
+    assert.ok(ttl > 55 && ttl <= 60, `59.2 s is rounded up to 60: ${ttl}`);
+    assert.equal(await backend.exists(`${prefix}-negative`), 0);
+    const line = lines.find((l) => l.msg.startsWith('the Envelope asks for a result in a form') && l.task_id === negative.taskId);
+    assert.deepEqual([line.field, line.rule], ['ext.celery.result.expires_s', 'range']);
+    assert.deepEqual(await deadOf(prefix), []);
   });
 
   test('FAILURE: the dead-letter exception type, message and stack; the failure class when no handler error caused it', async () => {
@@ -171,6 +227,26 @@ describe('results and expiry (worker)', { skip, concurrency: false }, () => {
       });
       assert.equal(byTask[task.taskId].failure_class, failureClass);
     }
+  });
+
+  test('a value that cannot be written as JSON fails the attempt: retried, then dead-lettered and FAILURE as EncodeError', async () => {
+    const prefix = prefixFor();
+    const { worker } = await startWorker(prefix, { backoffMs: 20, maxBackoffMs: 50 });
+    const failures = [];
+    worker.on('failed', (_env, err, info) => failures.push([err.name, info.retrying]));
+    const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, {
+      task_type: 'test.unwritable', max_retries: 1, headers: { [RETRY_POLICY_HEADER]: TIERED },
+      idempotency_key: `${prefix}-u`, ext: asking(`${prefix}-u`, 60),
+    });
+    const meta = JSON.parse(await stored(`${prefix}-u`));
+    const [dead] = await deadOf(prefix);
+    assert.deepEqual([dead.failure_class, dead.exception_type, dead.attempts], ['task_error', 'EncodeError', '2']);
+    assert.deepEqual(failures, [['EncodeError', true], ['EncodeError', false]]);
+    assert.deepEqual(meta.result, { exc_type: 'EncodeError', exc_message: [dead.reason], exc_module: null });
+    assert.match(dead.reason, /cannot be written as JSON: .*circular/i);
+    assert.equal(meta.status, 'FAILURE');
+    assert.equal(meta.task_id, taskId);
+    assert.equal(await redis.exists(new KeySpace(prefix).idempotency('test.unwritable', `${prefix}-u`)), 0, 'the claim is given back');
   });
 
   test('FAILURE of a task whose consumers keep dying: redelivery_limit', async () => {

@@ -2,6 +2,7 @@
 // redis-server when one is on PATH; skipped otherwise).
 
 import assert from 'node:assert/strict';
+import { execFileSync } from 'node:child_process';
 import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -164,6 +165,33 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.ok(Date.now() - started < 3000);
     assert.equal(entry.failure_class, 'timeout');
     assert.equal(entry.exception_type, 'TaskTimeoutError');
+  });
+
+  test('an abandoned attempt keeps its idempotency claim until its handler settles: one effect, key done, nothing dead', async () => {
+    const prefix = prefixFor();
+    let effects = 0;
+    const { worker } = await startWorker(prefix, {}, (w) => {
+      w.register('jobs.overrun', async () => {
+        await sleep(1500); // ignores its signal: abandoned at 100 ms
+        effects += 1;
+      });
+    });
+    // The timeout is retried once, on the backoff tier (backoffMs 50).
+    const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, {
+      task_type: 'jobs.overrun', timeout_ms: 100, max_retries: 1, headers: TIERED_HEADERS, idempotency_key: 'overrun-1',
+    });
+    const ks = new KeySpace(prefix);
+    const idemKey = ks.idempotency('jobs.overrun', 'overrun-1');
+    await waitFor(async () => (await redis.get(idemKey))?.startsWith(`done ${taskId} `), {
+      timeoutMs: 6000, message: 'the abandoned attempt marks the key done',
+    });
+    await waitFor(async () => (await pendingOf(prefix)) === 0 && (await redis.zcard(ks.queue(QUEUE).delayed)) === 0,
+      { message: 'the queue drains' });
+    await sleep(300);
+    assert.equal(effects, 1, 'the retry ran while the abandoned attempt still held the key');
+    assert.deepEqual(await dead(prefix), []);
+    assert.ok(worker.stats.deferred >= 1, 'this consumer deferred its own retry');
+    assert.equal(worker.stats.duplicates, 1, 'the retry found the key done');
   });
 
   test('a handler can refuse a payload: invalid_payload, no retry', async () => {
@@ -421,6 +449,48 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.notEqual(await redis.zscore(ks.cancelled, env.task_id), null, 'consumers leave the mark in place');
     assert.equal(await pendingOf(prefix), 0);
     assert.equal(await redis.xlen(qk.stream('normal')), 0);
+  });
+
+  test('close() waits within its grace for an abandoned attempt, settles its claim, and leaves no timer behind', async () => {
+    // A program of its own, so that a timer left running shows as a process that does not exit.
+    const program = `
+      import { setTimeout as sleep } from 'node:timers/promises';
+      import { Writable } from 'node:stream';
+      import { Producer, Worker, createLogger } from ${JSON.stringify(new URL('../src/index.js', import.meta.url).href)};
+      const { REDIS_URL: url, PREFIX: prefix, GRACE_MS: graceMs } = process.env;
+      const logger = createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
+      const worker = new Worker({ redis: url, prefix, queue: 'jobs', concurrency: 2, leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200, logger });
+      worker.register('jobs.overrun', async () => { await sleep(1000); }); // ignores its signal
+      worker.register('jobs.short', async () => { await sleep(600); });
+      await worker.start();
+      const producer = new Producer({ connection: url, prefix });
+      await producer.publish('jobs', { task_type: 'jobs.short' });
+      await producer.publish('jobs', { task_type: 'jobs.overrun', timeout_ms: 100, max_retries: 0, idempotency_key: 'close-1' });
+      await new Promise((resolve) => worker.once('dead', resolve)); // abandoned at 100 ms, dead-lettered as timeout
+      await producer.close();
+      await worker.close(graceMs ? { graceMs: Number(graceMs) } : undefined);
+      console.log(JSON.stringify(worker.stats));
+    `;
+    const run = (graceMs) => {
+      const prefix = prefixFor();
+      const started = Date.now();
+      const out = execFileSync(process.execPath, ['--input-type=module', '-e', program], {
+        env: { ...process.env, REDIS_URL: server.url, PREFIX: prefix, GRACE_MS: graceMs ?? '' }, encoding: 'utf8', timeout: 15_000,
+      });
+      return { prefix, stats: JSON.parse(out), exitedAfterMs: Date.now() - started };
+    };
+    const idemValue = (prefix) => redis.get(new KeySpace(prefix).idempotency('jobs.overrun', 'close-1'));
+
+    // The default grace (30 s): close() waits for the short task and the abandoned handler, which marks the key done.
+    const waited = run();
+    assert.ok(waited.exitedAfterMs < 8000, `the process exited ${waited.exitedAfterMs} ms after it started`);
+    assert.equal(waited.stats.succeeded, 1);
+    assert.match(await idemValue(waited.prefix), /^done /);
+    // A grace shorter than the handler: its claim is no longer renewed, and the process still exits.
+    const gaveUp = run('200');
+    assert.ok(gaveUp.exitedAfterMs < 8000, `the process exited ${gaveUp.exitedAfterMs} ms after it started`);
+    const left = await idemValue(gaveUp.prefix);
+    assert.ok(left === null || left.startsWith('running '), `left to expire, never settled on a closed connection: ${left}`);
   });
 
   test('stop: prefetched entries go back, the running one finishes, the liveness key goes', async () => {
