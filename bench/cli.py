@@ -21,7 +21,7 @@ from bench.kombu_level import run_consume, run_latency, run_publish
 from bench.report import write_json, write_markdown
 from bench.sysinfo import amqp_server_version, load_average, machine_info
 from bench.workers import ROOT
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 AMQP_ENV = "BENCH_AMQP_URL"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kombu import Connection, Consumer, Exchange, Queue
 
-import kombu_envelope.adapter  # noqa: F401  (registers envelope:// and the envelope serializer)
+import kombu_envelope.kombu.adapter  # noqa: F401  (registers envelope:// and the envelope serializer)
 
 ACCEPT = ["json", "envelope"]
 
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     exchange = Exchange(args.queue, type="direct", durable=True)
     queue = Queue(args.queue, exchange, routing_key=args.queue, durable=True)
-    plain = "kombu_envelope.transport:Transport" if args.url.startswith("envelope") else None
+    plain = "kombu_envelope.kombu.transport:Transport" if args.url.startswith("envelope") else None
     with Connection(args.url, transport=plain) as conn:
         channel = conn.channel()
         channel.basic_qos(0, args.prefetch, False)

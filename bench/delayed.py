@@ -20,7 +20,7 @@ from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import PRIORITY_DEFAULT, utcnow
 from kombu_envelope.keys import bucket_for
-from kombu_envelope.scheduler import Promoter
+from kombu_envelope.store.promoter import Promoter
 
 CHUNK = 1000
 #: Lateness target at moderate load (ms, p99).

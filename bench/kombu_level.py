@@ -16,7 +16,7 @@ from typing import Any
 
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
-import kombu_envelope.adapter  # noqa: F401  (registers envelope:// and the envelope serializer)
+import kombu_envelope.kombu.adapter  # noqa: F401  (registers envelope:// and the envelope serializer)
 from bench.core import AMQP, ENVELOPE, STOCK, Context, ScenarioResult, new_run_id
 from bench.payload import PAYLOAD, TASK_TYPE, payload_bytes
 from bench.stats import Measure, percentile
@@ -25,7 +25,7 @@ from kombu_envelope import Envelope, Publisher, Settings
 
 #: kombu-level scenarios use the plain transport: once ``celery_ext`` is imported
 #: (the Celery scenarios need it), ``envelope://`` means its Celery-aware subclass.
-PLAIN_TRANSPORT = "kombu_envelope.transport:Transport"
+PLAIN_TRANSPORT = "kombu_envelope.kombu.transport:Transport"
 #: Content types consumers accept: plain JSON and Envelopes.
 ACCEPT = ["json", "envelope"]
 #: Prefetch of the consume scenario (``basic_qos`` prefetch_count).

@@ -41,9 +41,9 @@ from celery import bootsteps
 
 from celery_ext.broker import broker_settings
 from celery_ext.periodic import periodic_scheduler
-from kombu_envelope.connection import connection_pool
-from kombu_envelope.scheduler import Promoter
-from kombu_envelope.transport import Transport as EnvelopeTransport
+from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
+from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.promoter import Promoter
 
 __all__ = [
     "ENABLED_SETTING",

@@ -6,8 +6,8 @@ from typing import Any
 
 import redis
 
-from kombu_envelope.connection import connection_pool
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.client import connection_pool
 
 
 def broker_settings(app: Any) -> Settings:

@@ -18,11 +18,11 @@ import click
 
 from celery_ext.broker import broker_redis, broker_settings
 from celery_ext.periodic import periodic_scheduler
-from kombu_envelope.deadletter import DeadLetterFilter, DeadLetters, ReplayEdit
-from kombu_envelope.delayed import Cancellation, CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import EnvelopeError
-from kombu_envelope.scheduler import Promoter
+from kombu_envelope.store.dead_letters import DeadLetterFilter, DeadLetters, ReplayEdit
+from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTasks
+from kombu_envelope.store.promoter import Promoter
 
 
 def _app(ctx: click.Context) -> Any:

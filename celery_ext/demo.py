@@ -23,7 +23,7 @@ from celery import Celery
 import celery_ext  # noqa: F401  (registers the envelope:// transport)
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.keys import KeySpace
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 KEY_PREFIX = "demo"
 REDIS_URL_ENV = "ENVELOPE_DEMO_REDIS_URL"

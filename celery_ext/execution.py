@@ -39,7 +39,7 @@ default 24 h), ``envelope_idempotency_defer`` (seconds, default 5) and
 While the delivered entry is still pending (``acks_late``, or the solo pool,
 which acknowledges after the task), the one message Celery's ``Task.retry``
 (or a deferral) publishes for the same task replaces that entry atomically
-with ``retry.lua`` (:mod:`kombu_envelope.replacing`), as in every language: a
+with ``retry.lua`` (:mod:`kombu_envelope.store.replacing`), as in every language: a
 crash never runs an attempt twice. An entry taken over meanwhile is left to its
 new owner and nothing is published. With early acknowledgements (other pools)
 the entry is gone before the task runs, and the next attempt is published as
@@ -85,11 +85,8 @@ from celery_ext.retry_policy import (
     task_retries,
 )
 from celery_ext.time_limits import soft_time_limit
-from kombu_envelope.deadletter import Failure, FailureClass
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339, utcnow
-from kombu_envelope.idempotency import DEFAULT_DONE_TTL_S, Claim, ClaimState, Idempotency
-from kombu_envelope.replacing import PendingAttempt, next_attempt_replaces
-from kombu_envelope.retry_slots import RetrySlots
+from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.retrying import (
     FAST_RETRIES_HEADER,
     FIRST_FAILURE_HEADER,
@@ -103,6 +100,9 @@ from kombu_envelope.retrying import (
     fast_retries_taken,
     not_retried,
 )
+from kombu_envelope.store.idempotency import DEFAULT_DONE_TTL_S, Claim, ClaimState, Idempotency
+from kombu_envelope.store.replacing import PendingAttempt, next_attempt_replaces
+from kombu_envelope.store.retry_slots import RetrySlots
 
 logger = logging.getLogger(__name__)
 

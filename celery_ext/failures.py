@@ -30,11 +30,12 @@ from celery.exceptions import Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 
 from celery_ext.priority import UNSET_PRIORITY_PROPERTY
 from celery_ext.protocol import JSON_CONTENT_TYPE, CeleryAdapter
-from kombu_envelope.deadletter import Failure, dead_letter_envelope, dead_letter_pending
-from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.envelope import Envelope
+from kombu_envelope.failures import Failure
+from kombu_envelope.kombu.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.retrying import ErrorKind, RetryPolicy
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import dead_letter_envelope, dead_letter_pending
 
 logger = logging.getLogger(__name__)
 

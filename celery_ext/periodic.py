@@ -72,10 +72,10 @@ from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, format_rfc3339
 from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.keys import bucket_for
-from kombu_envelope.replies import as_text
-from kombu_envelope.scheduler import redis_now_ms
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.promoter import redis_now_ms
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 __all__ = [
     "ENABLED_SETTING",

@@ -94,10 +94,10 @@ from celery_ext.priority import (
 )
 from celery_ext.results import RESULT_EXT_KEY, record_undeliverable, result_ext
 from celery_ext.tracing import remember_delivery
-from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
-from kombu_envelope.deadletter import FailureClass
 from kombu_envelope.envelope import MAX_RETRIES_DEFAULT, Envelope, Limits
 from kombu_envelope.errors import UnsupportedMessage
+from kombu_envelope.failures import FailureClass
+from kombu_envelope.kombu.adapter import MessageAdapter, NotRun, Undeliverable
 
 #: ``ext`` namespace of the Celery fields that have no Envelope field.
 EXT_NAMESPACE = "celery"

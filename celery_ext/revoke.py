@@ -10,7 +10,7 @@ waits in Redis where no worker sees it.
 
 :class:`RevokingChannel` is the ``envelope://`` channel that recognises that
 broadcast as it is published and cancels each revoked id with
-:meth:`~kombu_envelope.delayed.DelayedTasks.cancel_everywhere`
+:meth:`~kombu_envelope.store.delayed.DelayedTasks.cancel_everywhere`
 (docs/protocol.md, section 10): the id is marked in ``<prefix>:cancelled``,
 which every consumer looks up before running a task whatever its queue, and
 removed from the delayed set it waits in. A Celery worker that receives a
@@ -39,8 +39,8 @@ from typing import Any
 
 from kombu.compression import decompress
 
-from kombu_envelope.channel import Channel
-from kombu_envelope.delayed import Cancellation, CancelOutcome, DelayedTasks
+from kombu_envelope.kombu.channel import Channel
+from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTasks
 
 __all__ = ["RevokingChannel", "cancel_revoked", "revoked_task_ids"]
 

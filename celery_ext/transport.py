@@ -8,7 +8,7 @@ from celery.worker import state
 
 from celery_ext.protocol import CeleryAdapter
 from celery_ext.revoke import RevokingChannel
-from kombu_envelope.transport import Transport as EnvelopeTransport
+from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
 
 
 class Transport(EnvelopeTransport):

@@ -12,8 +12,8 @@ from kombu.transport import TRANSPORT_ALIASES
 
 from kombu_envelope.envelope import Envelope, Limits, check_publishable
 from kombu_envelope.errors import EnvelopeError, InvalidEnvelope, MalformedEntry
-from kombu_envelope.publisher import Publisher
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.publisher import Publisher
 
 __all__ = [
     "Envelope",
@@ -29,7 +29,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def register_transport(target: str = "kombu_envelope.transport:Transport") -> None:
+def register_transport(target: str = "kombu_envelope.kombu.transport:Transport") -> None:
     """Make ``envelope://`` and ``envelopes://`` URLs use the transport ``target``."""
     TRANSPORT_ALIASES["envelope"] = target
     TRANSPORT_ALIASES["envelopes"] = target

@@ -13,8 +13,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kombu_envelope.deadletter import DLQ_FORMAT_VERSION, FailureClass
 from kombu_envelope.envelope import RFC3339_PATTERN
+from kombu_envelope.failures import DLQ_FORMAT_VERSION, FailureClass
 
 #: Prefix of the fields that hold the original entry.
 RAW_PREFIX = "raw."

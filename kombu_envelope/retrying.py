@@ -33,8 +33,8 @@ from typing import Any
 from kombu.exceptions import OperationalError
 from redis import exceptions as redis_errors
 
-from kombu_envelope.deadletter import FailureClass
 from kombu_envelope.envelope import utcnow
+from kombu_envelope.failures import FailureClass
 
 #: Header counting the fast-tier retries already taken (a decimal string; absent = 0).
 FAST_RETRIES_HEADER = "x-fast-retries"

@@ -137,7 +137,7 @@ class Settings:
     message_adapter: str | None = None
     #: How long a command waits for an unreachable, restarting or loading Redis to
     #: come back before it fails (seconds; 0: fail at once). Only commands that are
-    #: safe to repeat are retried (see :mod:`kombu_envelope.outages`).
+    #: safe to repeat are retried (see :mod:`kombu_envelope.store.outages`).
     outage_tolerance_s: float = 30.0
     # redis-py connection options, named and meant as on kombu's redis:// transport.
     #: Seconds to wait for a reply on command connections (None: forever).

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 REDIS_URL_ENV = "KOMBU_ENVELOPE_TEST_REDIS_URL"
 

@@ -40,7 +40,7 @@ if celery_ext is None or getattr(celery_ext, "__file__", None) is None:  # pragm
         importlib.import_module("celery_ext.transport")
         kombu_envelope.register_transport("celery_ext.transport:Transport")
     except ImportError:
-        kombu_envelope.register_transport("kombu_envelope.transport:Transport")
+        kombu_envelope.register_transport("kombu_envelope.kombu.transport:Transport")
 
 QUEUE = "celery"
 

@@ -23,7 +23,7 @@ from support.workers import CeleryWorker, worker_fleet
 
 import celery_ext  # noqa: F401  (envelope:// for the publishing side)
 from kombu_envelope.keys import KeySpace
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 APP = "apps.crash_app"
 QUEUE = "celery"

@@ -22,12 +22,12 @@ from support.envelope_streams import connect, envelope_url, pending_count
 from support.workers import CeleryWorker
 
 from celery_ext.revoke import revoked_task_ids
-from kombu_envelope.delayed import Cancellation, CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.keys import QueueKeys
-from kombu_envelope.publisher import Publisher
-from kombu_envelope.scheduler import Promoter
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTasks
+from kombu_envelope.store.promoter import Promoter
+from kombu_envelope.store.publisher import Publisher
 
 APP = "apps.envelope_app"
 RESULT_TIMEOUT = 20

@@ -29,9 +29,9 @@ from celery_ext.priority import UNSET_PRIORITY_PROPERTY, to_celery_priority, to_
 from celery_ext.protocol import CeleryAdapter, serve_worker_app, set_worker_app
 from celery_ext.tracing import TraceIdFilter, trace
 from celery_ext.transport import Transport
-from kombu_envelope.adapter import ENVELOPE_CONTENT_TYPE, Undeliverable
 from kombu_envelope.envelope import DEFAULT_LIMITS, Envelope
 from kombu_envelope.errors import InvalidEnvelope, UnsupportedMessage, Violation
+from kombu_envelope.kombu.adapter import ENVELOPE_CONTENT_TYPE, Undeliverable
 
 ADAPTER = CeleryAdapter()
 AMSTERDAM_SUMMER = timezone(timedelta(hours=2))

@@ -31,9 +31,9 @@ from support.workers import CeleryWorker
 
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import Envelope, utcnow
-from kombu_envelope.publisher import Publisher
 from kombu_envelope.retrying import RETRY_POLICY_HEADER, TIERED
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.publisher import Publisher
 
 APP = "apps.plain_app"
 RESULT_TIMEOUT = 30

@@ -13,10 +13,11 @@ from support.envelope_streams import envelope_url
 from support.workers import PROJECT_ROOT, TESTS_DIR
 
 from kombu_envelope.codec import decode_entry
-from kombu_envelope.deadletter import Failure, FailureClass, dead_letter_envelope
 from kombu_envelope.envelope import Envelope
+from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.keys import Bucket
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import dead_letter_envelope
 
 QUEUE = "celery"
 

@@ -33,12 +33,12 @@ from support.workers import CeleryWorker
 
 from kombu_envelope import Envelope
 from kombu_envelope.keys import KeySpace
-from kombu_envelope.redis_server import LOOPBACK, PrivateRedisServer
+from kombu_envelope.testing.redis_server import LOOPBACK, PrivateRedisServer
 
 APP = "apps.envelope_app"
 RESULT_TIMEOUT = 20
 #: Plain-kombu deliveries even once ``celery_ext`` took over ``envelope://`` URLs.
-ADAPTER = "kombu_envelope.adapter:MessageAdapter"
+ADAPTER = "kombu_envelope.kombu.adapter:MessageAdapter"
 #: How long a refused connection may take to fail (it must fail, not hang).
 FAIL_FAST_S = 5.0
 

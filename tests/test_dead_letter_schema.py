@@ -13,9 +13,9 @@ from support.envelope_streams import connect
 
 from kombu_envelope.dead_letter_entry import DeadLetterEntry, parse_dead_letter_fields
 from kombu_envelope.keys import KeySpace
-from kombu_envelope.lease import reclaim_dead_consumers
 from kombu_envelope.schema import SCHEMA_DIR
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.lease import reclaim_dead_consumers
 
 QUEUE = "dlq-schema"
 

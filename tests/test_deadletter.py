@@ -19,17 +19,16 @@ from support.envelope_streams import envelope_url
 from support.workers import CeleryWorker
 
 from celery_ext.failures import REBUILT_NOTE, InvalidPayload
-from kombu_envelope.deadletter import (
+from kombu_envelope.envelope import Envelope
+from kombu_envelope.failures import Failure, FailureClass
+from kombu_envelope.keys import Bucket, KeySpace
+from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import (
     DeadLetter,
     DeadLetters,
-    Failure,
-    FailureClass,
     ReplayEdit,
     dead_letter_envelope,
 )
-from kombu_envelope.envelope import Envelope
-from kombu_envelope.keys import Bucket, KeySpace
-from kombu_envelope.settings import Settings
 
 APP = "apps.reliable_app"
 RESULT_TIMEOUT = 30

@@ -29,7 +29,7 @@ from packaging.utils import canonicalize_name
 from support.workers import PROJECT_ROOT
 
 from kombu_envelope import Envelope
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 DEMO_TIMEOUT = 90.0
 ENVELOPE_HEADER = "one stored Envelope (what a Go or Node.js worker reads):"

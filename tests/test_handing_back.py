@@ -21,7 +21,7 @@ from support import wait_for
 from support.envelope_streams import dead_letters, envelope_url
 from support.workers import CeleryWorker
 
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 APP = "apps.reliable_app"
 HANDED_BACK = "Redis failed while claiming its idempotency key"

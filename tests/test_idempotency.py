@@ -13,9 +13,9 @@ from support.envelope_streams import envelope_url
 
 from celery_ext.idempotency import key_from_payload
 from kombu_envelope.codec import decode_entry
-from kombu_envelope.idempotency import DEFAULT_CLAIM_MS, ClaimState, Idempotency
 from kombu_envelope.keys import Bucket, KeySpace
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.idempotency import DEFAULT_CLAIM_MS, ClaimState, Idempotency
 
 LEASE_MS = 5000
 
@@ -62,7 +62,7 @@ def test_the_key_of_a_dead_holder_is_taken_over(idem: Idempotency,
     first = idem.claim("order.close", "o-4", "dead t1")  # no liveness key: dead
     taken = idem.claim("order.close", "o-4", "c2 t2")
     assert (taken.state, taken.taken_over) == (ClaimState.ACQUIRED, "dead t1")
-    with caplog.at_level(logging.WARNING, logger="kombu_envelope.idempotency"):
+    with caplog.at_level(logging.WARNING, logger="kombu_envelope.store.idempotency"):
         assert not idem.finish(first, succeeded=True)  # too late: it was taken over
     assert "may have run twice" in caplog.text
     assert idem.finish(taken, succeeded=True)

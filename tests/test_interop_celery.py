@@ -50,11 +50,11 @@ from support.workers import CeleryWorker
 
 from celery_ext import trace
 from kombu_envelope.codec import decode_entry
-from kombu_envelope.deadletter import DeadLetters, ReplayEdit
 from kombu_envelope.envelope import Envelope, parse_rfc3339
 from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import DeadLetters, ReplayEdit
 
 APP = "apps.interop_app"
 GROUP = "workers"

@@ -30,12 +30,12 @@ from support.peers import (
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_entry, encode_entry
-from kombu_envelope.deadletter import DeadLetters
-from kombu_envelope.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import KeySpace
-from kombu_envelope.scheduler import Promoter
+from kombu_envelope.store.dead_letters import DeadLetters
+from kombu_envelope.store.delayed import CancelOutcome, DelayedTasks
+from kombu_envelope.store.promoter import Promoter
 
 pytestmark = [
     pytest.mark.skipif(GO is None, reason="the Go toolchain (`go`) is not on PATH"),

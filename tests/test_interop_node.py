@@ -30,11 +30,12 @@ from support.peers import NODE, NODE_SDK_DIR, NodePeer, node_unavailable
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_body, decode_entry, encode_entry
-from kombu_envelope.deadletter import DeadLetters, Failure, FailureClass, dead_letter_envelope
-from kombu_envelope.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import parse_rfc3339, utcnow
+from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.keys import Bucket, KeySpace, bucket_for
-from kombu_envelope.scheduler import Promoter
+from kombu_envelope.store.dead_letters import DeadLetters, dead_letter_envelope
+from kombu_envelope.store.delayed import CancelOutcome, DelayedTasks
+from kombu_envelope.store.promoter import Promoter
 
 GROUP = "workers"
 

@@ -6,8 +6,8 @@ import pytest
 import redis
 
 from kombu_envelope import lease
-from kombu_envelope.lease import forget_dead_consumers, renew
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.lease import forget_dead_consumers, renew
 
 QUEUE = "jobs"
 

@@ -1,4 +1,4 @@
-"""Commands across a broken connection or a stopped Redis (kombu_envelope.outages).
+"""Commands across a broken connection or a stopped Redis (kombu_envelope.store.outages).
 
 A lossy proxy in front of the session's Redis loses one reply on purpose: the
 command was applied, its client never heard so, and tries again. Each repeated
@@ -18,16 +18,16 @@ import pytest
 import redis
 from support.proxy import LossyProxy
 
-from kombu_envelope.connection import connection_pool
 from kombu_envelope.envelope import Envelope
-from kombu_envelope.idempotency import ClaimState, Idempotency
 from kombu_envelope.keys import bucket_for
-from kombu_envelope.publisher import Publisher
-from kombu_envelope.redis_server import PrivateRedisServer
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.idempotency import ClaimState, Idempotency
+from kombu_envelope.store.publisher import Publisher
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 QUEUE = "orders"
-ADAPTER = "kombu_envelope.adapter:MessageAdapter"
+ADAPTER = "kombu_envelope.kombu.adapter:MessageAdapter"
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_a_read_retried_after_its_reply_was_lost_delivers_what_it_took(
     settings = Settings(key_prefix=key_prefix)
     # The plain transport and adapter: a message's body is its Envelope.
     with kombu.Connection(proxy.url.replace("redis://", "envelope://"),
-                          transport="kombu_envelope.transport:Transport",
+                          transport="kombu_envelope.kombu.transport:Transport",
                           transport_options={"key_prefix": key_prefix,
                                              "message_adapter": ADAPTER}) as conn:
         channel = conn.default_channel
@@ -117,7 +117,7 @@ def test_a_done_marker_retried_after_its_reply_was_lost_counts_once(
     assert claim.state is ClaimState.ACQUIRED
 
     proxy.drop_next_reply()
-    with caplog.at_level(logging.WARNING, logger="kombu_envelope.idempotency"):
+    with caplog.at_level(logging.WARNING, logger="kombu_envelope.store.idempotency"):
         assert idempotency.finish(claim, succeeded=True)
 
     assert proxy.dropped == 1

@@ -45,8 +45,8 @@ from celery_ext.periodic import (
 )
 from kombu_envelope.codec import decode_body, decode_entry
 from kombu_envelope.keys import QueueKeys
-from kombu_envelope.scheduler import Promoter, redis_now_ms
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.promoter import Promoter, redis_now_ms
 
 QUEUE = "celery"
 APP = "apps.periodic_app"

@@ -1,4 +1,4 @@
-"""Tests for kombu_envelope.redis_server.PrivateRedisServer (real processes)."""
+"""Tests for kombu_envelope.testing.redis_server.PrivateRedisServer (real processes)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from kombu_envelope import redis_server as rs
-from kombu_envelope.redis_server import PrivateRedisServer, find_redis_server_binary
+from kombu_envelope.testing.redis_server import PrivateRedisServer, find_redis_server_binary
 
 
 def _client(server: PrivateRedisServer) -> redis.Redis:

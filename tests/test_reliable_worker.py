@@ -24,8 +24,8 @@ from support.workers import CeleryWorker
 from celery_ext import metrics
 from celery_ext.time_limits import soft_time_limit
 from kombu_envelope.envelope import Envelope, parse_rfc3339
-from kombu_envelope.publisher import Publisher
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.publisher import Publisher
 
 APP = "apps.reliable_app"
 RESULT_TIMEOUT = 30

@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_ext.retry_policy import asks_for_tiered_retries, mark_tiered_tasks, task_retries
-from kombu_envelope.deadletter import FailureClass
+from kombu_envelope.failures import FailureClass
 from kombu_envelope.retrying import (
     RETRY_POLICY_HEADER,
     TIERED,

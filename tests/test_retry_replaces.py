@@ -24,8 +24,8 @@ from support.workers import CeleryWorker
 from kombu_envelope.codec import decode_body
 from kombu_envelope.envelope import Envelope, format_rfc3339, utcnow
 from kombu_envelope.keys import Bucket, QueueKeys
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.scripts import script
 
 APP = "apps.reliable_app"
 TAKEN_OVER_LOG = "is no longer pending (taken over); its new owner runs it"

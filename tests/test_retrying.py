@@ -13,8 +13,7 @@ from kombu.exceptions import OperationalError
 from redis import exceptions as redis_errors
 
 from celery_ext.failures import InvalidPayload, classify
-from kombu_envelope.deadletter import FailureClass
-from kombu_envelope.retry_slots import DEFAULT_SLOT_MS, RetrySlots
+from kombu_envelope.failures import FailureClass
 from kombu_envelope.retrying import (
     Action,
     ErrorKind,
@@ -23,6 +22,7 @@ from kombu_envelope.retrying import (
     import_exception,
 )
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.retry_slots import DEFAULT_SLOT_MS, RetrySlots
 
 NOW = datetime(2025, 9, 11, 12, 0, tzinfo=timezone.utc)
 POLICY = RetryPolicy()

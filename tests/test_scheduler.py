@@ -28,8 +28,8 @@ from kombu_envelope import Envelope, InvalidEnvelope, Publisher, Settings
 from kombu_envelope.envelope import utcnow
 from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.keys import Bucket, QueueKeys
-from kombu_envelope.redis_server import PrivateRedisServer
-from kombu_envelope.scheduler import Promoter, redis_now_ms
+from kombu_envelope.store.promoter import Promoter, redis_now_ms
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "jobs"

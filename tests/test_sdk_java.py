@@ -29,10 +29,10 @@ from support.workers import PROJECT_ROOT
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
-from kombu_envelope.deadletter import DeadLetters
-from kombu_envelope.delayed import DelayedTasks
 from kombu_envelope.keys import KeySpace
-from kombu_envelope.redis_server import find_redis_server_binary
+from kombu_envelope.store.dead_letters import DeadLetters
+from kombu_envelope.store.delayed import DelayedTasks
+from kombu_envelope.testing.redis_server import find_redis_server_binary
 
 MVN = shutil.which("mvn")
 JAVA = shutil.which("java")

@@ -19,8 +19,7 @@ from celery.app.defaults import DEFAULTS as CELERY_DEFAULTS
 from kombu.transport import redis as stock_redis
 from kombu.transport import virtual
 
-import kombu_envelope.transport
-from kombu_envelope.connection import connection_kwargs
+import kombu_envelope.kombu.transport
 from kombu_envelope.errors import InvalidTransportOption
 from kombu_envelope.settings import (
     DEFAULT_LEASE_MS,
@@ -31,6 +30,7 @@ from kombu_envelope.settings import (
     _describe,
     option_names,
 )
+from kombu_envelope.store.client import connection_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
@@ -241,6 +241,6 @@ def test_every_option_and_every_refused_stock_option_is_in_the_operations_guide(
 
 
 def test_every_option_is_named_in_the_transport_docstring() -> None:
-    doc = kombu_envelope.transport.__doc__ or ""
+    doc = kombu_envelope.kombu.transport.__doc__ or ""
     assert not [name for name in option_names() if f"``{name}``" not in doc]
     assert "``visibility_timeout``" in doc

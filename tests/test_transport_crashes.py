@@ -30,9 +30,9 @@ from support.kombu_consumer import RECONNECTED, ConsumerProcess
 import kombu_envelope  # noqa: F401  (registers the envelope:// transport)
 from kombu_envelope import Envelope
 from kombu_envelope.keys import Bucket
-from kombu_envelope.lease import reclaim_dead_consumers
-from kombu_envelope.redis_server import PrivateRedisServer
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.lease import reclaim_dead_consumers
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 QUEUE = "work"
 

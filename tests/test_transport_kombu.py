@@ -34,11 +34,11 @@ from support.envelope_streams import (
 import kombu_envelope  # noqa: F401  (registers the envelope:// transport)
 from kombu_envelope import Envelope, InvalidEnvelope
 from kombu_envelope.codec import decode_entry, encode_entry
-from kombu_envelope.connection import connection_kwargs
 from kombu_envelope.envelope import utcnow
 from kombu_envelope.keys import KeySpace, QueueKeys, bucket_for
-from kombu_envelope.scheduler import Promoter
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.client import connection_kwargs
+from kombu_envelope.store.promoter import Promoter
 
 #: How long a "nothing else arrives" check waits (seconds).
 QUIET_S = 0.5

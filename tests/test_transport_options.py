@@ -31,8 +31,8 @@ from kombu_envelope.errors import CeleryExtensionMissing, InvalidTransportOption
 
 APP = "apps.kombu_only_app"
 #: The plain adapter, named: what a kombu user sets once celery_ext took over envelope://.
-ADAPTER = "kombu_envelope.adapter:MessageAdapter"
-PLAIN_TRANSPORT = "kombu_envelope.transport:Transport"
+ADAPTER = "kombu_envelope.kombu.adapter:MessageAdapter"
+PLAIN_TRANSPORT = "kombu_envelope.kombu.transport:Transport"
 RESULT_TIMEOUT = 20
 FIX = "add `import celery_ext` to the module that creates the Celery app"
 #: Celery's default task_publish_retry_policy, which kombu copies into the options.

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.celery_suite import ROOT
 from bench.celery_suite.junit import CaseResult, Outcome, read_junit
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 __all__ = ["BROKERS", "SUITES", "Broker", "BrokerRun", "run_broker"]
 

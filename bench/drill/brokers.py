@@ -15,9 +15,9 @@ from typing import Any
 
 from bench.drill.app import QUEUE
 from bench.drill.config import ENVELOPE, DrillConfig
-from kombu_envelope.deadletter import DeadLetters
-from kombu_envelope.replies import as_text
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import DeadLetters
+from kombu_envelope.store.replies import as_text
 
 
 @dataclass(frozen=True)

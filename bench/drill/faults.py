@@ -13,7 +13,7 @@ import redis
 
 from bench.drill.ledger import Ledger
 from bench.drill.workers import DrillWorker
-from kombu_envelope.redis_server import PrivateRedisServer
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 #: How often the supervisor looks at its workers (seconds).
 CHECK_INTERVAL_S = 0.2

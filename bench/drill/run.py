@@ -38,8 +38,8 @@ from bench.drill.report import DrillReport, log_problems
 from bench.drill.tally import tally
 from bench.drill.workers import DrillWorker
 from bench.sysinfo import machine_info
-from kombu_envelope.redis_server import PrivateRedisServer
-from kombu_envelope.replies import as_text
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 #: Longest wait for the first workers to be ready (seconds).
 READY_TIMEOUT_S = 120.0

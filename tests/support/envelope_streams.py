@@ -33,7 +33,7 @@ def connect(redis_url: str, key_prefix: str, **options: Any) -> kombu.Connection
     The base message adapter is named explicitly: once ``celery_ext`` is imported in
     the same process, ``envelope://`` delivers every Envelope as a Celery task message.
     """
-    options = {"message_adapter": "kombu_envelope.adapter:MessageAdapter", **options}
+    options = {"message_adapter": "kombu_envelope.kombu.adapter:MessageAdapter", **options}
     return kombu.Connection(
         envelope_url(redis_url), transport_options={"key_prefix": key_prefix, **options}
     )

@@ -2,7 +2,7 @@
 // entries of <prefix>:{<queue>}:dead, and replay one, edited first, with replay.lua, which
 // publishes it and moves the entry to <prefix>:{<queue>}:replayed in one step (two
 // operators replaying the same entry publish it once). The same operations as the Python
-// tools (kombu_envelope.deadletter.DeadLetters), on the same keys.
+// tools (kombu_envelope.store.dead_letters.DeadLetters), on the same keys.
 
 import os from 'node:os';
 import Redis from 'ioredis';

@@ -15,8 +15,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.scripts import script
 
 _TRANSIENT_ARGUMENTS = ("x-expires", "x-message-ttl")
 

@@ -18,20 +18,20 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.codec import F_BODY, F_ENCODING, F_REDELIVERIES, F_REQUEUES, decode_entry
-from kombu_envelope.deadletter import Failure, FailureClass
-from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.keys import QueueKeys
-from kombu_envelope.publisher import schedule_encoded
-from kombu_envelope.replies import as_text
+from kombu_envelope.kombu.adapter import MessageAdapter, NotRun, Undeliverable
+from kombu_envelope.kombu.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
+from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
-from kombu_envelope.settle import Settler
+from kombu_envelope.store.publisher import schedule_encoded
+from kombu_envelope.store.replies import as_text
 
 #: Everything a channel does is logged under one name.
-logger = logging.getLogger("kombu_envelope.channel")
+logger = logging.getLogger("kombu_envelope.kombu.channel")
 
 #: Field of a ``kombu`` stream entry holding the kombu message as JSON.
 F_KOMBU = "kombu"

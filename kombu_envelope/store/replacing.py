@@ -4,7 +4,7 @@ A retry or a deferral of a task whose stream entry is still pending (its
 consumer acknowledges after the task) must not be published beside it and
 the old entry acknowledged afterwards: a crash in between would run the
 attempt twice. Inside :func:`next_attempt_replaces`, which names the pending
-entry, a :class:`~kombu_envelope.publisher.Publisher` that publishes the same
+entry, a :class:`~kombu_envelope.store.publisher.Publisher` that publishes the same
 ``task_id`` to the same queue runs ``retry.lua`` instead: the next attempt is
 stored (in its stream, or in the delayed set when it is due later) and the
 pending entry acknowledged and deleted in one step (docs/protocol.md,
@@ -31,8 +31,8 @@ from typing import Any
 from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.keys import bucket_for
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.scripts import script
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Riding out a Redis outage: commands wait for Redis to come back, for a bounded time.
 
-Every client the package builds (:func:`kombu_envelope.connection.connection_kwargs`)
+Every client the package builds (:func:`kombu_envelope.store.client.connection_kwargs`)
 retries a command that failed because Redis was unreachable, restarting or still
 loading its data, until ``outage_tolerance_s`` has passed since the first failure,
 with a capped exponential backoff. A command is repeated only when repeating it is

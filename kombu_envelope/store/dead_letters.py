@@ -12,83 +12,21 @@ from __future__ import annotations
 import base64
 import getpass
 import json
-import os
 import socket
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from enum import Enum
 from typing import Any
 
 from kombu_envelope.codec import decode_entry, encode_body, encode_entry
 from kombu_envelope.envelope import Envelope, Limits, check_publishable, format_rfc3339, utcnow
 from kombu_envelope.errors import MalformedEntry
+from kombu_envelope.failures import Failure, failure_fields
 from kombu_envelope.keys import bucket_for
-from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
-
-#: Version of the dead-letter entry format.
-DLQ_FORMAT_VERSION = "1"
-
-
-class FailureClass(str, Enum):
-    """Why a task ended in the dead-letter stream."""
-
-    TRANSIENT_EXHAUSTED = "transient_exhausted"
-    TASK_ERROR = "task_error"
-    INVALID_PAYLOAD = "invalid_payload"
-    TIMEOUT = "timeout"
-    UNSUPPORTED_PAYLOAD_VERSION = "unsupported_payload_version"
-    UNKNOWN_TASK_TYPE = "unknown_task_type"
-    MALFORMED_ENTRY = "malformed_entry"
-    REJECTED = "rejected"
-    REDELIVERY_LIMIT = "redelivery_limit"
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What went wrong, as recorded in a dead-letter entry."""
-
-    failure_class: FailureClass
-    reason: str
-    exception_type: str | None = None
-    traceback: str | None = None
-    attempts: int | None = None
-    first_failure_at: datetime | None = None
-    last_failure_at: datetime | None = None
-    task_id: str | None = None
-    task_type: str | None = None
-
-
-def failure_fields(
-    failure: Failure, *, queue: str, consumer: str, now: datetime | None = None
-) -> dict[str, str]:
-    """The failure part of a dead-letter entry (see docs/protocol.md)."""
-    now = now or utcnow()
-    fields = {
-        "dlq": DLQ_FORMAT_VERSION,
-        "failure_class": failure.failure_class.value,
-        "reason": failure.reason,
-        "queue": queue,
-        "dead_at": format_rfc3339(now),
-        "language": "python",
-        "host": socket.gethostname(),
-        "pid": str(os.getpid()),
-        "consumer": consumer,
-        "first_failure_at": format_rfc3339(failure.first_failure_at or now),
-        "last_failure_at": format_rfc3339(failure.last_failure_at or now),
-    }
-    optional = {
-        "exception_type": failure.exception_type,
-        "traceback": failure.traceback,
-        "attempts": None if failure.attempts is None else str(failure.attempts),
-        "task_id": failure.task_id,
-        "task_type": failure.task_type,
-    }
-    fields.update({k: v for k, v in optional.items() if v is not None})
-    return fields
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 
 def dead_letter_pending(

@@ -12,8 +12,8 @@ from __future__ import annotations
 from time import monotonic
 from typing import Any
 
-from kombu_envelope.replies import as_text
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replies import as_text
 
 #: Separator of the members of an exchange's binding set.
 BINDING_SEP = "\x06"

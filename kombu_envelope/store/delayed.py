@@ -20,9 +20,9 @@ from kombu_envelope.codec import decode_body
 from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.errors import InvalidQueueName, MalformedEntry
 from kombu_envelope.keys import QueueKeys
-from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 #: How long a cancel mark is kept (ms): 7 days.
 CANCEL_MARK_RETENTION_MS = 7 * 24 * 3600 * 1000

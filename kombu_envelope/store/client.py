@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
-from kombu_envelope.outages import OutageRetry
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.outages import OutageRetry
 
 #: URL schemes that connect over TLS.
 TLS_SCHEMES = frozenset({"envelopes"})

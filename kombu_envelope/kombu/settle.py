@@ -13,20 +13,21 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from kombu_envelope.deadletter import Failure, FailureClass, dead_letter_pending
-from kombu_envelope.delivery_info import (
+from kombu_envelope.envelope import format_rfc3339, utcnow
+from kombu_envelope.failures import Failure, FailureClass
+from kombu_envelope.kombu.delivery_info import (
     INFO_ENTRY_ID,
     INFO_FAILURE_CLASS,
     INFO_FAILURE_REASON,
     INFO_STREAM,
 )
-from kombu_envelope.envelope import format_rfc3339, utcnow
-from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import dead_letter_pending
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 #: Everything a channel does is logged under one name.
-logger = logging.getLogger("kombu_envelope.channel")
+logger = logging.getLogger("kombu_envelope.kombu.channel")
 
 
 class Settler:

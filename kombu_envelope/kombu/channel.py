@@ -14,9 +14,9 @@ Ack is ``XACK`` + ``XDEL``; reject without requeue moves the entry to the
 dead-letter stream; malformed entries go there too, with their raw bytes.
 
 This module is the kombu glue and the read mechanics; the Redis side lives in
-:mod:`~kombu_envelope.queues`, :mod:`~kombu_envelope.bindings`,
-:mod:`~kombu_envelope.inbox` (entries to messages) and
-:mod:`~kombu_envelope.settle` (ack, requeue, dead-letter).
+:mod:`~kombu_envelope.store.queues`, :mod:`~kombu_envelope.kombu.bindings`,
+:mod:`~kombu_envelope.kombu.inbox` (entries to messages) and
+:mod:`~kombu_envelope.kombu.settle` (ack, requeue, dead-letter).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 from kombu.transport import virtual
 from redis.exceptions import RedisError, ResponseError
 
-from kombu_envelope.adapter import MessageAdapter
-from kombu_envelope.bindings import BINDING_SEP, Binding, Bindings
-from kombu_envelope.delivery_info import (
+from kombu_envelope.kombu.adapter import MessageAdapter
+from kombu_envelope.kombu.bindings import BINDING_SEP, Binding, Bindings
+from kombu_envelope.kombu.delivery_info import (
     INFO_CONSUMER,
     INFO_ENTRY_ID,
     INFO_FAILURE_CLASS,
@@ -42,14 +42,14 @@ from kombu_envelope.delivery_info import (
     INFO_QUEUE,
     INFO_STREAM,
 )
-from kombu_envelope.inbox import F_KOMBU, Inbox
-from kombu_envelope.outages import retries_seen
-from kombu_envelope.publisher import Publisher
-from kombu_envelope.queues import Queues
-from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
+from kombu_envelope.kombu.inbox import F_KOMBU, Inbox
+from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
-from kombu_envelope.settle import Settler
+from kombu_envelope.store.outages import retries_seen
+from kombu_envelope.store.publisher import Publisher
+from kombu_envelope.store.queues import Queues
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 __all__ = [
     "BINDING_SEP", "F_KOMBU", "INFO_CONSUMER", "INFO_ENTRY_ID", "INFO_FAILURE_CLASS",
@@ -325,7 +325,7 @@ class Channel(virtual.Channel):
 
     def _unseen_own_entries(self, streams: list[str], reply: list[Any]) -> list[Any]:
         """Entries this consumer holds but never saw: a read retried after its reply
-        was lost may have taken them (kombu_envelope.outages)."""
+        was lost may have taken them (kombu_envelope.store.outages)."""
         known = {as_text(entry_id) for _stream, entries in reply for entry_id, _ in entries}
         known.update(message.delivery_info[INFO_ENTRY_ID]
                      for message in self.qos._delivered.values())

@@ -21,9 +21,9 @@ from enum import Enum
 from typing import Any
 
 from kombu_envelope.envelope import format_rfc3339, utcnow
-from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 logger = logging.getLogger(__name__)
 

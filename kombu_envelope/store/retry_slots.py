@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.scripts import script
 
 #: How long a slot is held by an attempt without ``timeout_ms`` (ms).
 DEFAULT_SLOT_MS = 15 * 60 * 1000

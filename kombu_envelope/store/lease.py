@@ -19,10 +19,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from kombu_envelope.deadletter import Failure, FailureClass, failure_fields
-from kombu_envelope.replies import as_text
-from kombu_envelope.scripts import script
+from kombu_envelope.failures import Failure, FailureClass, failure_fields
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.scripts import script
 
 logger = logging.getLogger(__name__)
 

@@ -59,12 +59,12 @@ from kombu.transport.redis import get_redis_error_classes
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.objects import cached_property
 
-from kombu_envelope.adapter import MessageAdapter
-from kombu_envelope.channel import Channel
-from kombu_envelope.connection import connection_pool
 from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
-from kombu_envelope.lease import LeaseKeeper, process_keeper
+from kombu_envelope.kombu.adapter import MessageAdapter
+from kombu_envelope.kombu.channel import Channel
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.lease import LeaseKeeper, process_keeper
 
 
 class Poller:

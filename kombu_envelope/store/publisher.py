@@ -19,9 +19,9 @@ from typing import Any
 from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, check_publishable, utcnow
 from kombu_envelope.keys import QueueKeys, bucket_for
-from kombu_envelope.replacing import Replaced, pending_replaced_by, replace_pending
-from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
+from kombu_envelope.store.scripts import script
 
 
 class Publisher:
@@ -37,7 +37,7 @@ class Publisher:
 
         Raises :class:`~kombu_envelope.errors.InvalidEnvelope` before anything
         reaches Redis when a publish-time rule is broken. The next attempt of a
-        task whose entry is pending replaces it (see :mod:`kombu_envelope.replacing`).
+        task whose entry is pending replaces it (see :mod:`kombu_envelope.store.replacing`).
         """
         pending = pending_replaced_by(queue, envelope)
         if pending is not None:
@@ -69,7 +69,7 @@ class Publisher:
         )
         enqueue = script(self.client, "enqueue")
         # One token for every try of this call: a try repeated after a lost reply
-        # (kombu_envelope.outages) is absorbed by the scripts.
+        # (kombu_envelope.store.outages) is absorbed by the scripts.
         token = os.urandom(8).hex()
         dedupe_ms = settings.publish_dedupe_ms
         if len(prepared) == 1 and not delayed_queues:

@@ -1,0 +1,1 @@
+"""A private, throw-away ``redis-server`` for tests, benchmarks and the demo."""
