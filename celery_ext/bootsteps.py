@@ -36,13 +36,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import redis
 from celery import bootsteps
 
-from celery_ext.broker import broker_settings
+from celery_ext.broker import broker_redis, broker_settings
 from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
-from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.client import AnyRedis, close_client
 from kombu_envelope.store.promoter import Promoter
 
 __all__ = [
@@ -78,7 +77,7 @@ class DelayedTaskPromoter(bootsteps.StartStopStep):
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
-        self.pool: redis.ConnectionPool | None = None
+        self.client: AnyRedis | None = None
 
     def include_if(self, parent: Any) -> bool:
         app = parent.app
@@ -90,10 +89,9 @@ class DelayedTaskPromoter(bootsteps.StartStopStep):
     def create(self, parent: Any) -> Promoter:
         app = parent.app
         settings = broker_settings(app)
-        with app.connection_for_write() as conn:
-            pool = self.pool = connection_pool(conn, settings)
-        periodic = periodic_scheduler(app, redis.Redis(connection_pool=pool), settings)
-        return Promoter(lambda: redis.Redis(connection_pool=pool), settings,
+        client = self.client = broker_redis(app, settings)
+        periodic = periodic_scheduler(app, client, settings)
+        return Promoter(lambda: client, settings,
                         jobs=[periodic] if periodic is not None else [])
 
     def start(self, parent: Any) -> None:
@@ -105,8 +103,8 @@ class DelayedTaskPromoter(bootsteps.StartStopStep):
     def stop(self, parent: Any) -> None:
         if self.obj is not None:
             self.obj.stop()
-        if self.pool is not None:
-            self.pool.disconnect()
+        if self.client is not None:
+            close_client(self.client)
 
     def terminate(self, parent: Any) -> None:
         self.stop(parent)

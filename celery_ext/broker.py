@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.client import AnyRedis, RedisEndpoint, new_client
 
 
 def broker_settings(app: Any) -> Settings:
@@ -15,8 +13,8 @@ def broker_settings(app: Any) -> Settings:
     return Settings.from_transport_options(app.conf.broker_transport_options)
 
 
-def broker_redis(app: Any, settings: Settings | None = None) -> redis.Redis:
+def broker_redis(app: Any, settings: Settings | None = None) -> AnyRedis:
     """A Redis client on the app's broker (URL, credentials, TLS and timeouts)."""
     settings = settings or broker_settings(app)
     with app.connection_for_write() as conn:
-        return redis.Redis(connection_pool=connection_pool(conn, settings))
+        return new_client(RedisEndpoint.from_conninfo(conn), settings)

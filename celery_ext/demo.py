@@ -17,12 +17,12 @@ import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-import redis
 from celery import Celery
 
 import celery_ext  # noqa: F401  (registers the envelope:// transport)
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.keys import KeySpace
+from kombu_envelope.store.client import AnyRedis, client_for_url
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 KEY_PREFIX = "demo"
@@ -60,7 +60,7 @@ def _redis_url() -> Iterator[str]:
         yield server.url
 
 
-def _show_streams(client: redis.Redis) -> None:
+def _show_streams(client: AnyRedis) -> None:
     keys = KeySpace(KEY_PREFIX).queue("celery")
     print("\nwhat Redis holds for queue 'celery':")
     for stream in (*keys.task_streams, keys.kombu_stream, keys.dead):
@@ -73,7 +73,7 @@ def _show_streams(client: redis.Redis) -> None:
         print(json.dumps(json.loads(envelope.to_json()), indent=2))
 
 
-def _wait_for_acknowledgements(client: redis.Redis, timeout: float = 10.0) -> None:
+def _wait_for_acknowledgements(client: AnyRedis, timeout: float = 10.0) -> None:
     """Wait until the worker has acknowledged (deleted) every entry it ran.
 
     A result is stored before its entry is acknowledged when the worker ran the task
@@ -102,7 +102,7 @@ def main() -> None:
         parts = urlsplit(url)
         broker = f"envelope://{parts.netloc}{parts.path}"
         app.conf.update(broker_url=broker, result_backend=url)
-        client = redis.Redis.from_url(url)
+        client = client_for_url(url)
 
         print("\npublishing: add(2, 3), add(40, 2) and order.close_timeout(countdown=3)")
         results = [add.delay(2, 3), add.delay(40, 2)]

@@ -13,9 +13,8 @@ import signal
 import threading
 from collections.abc import Sequence
 
-import redis
-
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.client import client_for_url
 from kombu_envelope.store.promoter import DEFAULT_BATCH, Promoter
 
 logger = logging.getLogger(__name__)
@@ -24,14 +23,19 @@ logger = logging.getLogger(__name__)
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m kombu_envelope.scheduler``."""
     parser = argparse.ArgumentParser(description="Promote due delayed tasks to their streams.")
-    parser.add_argument("--url", default="redis://localhost:6379/0", help="Redis URL")
+    parser.add_argument("--url", default="redis://localhost:6379/0",
+                        help="Redis URL: redis://, rediss://, or any envelope URL "
+                             "(envelope-sentinel://...;..., envelope-cluster://...;...)")
+    parser.add_argument("--master-name", default=None,
+                        help="the Sentinel group's primary, with an envelope-sentinel:// URL")
     parser.add_argument("--key-prefix", default=Settings.key_prefix, help="key prefix")
     parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="tasks per step")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    promoter = Promoter(lambda: redis.Redis.from_url(args.url, protocol=2),
-                        Settings(key_prefix=args.key_prefix), batch=args.batch)
+    settings = Settings(key_prefix=args.key_prefix, master_name=args.master_name)
+    client = client_for_url(args.url, settings)
+    promoter = Promoter(lambda: client, settings, batch=args.batch)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -53,9 +53,6 @@ _UNACKED = (f"unacknowledged tasks stay in their stream's pending list (acks are
 _FANOUT = ("a fanout exchange copies each message into the stream of every bound queue, "
            "whatever its routing key, under key_prefix in the URL's database (not over "
            "PUB/SUB): there is nothing to set")
-_SENTINEL = ("envelope:// connects to the one Redis server its URL names; Redis Sentinel is "
-             "not supported")
-
 #: Options of kombu's ``redis://`` transport with no use on envelope://, and why.
 STOCK_REDIS_OPTIONS: dict[str, str] = {
     "visibility_timeout": (
@@ -84,10 +81,9 @@ STOCK_REDIS_OPTIONS: dict[str, str] = {
     "reauth_check_interval": (
         "envelope:// runs no timer to re-authenticate its connections: there is nothing "
         "to set"),
-    "master_name": _SENTINEL,
-    "sentinel_kwargs": _SENTINEL,
-    "min_other_sentinels": _SENTINEL,
-    "sentinel_fanout_compat": _SENTINEL,
+    "sentinel_fanout_compat": (
+        "envelope-sentinel:// keeps broadcasts in streams, not in PUB/SUB topics: there is no "
+        "legacy topic to publish to"),
 }
 
 _TYPE_WORDS: dict[Any, str] = {
@@ -157,6 +153,14 @@ class Settings:
     #: Most connections one kombu connection opens; its channels share them, and each
     #: consuming channel holds one while it waits (None: no limit).
     max_connections: int | None = None
+    #: Sentinel: the name of the monitored primary (``sentinel monitor <name> ...``);
+    #: required with an ``envelope-sentinel://`` URL.
+    master_name: str | None = None
+    #: Sentinel: keyword arguments of the connections to the sentinels themselves
+    #: (``password``, ``username``, ``ssl``...), as on kombu's sentinel transport.
+    sentinel_kwargs: dict[str, Any] | None = None
+    #: Sentinel: how many other sentinels the one asked must see before its answer counts.
+    min_other_sentinels: int = 0
     #: Extra keyword arguments for the redis-py connection pool (ssl options...).
     connection_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -21,7 +21,7 @@ from support.proxy import LossyProxy
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.client import RedisEndpoint, new_client
 from kombu_envelope.store.idempotency import ClaimState, Idempotency
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.testing.redis_server import PrivateRedisServer
@@ -40,7 +40,7 @@ def proxy(redis_url: str) -> Iterator[LossyProxy]:
 def client_through(url: str, settings: Settings) -> redis.Redis:
     """A client built as the transport builds its own (retries included)."""
     conninfo = kombu.Connection(url.replace("redis://", "envelope://"))
-    client = redis.Redis(connection_pool=connection_pool(conninfo, settings))
+    client = new_client(RedisEndpoint.from_conninfo(conninfo), settings)
     client.ping()  # a Redis that answered once can have an outage
     return client
 
@@ -159,7 +159,7 @@ def test_a_redis_that_never_answered_fails_at_once(key_prefix: str) -> None:
         url = server.url
     settings = Settings(key_prefix=key_prefix, outage_tolerance_s=30)
     conninfo = kombu.Connection(url.replace("redis://", "envelope://"))
-    client = redis.Redis(connection_pool=connection_pool(conninfo, settings))
+    client = new_client(RedisEndpoint.from_conninfo(conninfo), settings)
     began = time.monotonic()
     with pytest.raises(redis.ConnectionError):
         client.ping()

@@ -30,7 +30,7 @@ from kombu_envelope.settings import (
     _describe,
     option_names,
 )
-from kombu_envelope.store.client import connection_kwargs
+from kombu_envelope.store.client import RedisEndpoint, connection_kwargs, new_client
 
 ROOT = Path(__file__).resolve().parent.parent
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
@@ -181,7 +181,7 @@ def test_every_option_of_the_stock_redis_transport_is_an_option_or_refused() -> 
     ("sep", "no separator"),
     ("fanout_prefix", "every bound queue"),
     ("fanout_patterns", "whatever its routing key"),
-    ("master_name", "Sentinel is not supported"),
+    ("sentinel_fanout_compat", "not in PUB/SUB topics"),
 ])
 def test_a_stock_redis_option_is_refused_with_what_to_use_instead(
     option: str, instead: str
@@ -208,16 +208,18 @@ def test_stock_options_of_the_same_meaning_reach_redis_py() -> None:
                "retry_on_timeout": True, "health_check_interval": 25,
                "client_name": "billing", "max_connections": 20}
     assert set(options) == set(SAME_AS_STOCK)
-    kwargs = connection_kwargs(kombu.Connection("envelope://cache.example"),
-                               Settings.from_transport_options(options))
+    settings = Settings.from_transport_options(options)
+    endpoint = RedisEndpoint.from_conninfo(kombu.Connection("envelope://cache.example"))
+    kwargs = connection_kwargs(endpoint, settings)
+    kwargs["max_connections"] = new_client(endpoint, settings).connection_pool.max_connections
     assert {name: kwargs[name] for name in options} == options
 
 
 def test_connection_kwargs_still_override_the_named_options() -> None:
     settings = Settings.from_transport_options(
         {"max_connections": 20, "connection_kwargs": {"max_connections": 50}})
-    kwargs = connection_kwargs(kombu.Connection("envelope://cache.example"), settings)
-    assert kwargs["max_connections"] == 50
+    endpoint = RedisEndpoint.from_conninfo(kombu.Connection("envelope://cache.example"))
+    assert new_client(endpoint, settings).connection_pool.max_connections == 50
 
 
 # ------------------------------------------------------------ documentation

@@ -1,4 +1,4 @@
-"""kombu transport ``envelope://`` on Redis Streams (``envelopes://`` for TLS).
+"""kombu transport ``envelope://`` on Redis Streams (``envelopes://`` for TLS; Sentinel too).
 
 Features
 ========
@@ -13,6 +13,9 @@ Features
 Connection String
 =================
 ``envelope://[USER:PASSWORD@]HOST[:PORT][/DB]``, ``envelopes://...`` for TLS.
+A Sentinel group: ``envelope-sentinel://[USER:PASSWORD@]HOST[:26379][/DB];envelope-sentinel://HOST2...``
+with the ``master_name`` option (``envelopes-sentinel://`` for TLS). See
+:mod:`kombu_envelope.store.client` for every form.
 
 Transport Options
 =================
@@ -21,6 +24,7 @@ defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_m
 ``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
 ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
 ``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``connection_kwargs``,
+the Sentinel options ``master_name``, ``sentinel_kwargs`` and ``min_other_sentinels``,
 and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
 ``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
 ``retry_on_timeout``, ``health_check_interval``, ``client_name``, ``max_connections``.
@@ -34,8 +38,8 @@ refused with what to use instead (:data:`~kombu_envelope.settings.STOCK_REDIS_OP
 long they run and ``lease_ms`` is how soon a dead worker's are taken over;
 ``global_keyprefix`` is ``key_prefix``; ``ack_emulation``, ``unacked_*``,
 ``priority_steps``, ``queue_order_strategy``, ``sep``, ``fanout_prefix``,
-``fanout_patterns``, ``polling_interval``, ``reauth_check_interval`` and the Sentinel
-options have no use here.
+``fanout_patterns``, ``polling_interval``, ``reauth_check_interval`` and
+``sentinel_fanout_compat`` have no use here.
 
 Celery
 ======
@@ -59,11 +63,11 @@ from kombu.transport.redis import get_redis_error_classes
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.objects import cached_property
 
-from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
+from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing, InvalidTransportOption
 from kombu_envelope.kombu.adapter import MessageAdapter
 from kombu_envelope.kombu.channel import Channel
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.client import connection_pool
+from kombu_envelope.store.client import RedisEndpoint, new_client
 from kombu_envelope.store.lease import LeaseKeeper, process_keeper
 
 
@@ -196,24 +200,32 @@ class Transport(virtual.Transport):
         return adapter
 
     @cached_property
-    def pool(self) -> redis.ConnectionPool:
-        """Connection pool shared by this connection's channels."""
-        return connection_pool(self.client, self.settings)
+    def endpoint(self) -> RedisEndpoint:
+        """Where Redis is, from this connection's URL and ``ssl`` argument."""
+        return RedisEndpoint.from_conninfo(self.client)
+
+    @cached_property
+    def shared_client(self) -> redis.Redis:
+        """The client whose connection pool this connection's channels share."""
+        client = new_client(self.endpoint, self.settings)
+        if not isinstance(client, redis.Redis):
+            raise InvalidTransportOption({"url": (
+                "Redis Cluster is not served by the envelope:// transport yet; use one "
+                "Redis or a Sentinel group")})
+        return client
 
     def new_redis_client(self) -> redis.Redis:
         """A client on the shared pool."""
-        return redis.Redis(connection_pool=self.pool)
+        return redis.Redis(connection_pool=self.shared_client.connection_pool)
 
     @cached_property
     def lease_keeper(self) -> LeaseKeeper:
         """Keeps this process's consumers alive, across reconnections (see LeaseKeeper)."""
         conninfo: Any = self.client
-        settings = self.settings
+        settings, endpoint = self.settings, self.endpoint
         identity = (conninfo.as_uri(include_password=True), settings.key_prefix,
                     settings.consumer_group, settings.lease_ms)
-        return process_keeper(
-            identity, lambda: redis.Redis(connection_pool=connection_pool(conninfo, settings)),
-            settings)
+        return process_keeper(identity, lambda: new_client(endpoint, settings), settings)
 
     def keeps_running(self, message: Any) -> bool:
         """Whether a delivered, unacknowledged ``message`` is still being run.
@@ -276,5 +288,5 @@ class Transport(virtual.Transport):
             super().close_connection(connection)
         finally:  # also when a channel could not reach Redis while closing
             self.poller.close()
-            if "pool" in self.__dict__:
-                self.pool.disconnect()
+            if "shared_client" in self.__dict__:
+                self.shared_client.connection_pool.disconnect()
