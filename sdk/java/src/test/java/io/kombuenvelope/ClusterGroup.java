@@ -1,0 +1,106 @@
+package io.kombuenvelope;
+
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.concurrent.TimeUnit;
+
+/**
+ * A Redis Cluster from the redis-server binary, on free loopback ports: three primaries with one
+ * replica each ({@code redis-cli --cluster create ... --cluster-replicas 1}), node timeout 1 s.
+ */
+final class ClusterGroup implements AutoCloseable {
+    final List<RedisServer> nodes = new ArrayList<>();
+
+    private ClusterGroup() {}
+
+    static ClusterGroup start() throws IOException, InterruptedException {
+        ClusterGroup g = new ClusterGroup();
+        try {
+            for (int i = 0; i < 6; i++) {
+                g.nodes.add(RedisServer.startWith("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                        "--cluster-node-timeout", "1000"));
+            }
+            List<String> cmd = new ArrayList<>(List.of(System.getProperty("kombuenvelope.redis.cli", "redis-cli"),
+                    "--cluster", "create"));
+            g.nodes.forEach(n -> cmd.add("127.0.0.1:" + n.port));
+            cmd.addAll(List.of("--cluster-replicas", "1", "--cluster-yes"));
+            Process p = new ProcessBuilder(cmd).redirectErrorStream(true).start();
+            String out = new String(p.getInputStream().readAllBytes());
+            if (!p.waitFor(60, TimeUnit.SECONDS) || p.exitValue() != 0) {
+                throw new IOException("redis-cli --cluster create failed: " + out);
+            }
+            for (RedisServer n : g.nodes) {
+                SentinelGroup.await("cluster_state:ok on " + n.port,
+                        () -> Resp.text(n.port, "CLUSTER", "INFO").contains("cluster_state:ok"));
+            }
+            return g;
+        } catch (IOException | InterruptedException | RuntimeException | Error e) {
+            g.close();
+            throw e;
+        }
+    }
+
+    /** {@code redis-cluster://...} naming the first three nodes as seeds. */
+    String url() {
+        return "redis-cluster://127.0.0.1:" + nodes.get(0).port + ",127.0.0.1:" + nodes.get(1).port
+                + ",127.0.0.1:" + nodes.get(2).port;
+    }
+
+    /** The slot of {@code key}, as the cluster computes it ({@code CLUSTER KEYSLOT}). */
+    int slot(String key) throws IOException {
+        for (RedisServer n : nodes) {
+            try {
+                return ((Long) Resp.call(n.port, "CLUSTER", "KEYSLOT", key)).intValue();
+            } catch (IOException e) {
+                // a node that is down: ask the next
+            }
+        }
+        throw new IOException("no node answers");
+    }
+
+    /** The port of the primary serving {@code slot}, from the {@code CLUSTER NODES} of a live node that is ok; -1: none. */
+    int primaryOf(int slot) {
+        for (RedisServer n : nodes) {
+            if (!Resp.text(n.port, "CLUSTER", "INFO").contains("cluster_state:ok")) {
+                continue;
+            }
+            for (String line : Resp.text(n.port, "CLUSTER", "NODES").split("\n")) {
+                String[] f = line.trim().split(" ");
+                if (f.length < 9 || !f[2].contains("master") || f[2].contains("fail")) {
+                    continue;
+                }
+                for (int i = 8; i < f.length; i++) {
+                    String[] range = f[i].split("-");
+                    if (range[0].startsWith("[")) {
+                        continue;
+                    }
+                    int lo = Integer.parseInt(range[0]);
+                    int hi = range.length > 1 ? Integer.parseInt(range[1]) : lo;
+                    if (slot >= lo && slot <= hi) {
+                        return Integer.parseInt(f[1].substring(f[1].indexOf(':') + 1, f[1].indexOf('@')));
+                    }
+                }
+            }
+        }
+        return -1;
+    }
+
+    RedisServer server(int port) {
+        return nodes.stream().filter(s -> s.port == port).findFirst().orElseThrow();
+    }
+
+    /** Waits until a live node other than {@code oldPort} serves {@code slot} and every live node is ok. */
+    void awaitFailover(int slot, int oldPort) throws InterruptedException {
+        SentinelGroup.await("a failover of slot " + slot + " away from " + oldPort, () -> {
+            int p = primaryOf(slot);
+            return p > 0 && p != oldPort && nodes.stream().filter(n -> n.port != oldPort)
+                    .allMatch(n -> Resp.text(n.port, "CLUSTER", "INFO").contains("cluster_state:ok"));
+        });
+    }
+
+    @Override
+    public void close() {
+        nodes.forEach(RedisServer::stop);
+    }
+}
