@@ -105,7 +105,7 @@ public final class Worker implements AutoCloseable {
         this.link = Link.open(client, b.durability);
         this.txLink = Link.open(client, b.durability);
         this.blockLink = Link.open(client, Link.Durability.NONE);
-        this.blockLink.setTimeout(b.block.plusSeconds(10));
+        this.blockLink.setTimeout(b.block.plusSeconds(3));
         this.keys = new Keys(b.prefix);
         this.queue = b.queue;
         this.streams = keys.taskStreams(queue);
