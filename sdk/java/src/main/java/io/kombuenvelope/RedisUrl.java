@@ -88,6 +88,7 @@ public final class RedisUrl {
         String scheme = url.substring(0, sep);
         switch (scheme) {
             case "redis", "rediss" -> {
+                checkHostAndPort(url);
                 try {
                     return new RedisUrl(Kind.SINGLE, List.of(RedisURI.create(url)));
                 } catch (RuntimeException e) {
@@ -105,6 +106,25 @@ public final class RedisUrl {
         }
     }
 
+    /** A one-server URL must name a host and, if any, a numeric port (Lettuce alone would accept {@code h:x}). */
+    private static void checkHostAndPort(String url) {
+        java.net.URI u;
+        try {
+            u = new java.net.URI(url);
+        } catch (java.net.URISyntaxException e) {
+            throw bad(url, "syntax", e.getReason());
+        }
+        if (u.getHost() == null) {
+            String authority = u.getRawAuthority() == null ? "" : u.getRawAuthority();
+            String hostPort = authority.substring(authority.lastIndexOf('@') + 1);
+            if (hostPort.contains(":") && !hostPort.startsWith("[")) {
+                throw bad(url, "port", "\"" + hostPort.substring(hostPort.lastIndexOf(':') + 1)
+                        + "\" is not a port (1-65535)");
+            }
+            throw bad(url, "host", "missing or invalid");
+        }
+    }
+
     /** The parts of {@code [userinfo@]hosts[/db][?query][#fragment]}. */
     private record Parts(String user, String password, List<String[]> hosts, String db, Map<String, String> query,
                          String fragment) {}
@@ -113,6 +133,9 @@ public final class RedisUrl {
         Parts p = split(url, rest, 26379);
         if (p.fragment() == null || p.fragment().isEmpty()) {
             throw bad(url, "master_name", "missing: name the monitored primary after '#'");
+        }
+        if (p.fragment().contains("?")) {
+            throw bad(url, "master_name", "\"" + p.fragment() + "\" contains '?': the query goes before '#'");
         }
         String sentinelUser = null;
         String sentinelPassword = null;
