@@ -32,7 +32,7 @@ final class ClusterGroup implements AutoCloseable {
             }
             for (RedisServer n : g.nodes) {
                 SentinelGroup.await("cluster_state:ok on " + n.port,
-                        () -> Resp.text(n.port, "CLUSTER", "INFO").contains("cluster_state:ok"));
+                        () -> Resp.at(n.port).text("CLUSTER", "INFO").contains("cluster_state:ok"));
             }
             return g;
         } catch (IOException | InterruptedException | RuntimeException | Error e) {
@@ -51,7 +51,7 @@ final class ClusterGroup implements AutoCloseable {
     int slot(String key) throws IOException {
         for (RedisServer n : nodes) {
             try {
-                return ((Long) Resp.call(n.port, "CLUSTER", "KEYSLOT", key)).intValue();
+                return ((Long) Resp.at(n.port).call("CLUSTER", "KEYSLOT", key)).intValue();
             } catch (IOException e) {
                 // a node that is down: ask the next
             }
@@ -62,10 +62,10 @@ final class ClusterGroup implements AutoCloseable {
     /** The port of the primary serving {@code slot}, from the {@code CLUSTER NODES} of a live node that is ok; -1: none. */
     int primaryOf(int slot) {
         for (RedisServer n : nodes) {
-            if (!Resp.text(n.port, "CLUSTER", "INFO").contains("cluster_state:ok")) {
+            if (!Resp.at(n.port).text("CLUSTER", "INFO").contains("cluster_state:ok")) {
                 continue;
             }
-            for (String line : Resp.text(n.port, "CLUSTER", "NODES").split("\n")) {
+            for (String line : Resp.at(n.port).text("CLUSTER", "NODES").split("\n")) {
                 String[] f = line.trim().split(" ");
                 if (f.length < 9 || !f[2].contains("master") || f[2].contains("fail")) {
                     continue;
@@ -95,7 +95,7 @@ final class ClusterGroup implements AutoCloseable {
         SentinelGroup.await("a failover of slot " + slot + " away from " + oldPort, () -> {
             int p = primaryOf(slot);
             return p > 0 && p != oldPort && nodes.stream().filter(n -> n.port != oldPort)
-                    .allMatch(n -> Resp.text(n.port, "CLUSTER", "INFO").contains("cluster_state:ok"));
+                    .allMatch(n -> Resp.at(n.port).text("CLUSTER", "INFO").contains("cluster_state:ok"));
         });
     }
 

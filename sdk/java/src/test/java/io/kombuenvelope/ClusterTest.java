@@ -89,7 +89,7 @@ class ClusterTest {
             }
             SentinelGroup.await("four tasks ran", () -> ran.size() == 4);
             assertEquals(Set.of(queueA + "/now", queueA + "/later", queueB + "/now", queueB + "/later"), ran);
-            assertEquals("1", Resp.text(cluster.primaryOf(cluster.slot(keys.queues())), "SISMEMBER", keys.queues(),
+            assertEquals("1", Resp.at(cluster.primaryOf(cluster.slot(keys.queues()))).text("SISMEMBER", keys.queues(),
                     queueA), "the registry lists the queue that had a delayed task");
         }
     }
@@ -118,7 +118,7 @@ class ClusterTest {
             SentinelGroup.await("the uncancelled task ran", () -> ran.contains(other.taskId()));
             String stream = new Keys(prefix).stream(queueA, "normal");
             int shard = cluster.primaryOf(cluster.slot(stream));
-            SentinelGroup.await("the cancelled one was acknowledged", () -> Resp.text(shard, "XLEN", stream).equals("0"));
+            SentinelGroup.await("the cancelled one was acknowledged", () -> Resp.at(shard).text("XLEN", stream).equals("0"));
             assertTrue(!ran.contains(now.taskId()), "a cancelled task does not run");
         }
     }

@@ -33,13 +33,17 @@ final class RedisServer {
 
     /**
      * A sentinel on a free port that monitors {@code masterName} at {@code masterPort}, quorum 2, with
-     * a short down-after (1 s) and failover timeout (3 s).
+     * a short down-after (1 s) and failover timeout (3 s); it asks clients (and its peers) for
+     * {@code password} and logs in to the data nodes with {@code dataPassword}.
      */
-    static RedisServer sentinel(String masterName, int masterPort) throws IOException, InterruptedException {
+    static RedisServer sentinel(String masterName, int masterPort, String dataPassword, String password)
+            throws IOException, InterruptedException {
         return new RedisServer(0, (dir, port) -> {
             Path conf = dir.resolve("sentinel.conf");
             Files.writeString(conf, String.join("\n",
+                    "requirepass " + password,
                     "sentinel monitor " + masterName + " 127.0.0.1 " + masterPort + " 2",
+                    "sentinel auth-pass " + masterName + " " + dataPassword,
                     "sentinel down-after-milliseconds " + masterName + " 1000",
                     "sentinel failover-timeout " + masterName + " 3000",
                     "sentinel parallel-syncs " + masterName + " 1", ""));
@@ -121,7 +125,8 @@ final class RedisServer {
                 s.getOutputStream().write("PING\r\n".getBytes());
                 byte[] buf = new byte[7];
                 int n = s.getInputStream().read(buf);
-                if (n > 0 && new String(buf, 0, n).startsWith("+PONG")) {
+                String reply = n > 0 ? new String(buf, 0, n) : "";
+                if (reply.startsWith("+PONG") || reply.startsWith("-NOAUTH")) { // up; NOAUTH: asks for a password
                     return true;
                 }
             } catch (IOException e) {

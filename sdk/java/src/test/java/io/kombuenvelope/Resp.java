@@ -13,34 +13,59 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 
-/** One admin command to a test server over a short-lived socket (no client library, so it is cheap to poll). */
+/** Admin commands to a test server over short-lived sockets (no client library, so it is cheap to poll). */
 final class Resp {
-    private Resp() {}
+    private final int port;
+    private final String password;
+
+    private Resp(int port, String password) {
+        this.port = port;
+        this.password = password;
+    }
+
+    /** The server on {@code port}, without a password. */
+    static Resp at(int port) {
+        return new Resp(port, null);
+    }
+
+    /** The server on {@code port}, authenticating with {@code password} (null: none). */
+    static Resp at(int port, String password) {
+        return new Resp(port, password);
+    }
 
     /** The reply: a String, a Long, a List, or null; an error reply is thrown. */
-    static Object call(int port, String... command) throws IOException {
+    Object call(String... command) throws IOException {
         try (Socket s = new Socket()) {
             s.connect(new InetSocketAddress("127.0.0.1", port), 1000);
             s.setSoTimeout(5000);
             OutputStream out = s.getOutputStream();
-            ByteArrayOutputStream b = new ByteArrayOutputStream();
-            b.write(("*" + command.length + "\r\n").getBytes(StandardCharsets.UTF_8));
-            for (String c : command) {
-                byte[] v = c.getBytes(StandardCharsets.UTF_8);
-                b.write(("$" + v.length + "\r\n").getBytes(StandardCharsets.UTF_8));
-                b.write(v);
-                b.write("\r\n".getBytes(StandardCharsets.UTF_8));
+            BufferedInputStream in = new BufferedInputStream(s.getInputStream());
+            if (password != null) {
+                send(out, "AUTH", password);
+                read(in);
             }
-            out.write(b.toByteArray());
-            out.flush();
-            return read(new BufferedInputStream(s.getInputStream()));
+            send(out, command);
+            return read(in);
         }
     }
 
+    private static void send(OutputStream out, String... command) throws IOException {
+        ByteArrayOutputStream b = new ByteArrayOutputStream();
+        b.write(("*" + command.length + "\r\n").getBytes(StandardCharsets.UTF_8));
+        for (String c : command) {
+            byte[] v = c.getBytes(StandardCharsets.UTF_8);
+            b.write(("$" + v.length + "\r\n").getBytes(StandardCharsets.UTF_8));
+            b.write(v);
+            b.write("\r\n".getBytes(StandardCharsets.UTF_8));
+        }
+        out.write(b.toByteArray());
+        out.flush();
+    }
+
     /** The reply as text, or "" when the server does not answer or answers an error. */
-    static String text(int port, String... command) {
+    String text(String... command) {
         try {
-            Object r = call(port, command);
+            Object r = call(command);
             return r == null ? "" : r.toString();
         } catch (IOException | IllegalStateException e) {
             return "";
@@ -48,10 +73,10 @@ final class Resp {
     }
 
     /** A flat name/value array reply (SENTINEL MASTER) as a map; empty when the server does not answer. */
-    static Map<String, String> pairs(int port, String... command) {
+    Map<String, String> pairs(String... command) {
         Map<String, String> out = new LinkedHashMap<>();
         try {
-            Object r = call(port, command);
+            Object r = call(command);
             if (r instanceof List<?> l) {
                 for (int i = 0; i + 1 < l.size(); i += 2) {
                     out.put(String.valueOf(l.get(i)), String.valueOf(l.get(i + 1)));

@@ -9,10 +9,13 @@ import java.util.function.BooleanSupplier;
 
 /**
  * A Sentinel group from the redis-server binary, on free loopback ports: a primary, two replicas
- * and three sentinels (quorum 2, down-after 1 s, failover timeout 3 s).
+ * and three sentinels (quorum 2, down-after 1 s, failover timeout 3 s). The data nodes and the
+ * sentinels ask for passwords of their own.
  */
 final class SentinelGroup implements AutoCloseable {
     static final String MASTER = "envmaster";
+    static final String DATA_PASSWORD = "data-pw";
+    static final String SENTINEL_PASSWORD = "sentinel-pw";
 
     final List<RedisServer> data = new ArrayList<>();
     final List<RedisServer> sentinels = new ArrayList<>();
@@ -22,16 +25,18 @@ final class SentinelGroup implements AutoCloseable {
     static SentinelGroup start() throws IOException, InterruptedException {
         SentinelGroup g = new SentinelGroup();
         try {
-            RedisServer primary = RedisServer.startWith();
+            String[] auth = {"--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD};
+            RedisServer primary = RedisServer.startWith(auth);
             g.data.add(primary);
             for (int i = 0; i < 2; i++) {
-                g.data.add(RedisServer.startWith("--replicaof", "127.0.0.1", String.valueOf(primary.port)));
+                g.data.add(RedisServer.startWith(auth[0], auth[1], auth[2], auth[3],
+                        "--replicaof", "127.0.0.1", String.valueOf(primary.port)));
             }
             for (RedisServer r : g.data.subList(1, 3)) {
                 await("replica " + r.port + " in sync", () -> info(r.port, "replication").contains("master_link_status:up"));
             }
             for (int i = 0; i < 3; i++) {
-                g.sentinels.add(RedisServer.sentinel(MASTER, primary.port));
+                g.sentinels.add(RedisServer.sentinel(MASTER, primary.port, DATA_PASSWORD, SENTINEL_PASSWORD));
             }
             for (RedisServer s : g.sentinels) {
                 await("sentinel " + s.port + " knows the group", () -> {
@@ -46,20 +51,25 @@ final class SentinelGroup implements AutoCloseable {
         }
     }
 
-    /** {@code redis-sentinel://...#envmaster} naming the three sentinels. */
+    /** {@code redis-sentinel://:<data password>@<the three sentinels>?sentinel_password=...#envmaster}. */
     String url() {
-        StringBuilder b = new StringBuilder("redis-sentinel://");
+        StringBuilder b = new StringBuilder("redis-sentinel://:" + DATA_PASSWORD + "@");
         for (int i = 0; i < sentinels.size(); i++) {
             b.append(i == 0 ? "" : ",").append("127.0.0.1:").append(sentinels.get(i).port);
         }
-        return b.append("#").append(MASTER).toString();
+        return b.append("?sentinel_password=").append(SENTINEL_PASSWORD).append("#").append(MASTER).toString();
+    }
+
+    /** Admin commands to the data node on {@code port}. */
+    static Resp node(int port) {
+        return Resp.at(port, DATA_PASSWORD);
     }
 
     /** The port of the primary the sentinels name now. */
     int primaryPort() {
         for (RedisServer s : sentinels) {
             try {
-                if (Resp.call(s.port, "SENTINEL", "get-master-addr-by-name", MASTER) instanceof List<?> a) {
+                if (Resp.at(s.port, SENTINEL_PASSWORD).call("SENTINEL", "get-master-addr-by-name", MASTER) instanceof List<?> a) {
                     return Integer.parseInt(String.valueOf(a.get(1)));
                 }
             } catch (IOException | RuntimeException e) {
@@ -82,12 +92,12 @@ final class SentinelGroup implements AutoCloseable {
     }
 
     static Map<String, String> sentinelMaster(int port) {
-        return Resp.pairs(port, "SENTINEL", "MASTER", MASTER);
+        return Resp.at(port, SENTINEL_PASSWORD).pairs("SENTINEL", "MASTER", MASTER);
     }
 
     /** {@code INFO <section>} of the server on {@code port}, or "" when it does not answer. */
     static String info(int port, String section) {
-        return Resp.text(port, "INFO", section);
+        return node(port).text("INFO", section);
     }
 
     static void await(String what, BooleanSupplier cond) throws InterruptedException {

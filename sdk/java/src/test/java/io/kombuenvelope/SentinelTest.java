@@ -70,7 +70,7 @@ class SentinelTest {
                      .waitReplicas(3, Duration.ofMillis(100)).build()) {
             PublishResult r = p.publish(Envelope.builder("job.run").build());
             assertEquals(1, log.lines("WAIT answered 2 of 3 replicas").size());
-            assertEquals(1L, Long.parseLong(Resp.text(group.primaryPort(), "XLEN",
+            assertEquals(1L, Long.parseLong(SentinelGroup.node(group.primaryPort()).text("XLEN",
                     new Keys(prefix).stream("jobs", "normal"))));
             assertFalse(r.delayed());
         }
@@ -78,6 +78,30 @@ class SentinelTest {
 
     @Test
     @Order(3)
+    void aPrimaryDemotedByAFailoverIsLeftForTheNewOne() throws Exception {
+        String prefix = prefix();
+        Set<String> ran = ConcurrentHashMap.newKeySet();
+        try (Producer p = Producer.builder().client(client).prefix(prefix).queue("jobs").build();
+             Worker w = Worker.builder().client(client).prefix(prefix).queue("jobs").block(Duration.ofMillis(200))
+                     .handler("job.run", t -> ran.add(t.get("k").asText())).build().start()) {
+            p.publish(Envelope.builder("job.run").put("k", "before").build());
+            SentinelGroup.await("the first task ran", () -> ran.contains("before"));
+            int old = group.primaryPort();
+            Resp.at(group.sentinels.get(0).port, SentinelGroup.SENTINEL_PASSWORD).call("SENTINEL", "FAILOVER",
+                    SentinelGroup.MASTER);
+            group.awaitFailover(old);
+            SentinelGroup.await("the old primary serves as a replica",
+                    () -> SentinelGroup.info(old, "replication").contains("role:slave"));
+            p.publish(Envelope.builder("job.run").put("k", "after").build());
+            p.publishIn(Envelope.builder("job.run").put("k", "after-delayed").build(), Duration.ofMillis(200));
+            SentinelGroup.await("the tasks published after the failover ran",
+                    () -> ran.containsAll(Set.of("after", "after-delayed")));
+            assertTrue(w.isReading(), "the worker still reads");
+        }
+    }
+
+    @Test
+    @Order(4)
     void aWorkerAndItsPublishersSurviveTheLossOfThePrimary() throws Exception {
         String prefix = prefix();
         try (FailoverDrill drill = new FailoverDrill();
