@@ -52,8 +52,9 @@ import org.slf4j.LoggerFactory;
 import org.slf4j.MDC;
 
 /**
- * Consumes one queue (docs/protocol.md sections 5, 5.1, 8, 9): reads with read.lua in the
- * consumer group, renews its liveness key from its own thread, runs registered handlers within
+ * Consumes one queue or several, in their configured order (docs/protocol.md sections 5, 5.1, 8,
+ * 9): reads with read.lua in the consumer group, queue by queue with the credit left and with one
+ * blocking read per queue, renews its liveness key from its own thread, runs registered handlers within
  * {@code timeout_ms}, acknowledges successes, retries with retry.lua, claims idempotency keys and
  * dead-letters malformed entries, unknown task types and final failures. Cancelled and expired
  * tasks are acknowledged without running (sections 5.1, 10); given a result backend, it writes
@@ -74,11 +75,15 @@ public final class Worker implements AutoCloseable {
     private final Link link;
     /** MULTI/EXEC only, one at a time. */
     private final Link txLink;
-    /** The blocking read only. */
-    private final Link blockLink;
+    /** The blocking reads only: one per queue, each waiting on that queue's streams. */
+    private final Map<String, Link> blockLinks = new LinkedHashMap<>();
+    /** The blocking reads under way, per queue. */
+    private final Map<String, CompletableFuture<Void>> waits = new HashMap<>();
+    private final ExecutorService waiters;
     private final Keys keys;
-    private final String queue;
-    private final List<String> streams;
+    private final List<String> queues;
+    /** The queues joined with commas, for logs and thread names. */
+    private final String name;
     private final String consumer;
     private final String host;
     private final String pid;
@@ -104,19 +109,23 @@ public final class Worker implements AutoCloseable {
         this.client = Redis.clientOr(b.client, b.redisUri);
         this.link = Link.open(client, b.durability);
         this.txLink = Link.open(client, b.durability);
-        this.blockLink = Link.open(client, Link.Durability.NONE);
-        this.blockLink.setTimeout(b.block.plusSeconds(3));
+        this.queues = List.copyOf(b.queues);
+        this.name = String.join(",", queues);
+        for (String q : queues) {
+            Link l = Link.open(client, Link.Durability.NONE);
+            l.setTimeout(b.block.plusSeconds(3));
+            blockLinks.put(q, l);
+        }
         this.keys = new Keys(b.prefix);
-        this.queue = b.queue;
-        this.streams = keys.taskStreams(queue);
         this.host = hostName();
         this.pid = String.valueOf(ProcessHandle.current().pid());
         this.consumer = b.consumer != null ? b.consumer
                 : host.replace(' ', '_') + "-" + pid + "-" + UUID.randomUUID().toString().substring(0, 8);
         this.credit = new Semaphore(b.concurrency);
-        this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + queue));
-        this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + queue));
-        this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + queue));
+        this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + name));
+        this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + name));
+        this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + name));
+        this.waiters = Executors.newCachedThreadPool(named("envelope-wait-" + name));
         this.results = new CeleryResults(b.resultBackend);
         this.abandoned = new AbandonedClaims(lease);
     }
@@ -129,8 +138,14 @@ public final class Worker implements AutoCloseable {
         return consumer;
     }
 
+    /** The first queue it consumes. */
     public String queue() {
-        return queue;
+        return queues.get(0);
+    }
+
+    /** The queues it consumes, in the order it serves them. */
+    public List<String> queues() {
+        return queues;
     }
 
     /** Each task type this worker runs, with the payload versions it accepts, in order. */
@@ -152,13 +167,13 @@ public final class Worker implements AutoCloseable {
         if (cfg.runPromoter) {
             promoter = Promoter.builder().client(client).prefix(cfg.prefix).build().start();
         }
-        loop = new Thread(this::runLoop, "envelope-read-" + queue);
+        loop = new Thread(this::runLoop, "envelope-read-" + name);
         loop.setDaemon(true);
         loop.start();
         if (cfg.closeOnShutdown) {
-            Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
+            Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + name));
         }
-        LOG.atInfo().addKeyValue("queue", queue).addKeyValue("consumer", consumer)
+        LOG.atInfo().addKeyValue("queue", name).addKeyValue("consumer", consumer)
                 .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
                 .addKeyValue("result_backend", results.hasBackend()).log("worker started");
         return this;
@@ -213,7 +228,15 @@ public final class Worker implements AutoCloseable {
      */
     int takeOverDeadConsumers() {
         int moved = 0;
-        for (String stream : streams) {
+        for (String queue : queues) {
+            moved += takeOverDeadConsumers(queue);
+        }
+        return moved;
+    }
+
+    private int takeOverDeadConsumers(String queue) {
+        int moved = 0;
+        for (String stream : keys.taskStreams(queue)) {
             PendingMessages summary;
             try {
                 summary = redis().xpending(stream, cfg.group);
@@ -246,7 +269,7 @@ public final class Worker implements AutoCloseable {
                         if (answer.startsWith("dead:")) {
                             LOG.error("entry {} of dead consumer {} dead-lettered after too many redeliveries",
                                     m.getId(), owner);
-                            reportRedeliveryLimit(answer.substring("dead:".length()));
+                            reportRedeliveryLimit(queue, answer.substring("dead:".length()));
                         } else {
                             LOG.warn("took over entry {} of dead consumer {}", m.getId(), owner);
                         }
@@ -265,7 +288,7 @@ public final class Worker implements AutoCloseable {
     int forgetDeadConsumers() {
         long idleMs = Math.max(cfg.forgetAfter.toMillis(), cfg.leaseMs);
         int forgotten = 0;
-        for (String stream : streams) {
+        for (String stream : allStreams()) {
             List<Object> consumers;
             try {
                 consumers = redis().xinfoConsumers(stream, cfg.group);
@@ -298,8 +321,13 @@ public final class Worker implements AutoCloseable {
 
     // --- reading ----------------------------------------------------------------------------
 
+    /** The task streams of every queue consumed. */
+    private List<String> allStreams() {
+        return queues.stream().flatMap(q -> keys.taskStreams(q).stream()).toList();
+    }
+
     private void ensureGroups() {
-        for (String stream : streams) {
+        for (String stream : allStreams()) {
             try {
                 redis().xgroupCreate(XReadArgs.StreamOffset.from(stream, "0"), cfg.group,
                         XGroupCreateArgs.Builder.mkstream(true));
@@ -350,7 +378,7 @@ public final class Worker implements AutoCloseable {
                 // A read whose reply was lost may have taken entries: look at our own pending ones next.
                 recoverPending = true;
                 link.recover(e);
-                blockLink.recover(e);
+                blockLinks.values().forEach(l -> l.recover(e));
                 String m = String.valueOf(e.getMessage());
                 if (m.contains("NOGROUP") || m.contains("no such key")) {
                     LOG.warn("consumer group missing (Redis lost its data?); creating it again");
@@ -374,15 +402,27 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** An entry read from a stream. */
-    private record Entry(String stream, String id, Map<String, byte[]> fields) {}
+    /** An entry read from a stream of {@code queue}. */
+    private record Entry(String queue, String stream, String id, Map<String, byte[]> fields) {}
+
+    /** At most {@code n} new entries: read.lua queue by queue, in order, with the credit left (one slot per call). */
+    private List<Entry> read(int n) {
+        List<Entry> out = new ArrayList<>();
+        for (String queue : queues) {
+            if (out.size() >= n) {
+                break;
+            }
+            read(queue, n - out.size(), out);
+        }
+        return out;
+    }
 
     @SuppressWarnings("unchecked")
-    private List<Entry> read(int n) {
-        List<Object> reply = Scripts.run(redis(), "read", ScriptOutputType.MULTI, streams, cfg.group, consumer, n);
-        List<Entry> out = new ArrayList<>();
+    private void read(String queue, int n, List<Entry> out) {
+        List<Object> reply = Scripts.run(redis(), "read", ScriptOutputType.MULTI, keys.taskStreams(queue), cfg.group,
+                consumer, n);
         if (reply == null) {
-            return out;
+            return;
         }
         for (Object s : reply) {
             List<Object> streamReply = (List<Object>) s;
@@ -398,32 +438,59 @@ public final class Worker implements AutoCloseable {
                         fields.put(Redis.s(flat.get(i)), (byte[]) flat.get(i + 1));
                     }
                 }
-                out.add(new Entry(stream, id, fields));
+                out.add(new Entry(queue, stream, id, fields));
             }
         }
-        return out;
     }
 
-    /** Entries pending for this consumer that it is not running (XREADGROUP ... 0). */
+    /** Entries pending for this consumer that it is not running (XREADGROUP ... 0, queue by queue). */
     @SuppressWarnings("unchecked")
     private List<Entry> ownPending() {
         List<Entry> out = new ArrayList<>();
-        XReadArgs.StreamOffset<String>[] offsets = streams.stream().map(st -> XReadArgs.StreamOffset.from(st, "0"))
-                .toArray(XReadArgs.StreamOffset[]::new);
-        for (StreamMessage<String, byte[]> m : redis().xreadgroup(Consumer.from(cfg.group, consumer), offsets)) {
-            if (!inFlightIds.contains(m.getStream() + " " + m.getId())) {
-                Map<String, byte[]> body = m.getBody();
-                out.add(new Entry(m.getStream(), m.getId(), body == null ? Map.of() : new LinkedHashMap<>(body)));
+        for (String queue : queues) {
+            XReadArgs.StreamOffset<String>[] offsets = keys.taskStreams(queue).stream()
+                    .map(st -> XReadArgs.StreamOffset.from(st, "0")).toArray(XReadArgs.StreamOffset[]::new);
+            for (StreamMessage<String, byte[]> m : redis().xreadgroup(Consumer.from(cfg.group, consumer), offsets)) {
+                if (!inFlightIds.contains(m.getStream() + " " + m.getId())) {
+                    Map<String, byte[]> body = m.getBody();
+                    out.add(new Entry(queue, m.getStream(), m.getId(),
+                            body == null ? Map.of() : new LinkedHashMap<>(body)));
+                }
             }
         }
         return out;
     }
 
-    /** Waits with XREAD BLOCK from the group's last-delivered ids, then read.lua takes exactly the credit. */
+    /**
+     * Waits until a queue may have entries: one XREAD BLOCK per queue, on its own connection, from
+     * the group's last-delivered ids (then read.lua takes exactly the credit). A wait still under
+     * way from the last round goes on; an error of one ends the round with that error.
+     */
+    private void waitForEntries() throws InterruptedException {
+        List<CompletableFuture<Void>> all = new ArrayList<>();
+        for (String queue : queues) {
+            CompletableFuture<Void> w = waits.get(queue);
+            if (w == null || w.isDone()) {
+                w = CompletableFuture.runAsync(() -> waitOn(queue), waiters);
+                waits.put(queue, w);
+            }
+            all.add(w);
+        }
+        try {
+            CompletableFuture.anyOf(all.toArray(new CompletableFuture[0]))
+                    .get(cfg.block.toMillis() + 4000, TimeUnit.MILLISECONDS);
+        } catch (ExecutionException e) {
+            throw e.getCause() instanceof RuntimeException r ? r : new IllegalStateException(e.getCause());
+        } catch (TimeoutException e) {
+            // every wait still blocked: read again
+        }
+    }
+
+    /** One blocking XREAD on the streams of {@code queue} (one slot), on that queue's connection. */
     @SuppressWarnings("unchecked")
-    private void waitForEntries() {
+    private void waitOn(String queue) {
         List<XReadArgs.StreamOffset<String>> offsets = new ArrayList<>();
-        for (String stream : streams) {
+        for (String stream : keys.taskStreams(queue)) {
             String last = "0-0";
             for (Object g : redis().xinfoGroups(stream)) {
                 List<Object> info = (List<Object>) g;
@@ -437,7 +504,7 @@ public final class Worker implements AutoCloseable {
             }
             offsets.add(XReadArgs.StreamOffset.from(stream, last));
         }
-        List<StreamMessage<String, byte[]>> ignored = blockLink.sync().xread(
+        List<StreamMessage<String, byte[]>> ignored = blockLinks.get(queue).sync().xread(
                 XReadArgs.Builder.block(cfg.block).count(1), offsets.toArray(new XReadArgs.StreamOffset[0]));
     }
 
@@ -503,7 +570,7 @@ public final class Worker implements AutoCloseable {
     // --- one entry (section 5.1) ---------------------------------------------------------------
 
     private void process(Entry e, Envelope env, MalformedEntryException malformed, boolean cancelled) {
-        MDC.put("queue", queue);
+        MDC.put("queue", e.queue());
         MDC.put("entry_id", e.id());
         if (env == null) {
             LOG.error("malformed entry {} in {}: {}", e.id(), e.stream(), malformed.getMessage());
@@ -543,7 +610,7 @@ public final class Worker implements AutoCloseable {
             return;
         }
         int redeliveries = intField(e, "n") + intField(e, "r");
-        Task task = new Task(env, queue, e.stream(), e.id(), redeliveries);
+        Task task = new Task(env, e.queue(), e.stream(), e.id(), redeliveries);
 
         String holder = null;
         if (env.idempotencyKey() != null) {
@@ -894,8 +961,9 @@ public final class Worker implements AutoCloseable {
         }
         long due = next.scheduleTime() != null && !delay.isZero() ? next.scheduleTime().toEpochMilli() : 0;
         String bucket = Keys.bucketFor(next.priority());
+        String queue = e.queue();
         if (due > 0) {
-            registerDelayed();
+            registerDelayed(queue);
         }
         settle("retry.lua", () -> {
             Long r = link.write(e.stream(), node -> Scripts.run(node, "retry", ScriptOutputType.INTEGER,
@@ -909,7 +977,7 @@ public final class Worker implements AutoCloseable {
     }
 
     /** {@code SADD <prefix>:queues}, on its own, before a delayed store (section 2, registries). */
-    private void registerDelayed() {
+    private void registerDelayed(String queue) {
         settle("register the queue", () -> redis().sadd(keys.queues(), Redis.b(queue)));
     }
 
@@ -922,7 +990,8 @@ public final class Worker implements AutoCloseable {
         String bucket = Keys.bucketFor(env.priority());
         byte[] enc = e.fields().get("enc");
         byte[] body = e.fields().get("body");
-        registerDelayed();
+        String queue = e.queue();
+        registerDelayed(queue);
         settle("reschedule", () -> txLink.transaction(e.stream(), tx -> {
             tx.eval(Scripts.get("schedule").source(), ScriptOutputType.INTEGER,
                     new String[] {keys.delayed(queue), keys.delayedData(queue), keys.published(queue, env.taskId())},
@@ -950,6 +1019,7 @@ public final class Worker implements AutoCloseable {
 
     private void deadLetter(Entry e, Envelope env, Failure f) {
         Timestamp now = Timestamp.now();
+        String queue = e.queue();
         List<Object> args = new ArrayList<>(List.of(cfg.group, e.id(),
                 "dlq", "1",
                 "failure_class", f.failureClass(),
@@ -997,7 +1067,7 @@ public final class Worker implements AutoCloseable {
      * The FAILURE result of an entry requeue.lua dead-lettered as {@code redelivery_limit}, read back
      * from its dead-letter entry (off the lease thread: the write may wait for the backend).
      */
-    private void reportRedeliveryLimit(String deadId) {
+    private void reportRedeliveryLimit(String queue, String deadId) {
         try {
             handlerThreads.execute(() -> {
                 try {
@@ -1113,7 +1183,7 @@ public final class Worker implements AutoCloseable {
                 Thread.currentThread().interrupt();
             }
             finishClose();
-        }, "envelope-close-" + queue);
+        }, "envelope-close-" + name);
         rest.setDaemon(true);
         rest.start();
     }
@@ -1127,13 +1197,14 @@ public final class Worker implements AutoCloseable {
             LOG.warn("deleting the liveness key failed: {}", e.toString());
         }
         results.close();
-        blockLink.close();
+        waiters.shutdownNow();
+        blockLinks.values().forEach(Link::close);
         txLink.close();
         link.close();
         if (ownsClient) {
             Redis.shutdown(client);
         }
-        LOG.info("worker stopped: queue={} consumer={}", queue, consumer);
+        LOG.info("worker stopped: queue={} consumer={}", name, consumer);
     }
 
     private static String hostName() {
@@ -1162,7 +1233,7 @@ public final class Worker implements AutoCloseable {
         private Link.Durability durability = Link.Durability.NONE;
         private Duration outageTolerance = Duration.ofSeconds(30);
         private String prefix = Keys.DEFAULT_PREFIX;
-        private String queue = "celery";
+        private List<String> queues = List.of("celery");
         private String group = Keys.DEFAULT_GROUP;
         private String consumer;
         private int concurrency = 4;
@@ -1209,7 +1280,25 @@ public final class Worker implements AutoCloseable {
         /** How long a step that settles an entry is retried while Redis is away or failing over (30 s). */
         public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
         public Builder prefix(String v) { prefix = Objects.requireNonNull(v); return this; }
-        public Builder queue(String v) { queue = Keys.checkQueueName(v); return this; }
+        /** The one queue to consume ({@code celery} unless set). */
+        public Builder queue(String v) { return queues(v); }
+        /**
+         * The queues to consume, served in this order: an earlier queue gets the credit first (the
+         * order of Celery's {@code -Q}). On a Cluster they may live on different shards.
+         */
+        public Builder queues(String... v) {
+            if (v.length == 0) {
+                throw new IllegalArgumentException("queues must name at least one queue");
+            }
+            java.util.LinkedHashSet<String> names = new java.util.LinkedHashSet<>();
+            for (String q : v) {
+                if (!names.add(Keys.checkQueueName(q))) {
+                    throw new IllegalArgumentException("queue " + q + " is named twice");
+                }
+            }
+            queues = List.copyOf(names);
+            return this;
+        }
         public Builder group(String v) { group = Objects.requireNonNull(v); return this; }
         /** The consumer name (no spaces); {@code <host>-<pid>-<random>} unless set. */
         public Builder consumer(String v) {
