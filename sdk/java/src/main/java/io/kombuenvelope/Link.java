@@ -29,7 +29,7 @@ import org.slf4j.LoggerFactory;
  */
 abstract class Link implements AutoCloseable {
     private static final Logger LOG = LoggerFactory.getLogger(Link.class);
-    /** Least time between two reads of a Cluster's slot map asked for by errors. */
+    /** Least time between two reconnections (Sentinel) or reads of the slot map (Cluster) asked for by errors. */
     private static final long REFRESH_EVERY_NS = 300_000_000L;
 
     /** Replicas to wait for after a write (0: none) and how long. */
@@ -134,6 +134,7 @@ abstract class Link implements AutoCloseable {
         private final RedisClient client;
         private volatile StatefulRedisConnection<String, byte[]> conn;
         private volatile Duration timeout;
+        private long lastReconnect;
 
         Single(RedisClient client, Durability durability) {
             super(durability);
@@ -165,14 +166,16 @@ abstract class Link implements AutoCloseable {
         }
 
         /**
-         * A server that became a replica (READONLY, UNBLOCKED by a role change) keeps its
+         * A server that became a replica (READONLY, a read UNBLOCKED by the role change) keeps its
          * connections: open a new one, which Sentinel points at the new primary.
          */
         @Override
         synchronized void recover(Throwable error) {
-            if (!Redis.isRoleChange(error)) {
+            long now = System.nanoTime();
+            if (!Redis.isRoleChange(error) || now - lastReconnect < REFRESH_EVERY_NS) {
                 return;
             }
+            lastReconnect = now;
             StatefulRedisConnection<String, byte[]> old = conn;
             try {
                 StatefulRedisConnection<String, byte[]> fresh = client.connect(Redis.CODEC);

@@ -104,7 +104,7 @@ final class Redis {
     static boolean isRoleChange(Throwable e) {
         for (Throwable t = e; t != null; t = t.getCause()) {
             String m = String.valueOf(t.getMessage());
-            if (m.startsWith("READONLY") || m.startsWith("UNBLOCKED") || m.contains("master -> replica")) {
+            if (m.startsWith("READONLY") || m.contains("instance state changed") || m.contains("master -> replica")) {
                 return true;
             }
         }

@@ -20,7 +20,7 @@ import java.util.TreeMap;
  * sdk/sync_lua.py), run with EVALSHA and loaded again on NOSCRIPT. Never re-implemented.
  */
 final class Scripts {
-    static final List<String> NAMES = List.of("enqueue", "schedule", "promote", "read", "requeue", "dead_letter",
+    private static final List<String> NAMES = List.of("enqueue", "schedule", "promote", "read", "requeue", "dead_letter",
             "retry", "cancel", "idem_begin", "idem_finish", "retry_slot", "forget_consumer", "replay");
     private static final String RESOURCE_DIR = "/io/kombuenvelope/lua/";
 
