@@ -86,6 +86,49 @@ final class ClusterGroup implements AutoCloseable {
         return -1;
     }
 
+    /** The ports of the primaries that are up and serve slots. */
+    List<Integer> primaries() {
+        List<Integer> out = new ArrayList<>();
+        for (RedisServer n : nodes) {
+            String info = Resp.at(n.port).text("INFO", "replication");
+            if (info.contains("role:master") && !Resp.at(n.port).text("CLUSTER", "NODES").lines()
+                    .filter(l -> l.contains("myself")).findFirst().orElse("").trim().endsWith("-")) {
+                out.add(n.port);
+            }
+        }
+        return out;
+    }
+
+    /**
+     * Moves {@code slot} from its primary to the primary on {@code toPort} as resharding does:
+     * IMPORTING / MIGRATING, MIGRATE of its keys, then {@code between} runs (clients meet ASK and
+     * TRYAGAIN there), then CLUSTER SETSLOT ... NODE on every primary.
+     */
+    void moveSlot(int slot, int toPort, Runnable between) throws IOException {
+        int fromPort = primaryOf(slot);
+        String from = (String) Resp.at(fromPort).call("CLUSTER", "MYID");
+        String to = (String) Resp.at(toPort).call("CLUSTER", "MYID");
+        String s = String.valueOf(slot);
+        Resp.at(toPort).call("CLUSTER", "SETSLOT", s, "IMPORTING", from);
+        Resp.at(fromPort).call("CLUSTER", "SETSLOT", s, "MIGRATING", to);
+        while (true) {
+            List<?> keys = (List<?>) Resp.at(fromPort).call("CLUSTER", "GETKEYSINSLOT", s, "100");
+            if (keys.isEmpty()) {
+                break;
+            }
+            List<String> cmd = new ArrayList<>(List.of("MIGRATE", "127.0.0.1", String.valueOf(toPort), "", "0", "5000",
+                    "KEYS"));
+            keys.forEach(k -> cmd.add(String.valueOf(k)));
+            Resp.at(fromPort).call(cmd.toArray(new String[0]));
+        }
+        between.run();
+        Resp.at(toPort).call("CLUSTER", "SETSLOT", s, "NODE", to);
+        Resp.at(fromPort).call("CLUSTER", "SETSLOT", s, "NODE", to);
+        for (int p : primaries()) {
+            Resp.at(p).call("CLUSTER", "SETSLOT", s, "NODE", to);
+        }
+    }
+
     RedisServer server(int port) {
         return nodes.stream().filter(s -> s.port == port).findFirst().orElseThrow();
     }

@@ -2,6 +2,7 @@ package io.kombuenvelope;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertNotEquals;
+import static org.junit.jupiter.api.Assertions.assertNotNull;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import io.lettuce.core.Consumer;
@@ -16,7 +17,9 @@ import java.time.Instant;
 import java.util.List;
 import java.util.Set;
 import java.util.UUID;
+import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.TimeUnit;
 
 import org.junit.jupiter.api.AfterAll;
 import org.junit.jupiter.api.BeforeAll;
@@ -186,6 +189,38 @@ class ClusterTest {
             assertTrue(w.isReading(), "the worker still reads");
             assertEquals(0, drill.duplicated(), "no effect happened twice");
             assertEquals(0, drill.lost("wait"), "no task published with WAIT was lost");
+        }
+    }
+
+    @Test
+    @Order(5)
+    void aWorkerWhoseQueueSlotMovesKeepsConsuming() throws Exception {
+        String prefix = prefix();
+        Keys keys = new Keys(prefix);
+        int slot = cluster.slot(keys.stream(queueB, "normal"));
+        int from = cluster.primaryOf(slot);
+        int to = cluster.primaries().stream().filter(p -> p != from).findFirst().orElseThrow();
+        Set<String> ran = ConcurrentHashMap.newKeySet();
+        try (Producer p = Producer.builder().client(client).prefix(prefix).queue(queueB).build();
+             Worker w = worker(prefix, queueB).handler("job.run", t -> ran.add(t.get("k").asText())).build().start()) {
+            p.publish(Envelope.builder("job.run").put("k", "before").build());
+            p.publishIn(Envelope.builder("job.run").put("k", "delayed-across").build(), Duration.ofMillis(1500));
+            SentinelGroup.await("the first task ran", () -> ran.contains("before"));
+            CompletableFuture<PublishResult> during = new CompletableFuture<>();
+            cluster.moveSlot(slot, to, () -> {
+                during.completeAsync(() -> p.publish(Envelope.builder("job.run").put("k", "during").build()));
+                try {
+                    Thread.sleep(300); // the publish meets ASK / TRYAGAIN meanwhile
+                } catch (InterruptedException e) {
+                    Thread.currentThread().interrupt();
+                }
+            });
+            assertEquals(to, cluster.primaryOf(slot), "the slot moved");
+            assertNotNull(during.get(30, TimeUnit.SECONDS).entryId());
+            p.publish(Envelope.builder("job.run").put("k", "after").build());
+            SentinelGroup.await("the tasks published during and after the move ran",
+                    () -> ran.containsAll(Set.of("during", "after", "delayed-across")));
+            assertTrue(w.isReading(), "the worker still reads");
         }
     }
 }
