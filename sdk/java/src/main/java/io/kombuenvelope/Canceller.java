@@ -1,12 +1,12 @@
 package io.kombuenvelope;
 
 import io.lettuce.core.Range;
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.TransactionResult;
 import io.lettuce.core.ZAddArgs;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.RedisClusterClient;
 
 import java.time.Duration;
 import java.util.ArrayList;
@@ -24,22 +24,22 @@ public final class Canceller implements AutoCloseable {
     /** How long a cancel mark is kept. */
     public static final Duration MARK_TTL = Duration.ofDays(7);
 
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final boolean ownsClient;
-    private final StatefulRedisConnection<String, byte[]> connection;
+    private final Link link;
     private final Keys keys;
     private final Duration outageTolerance;
 
-    private Canceller(RedisClient client, boolean ownsClient, Keys keys, Duration outageTolerance) {
+    private Canceller(AbstractRedisClient client, boolean ownsClient, Keys keys, Duration outageTolerance) {
         this.client = client;
         this.ownsClient = ownsClient;
-        this.connection = client.connect(Redis.CODEC);
+        this.link = Link.open(client, Link.Durability.NONE);
         this.keys = keys;
         this.outageTolerance = outageTolerance;
     }
 
     /** A canceller on a client it does not own (the producer's). */
-    static Canceller on(RedisClient client, Keys keys, Duration outageTolerance) {
+    static Canceller on(AbstractRedisClient client, Keys keys, Duration outageTolerance) {
         return new Canceller(client, false, keys, outageTolerance);
     }
 
@@ -57,16 +57,18 @@ public final class Canceller implements AutoCloseable {
         return run(Keys.checkQueueName(queue), taskId);
     }
 
-    /** One cancel at a time: the mark is a MULTI on the canceller's connection. */
+    /**
+     * One cancel at a time: the mark is a MULTI on the canceller's connection (one key, so one
+     * slot), and each queue's cancel.lua touches that queue's slot only.
+     */
     private synchronized CancelResult run(String onlyQueue, String taskId) {
         checkTaskId(taskId);
-        boolean marked = Redis.retrying(outageTolerance, () -> mark(taskId));
-        List<String> queues = onlyQueue != null ? List.of(onlyQueue) : Redis.retrying(outageTolerance, this::queues);
+        boolean marked = Redis.retrying(link, outageTolerance, () -> mark(taskId));
+        List<String> queues = onlyQueue != null ? List.of(onlyQueue) : Redis.retrying(link, outageTolerance, this::queues);
         String removedFrom = null;
-        RedisCommands<String, byte[]> redis = connection.sync();
         for (String queue : queues) {
-            byte[] r = Redis.retrying(outageTolerance, () -> Scripts.run(redis, "cancel", ScriptOutputType.VALUE,
-                    List.of(keys.delayed(queue), keys.delayedData(queue)), taskId));
+            byte[] r = Redis.retrying(link, outageTolerance, () -> Scripts.run(link.sync(), "cancel",
+                    ScriptOutputType.VALUE, List.of(keys.delayed(queue), keys.delayedData(queue)), taskId));
             if ("removed".equals(Redis.s(r)) && removedFrom == null) {
                 removedFrom = queue;
             }
@@ -80,7 +82,7 @@ public final class Canceller implements AutoCloseable {
     /** Drops marks older than a week and adds this one, in one MULTI; answers whether it is new. */
     private boolean mark(String taskId) {
         long now = System.currentTimeMillis();
-        TransactionResult r = Redis.transaction(connection, tx -> {
+        TransactionResult r = link.transaction(keys.cancelled(), tx -> {
             tx.zremrangebyscore(keys.cancelled(), Range.from(Range.Boundary.unbounded(),
                     Range.Boundary.including(now - MARK_TTL.toMillis())));
             tx.zadd(keys.cancelled(), ZAddArgs.Builder.nx(), (double) now, Redis.b(taskId));
@@ -90,7 +92,7 @@ public final class Canceller implements AutoCloseable {
 
     private List<String> queues() {
         TreeSet<String> names = new TreeSet<>();
-        connection.sync().smembers(keys.queues()).forEach(b -> names.add(Redis.s(b)));
+        link.sync().smembers(keys.queues()).forEach(b -> names.add(Redis.s(b)));
         return new ArrayList<>(names);
     }
 
@@ -102,32 +104,34 @@ public final class Canceller implements AutoCloseable {
 
     @Override
     public void close() {
-        connection.close();
+        link.close();
         if (ownsClient) {
-            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+            Redis.shutdown(client);
         }
     }
 
     /** Options of a {@link Canceller}. */
     public static final class Builder {
         private String redisUri = "redis://127.0.0.1:6379";
-        private RedisClient client;
+        private AbstractRedisClient client;
         private String prefix = Keys.DEFAULT_PREFIX;
         private Duration outageTolerance = Duration.ofSeconds(30);
 
         private Builder() {}
 
-        /** A Redis URI such as {@code redis://127.0.0.1:6379/0}. */
-        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
-        /** Share a Lettuce client (the canceller then does not shut it down). */
+        /** A Redis URL, also Sentinel or Cluster (see {@link RedisUrl}); checked at once. */
+        public Builder redisUri(String v) { RedisUrl.parse(v); redisUri = v; return this; }
+        /** Share a Lettuce client, direct or Sentinel (the canceller then does not shut it down). */
         public Builder client(RedisClient v) { client = v; return this; }
+        /** Share a Lettuce Redis Cluster client (the canceller then does not shut it down). */
+        public Builder client(RedisClusterClient v) { client = v; return this; }
         public Builder prefix(String v) { prefix = v; return this; }
         /** How long each step is retried while Redis is unreachable (30 s by default). */
         public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
 
         public Canceller build() {
             boolean owns = client == null;
-            return new Canceller(owns ? Redis.client(redisUri) : client, owns, new Keys(prefix), outageTolerance);
+            return new Canceller(Redis.clientOr(client, redisUri), owns, new Keys(prefix), outageTolerance);
         }
     }
 }

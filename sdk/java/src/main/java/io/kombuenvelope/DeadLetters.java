@@ -2,14 +2,14 @@ package io.kombuenvelope;
 
 import io.lettuce.core.Limit;
 import io.lettuce.core.Range;
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.StreamMessage;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.RedisClusterClient;
+import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 
 import java.net.InetAddress;
-import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Collections;
 import java.util.LinkedHashMap;
@@ -21,19 +21,17 @@ import java.util.function.UnaryOperator;
 
 /** Lists, gets, counts, purges and replays dead-letter entries (the same operations as Python's DeadLetters). */
 public final class DeadLetters implements AutoCloseable {
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final boolean ownsClient;
-    private final StatefulRedisConnection<String, byte[]> conn;
-    private final RedisCommands<String, byte[]> redis;
+    private final Link link;
     private final Keys keys;
     private final Limits limits;
     private final int gzipMin;
 
     private DeadLetters(Builder b) {
         this.ownsClient = b.client == null;
-        this.client = b.client != null ? b.client : Redis.client(b.redisUri);
-        this.conn = client.connect(Redis.CODEC);
-        this.redis = conn.sync();
+        this.client = Redis.clientOr(b.client, b.redisUri);
+        this.link = Link.open(client, Link.Durability.NONE);
         this.keys = new Keys(b.prefix);
         this.limits = b.limits;
         this.gzipMin = b.gzipMin;
@@ -46,7 +44,7 @@ public final class DeadLetters implements AutoCloseable {
     /** Queues that have had dead-letter entries, sorted. */
     public List<String> queues() {
         TreeSet<String> out = new TreeSet<>();
-        for (byte[] q : redis.smembers(keys.deadQueues())) {
+        for (byte[] q : redis().smembers(keys.deadQueues())) {
             out.add(Redis.s(q));
         }
         return new ArrayList<>(out);
@@ -55,7 +53,7 @@ public final class DeadLetters implements AutoCloseable {
     /** Up to {@code limit} entries of {@code queue}, oldest first. */
     public List<DeadLetter> list(String queue, int limit) {
         List<DeadLetter> out = new ArrayList<>();
-        for (StreamMessage<String, byte[]> m : redis.xrange(keys.dead(Keys.checkQueueName(queue)),
+        for (StreamMessage<String, byte[]> m : redis().xrange(keys.dead(Keys.checkQueueName(queue)),
                 Range.create("-", "+"), Limit.from(limit))) {
             out.add(entry(queue, m.getId(), m.getBody()));
         }
@@ -64,18 +62,18 @@ public final class DeadLetters implements AutoCloseable {
 
     /** One entry by id, or null. */
     public DeadLetter get(String queue, String entryId) {
-        List<StreamMessage<String, byte[]>> found = redis.xrange(keys.dead(Keys.checkQueueName(queue)),
+        List<StreamMessage<String, byte[]>> found = redis().xrange(keys.dead(Keys.checkQueueName(queue)),
                 Range.create(entryId, entryId));
         return found.isEmpty() ? null : entry(queue, entryId, found.get(0).getBody());
     }
 
     public long count(String queue) {
-        return redis.xlen(keys.dead(Keys.checkQueueName(queue)));
+        return redis().xlen(keys.dead(Keys.checkQueueName(queue)));
     }
 
     /** Deletes entries by id; answers how many were deleted. */
     public long delete(String queue, String... entryIds) {
-        return entryIds.length == 0 ? 0 : redis.xdel(keys.dead(Keys.checkQueueName(queue)), entryIds);
+        return entryIds.length == 0 ? 0 : redis().xdel(keys.dead(Keys.checkQueueName(queue)), entryIds);
     }
 
     /** Replays unchanged (retry_count back to 0, runs now). */
@@ -105,10 +103,15 @@ public final class DeadLetters implements AutoCloseable {
         e.checkPublishable(limits, java.time.Instant.now());
         EntryCodec.Body body = EntryCodec.encodeBody(e, gzipMin, limits);
         String who = operator != null ? operator : System.getProperty("user.name", "?") + "@" + hostName();
-        byte[] r = Scripts.run(redis, "replay", ScriptOutputType.VALUE,
+        byte[] r = Scripts.run(redis(), "replay", ScriptOutputType.VALUE,
                 List.of(keys.dead(queue), keys.stream(queue, Keys.bucketFor(e.priority())), keys.replayed(queue)),
                 entryId, body.enc(), body.bytes(), "replayed_at", Timestamp.now().toString(), "operator", who);
         return Redis.s(r);
+    }
+
+    /** Commands routed by key: every operation touches one queue's slot, or the registry alone. */
+    private RedisClusterCommands<String, byte[]> redis() {
+        return link.sync();
     }
 
     private DeadLetter entry(String queue, String id, Map<String, byte[]> fields) {
@@ -141,24 +144,28 @@ public final class DeadLetters implements AutoCloseable {
 
     @Override
     public void close() {
-        conn.close();
+        link.close();
         if (ownsClient) {
-            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+            Redis.shutdown(client);
         }
     }
 
     /** Options of {@link DeadLetters}. */
     public static final class Builder {
         private String redisUri = "redis://127.0.0.1:6379";
-        private RedisClient client;
+        private AbstractRedisClient client;
         private String prefix = Keys.DEFAULT_PREFIX;
         private Limits limits = Limits.DEFAULT;
         private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
 
         private Builder() {}
 
-        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
+        /** A Redis URL, also Sentinel or Cluster (see {@link RedisUrl}); checked at once. */
+        public Builder redisUri(String v) { RedisUrl.parse(v); redisUri = v; return this; }
+        /** Share a Lettuce client, direct or Sentinel (the tool then does not shut it down). */
         public Builder client(RedisClient v) { client = v; return this; }
+        /** Share a Lettuce Redis Cluster client (the tool then does not shut it down). */
+        public Builder client(RedisClusterClient v) { client = v; return this; }
         public Builder prefix(String v) { prefix = Objects.requireNonNull(v); return this; }
         public Builder limits(Limits v) { limits = Objects.requireNonNull(v); return this; }
         public Builder gzipMinBytes(int v) { gzipMin = v; return this; }

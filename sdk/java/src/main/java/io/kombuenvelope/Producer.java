@@ -1,9 +1,9 @@
 package io.kombuenvelope;
 
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.ScriptOutputType;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.RedisClusterClient;
 
 import java.security.SecureRandom;
 import java.time.Duration;
@@ -16,17 +16,18 @@ import java.util.Objects;
 /**
  * Publishes Envelopes (docs/protocol.md section 4): due tasks with enqueue.lua, future ones with
  * schedule.lua, each publish with one token sent unchanged with every try, so a publish retried
- * after a lost reply is stored once. Thread-safe; close it when done.
+ * after a lost reply is stored once. Works on one server, behind Sentinel and on Redis Cluster
+ * (each publish touches its queue's slot only); optionally waits for replicas after each publish.
+ * Thread-safe; close it when done.
  */
 public final class Producer implements AutoCloseable {
     /** How long a publish token is remembered (ms): the retry time plus a minute. */
     public static final long PUBLISH_DEDUPE_MS = 90_000;
     private static final SecureRandom RANDOM = new SecureRandom();
 
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final boolean ownsClient;
-    private final StatefulRedisConnection<String, byte[]> connection;
-    private final RedisCommands<String, byte[]> redis;
+    private final Link link;
     private final Keys keys;
     private final String queue;
     private final Limits limits;
@@ -36,9 +37,8 @@ public final class Producer implements AutoCloseable {
 
     private Producer(Builder b) {
         this.ownsClient = b.client == null;
-        this.client = b.client != null ? b.client : Redis.client(b.redisUri);
-        this.connection = client.connect(Redis.CODEC);
-        this.redis = connection.sync();
+        this.client = Redis.clientOr(b.client, b.redisUri);
+        this.link = Link.open(client, b.durability);
         this.keys = new Keys(b.prefix);
         this.queue = Keys.checkQueueName(b.queue);
         this.limits = b.limits;
@@ -103,28 +103,21 @@ public final class Producer implements AutoCloseable {
         String token = newPublishToken();
         String taskId = valid.taskId();
         if (valid.isDue(now)) {
-            byte[] id = Redis.retrying(outageTolerance, () -> Scripts.run(redis, "enqueue", ScriptOutputType.VALUE,
-                    List.of(keys.stream(queue, bucket), keys.delayed(queue), keys.delayedData(queue),
+            String stream = keys.stream(queue, bucket);
+            byte[] id = Redis.retrying(link, outageTolerance, () -> link.write(stream, r -> Scripts.run(r, "enqueue",
+                    ScriptOutputType.VALUE, List.of(stream, keys.delayed(queue), keys.delayedData(queue),
                             keys.published(queue, taskId)),
-                    taskId, body.enc(), body.bytes(), token, PUBLISH_DEDUPE_MS));
+                    taskId, body.enc(), body.bytes(), token, PUBLISH_DEDUPE_MS)));
             return new PublishResult(taskId, Redis.s(id), false);
         }
         long due = valid.dueMs(now.toEpochMilli());
-        Redis.retrying(outageTolerance, () -> {
-            storeDelayed(redis, keys, queue, taskId, due, bucket, body.enc(), body.bytes(), token);
-            return null;
-        });
+        // The registry first, on its own: a crash in between leaves a listed empty queue (section 2).
+        Redis.retrying(link, outageTolerance, () -> link.sync().sadd(keys.queues(), Redis.b(queue)));
+        String delayed = keys.delayed(queue);
+        Redis.retrying(link, outageTolerance, () -> link.write(delayed, r -> Scripts.run(r, "schedule",
+                ScriptOutputType.INTEGER, List.of(delayed, keys.delayedData(queue), keys.published(queue, taskId)),
+                taskId, due, bucket, body.enc(), body.bytes(), keys.wakeup(), token, PUBLISH_DEDUPE_MS)));
         return new PublishResult(taskId, null, true);
-    }
-
-    /** SADD the queue registry and run schedule.lua (section 4, step 3). */
-    static long storeDelayed(RedisCommands<String, byte[]> redis, Keys keys, String queue, String taskId, long dueMs,
-                             String bucket, String enc, byte[] body, String token) {
-        redis.sadd(keys.queues(), Redis.b(queue));
-        Long r = Scripts.run(redis, "schedule", ScriptOutputType.INTEGER,
-                List.of(keys.delayed(queue), keys.delayedData(queue), keys.published(queue, taskId)),
-                taskId, dueMs, bucket, enc, body, keys.wakeup(), token, PUBLISH_DEDUPE_MS);
-        return r == null ? 0 : r;
     }
 
     /**
@@ -156,28 +149,42 @@ public final class Producer implements AutoCloseable {
                 canceller.close();
             }
         }
-        connection.close();
+        link.close();
         if (ownsClient) {
-            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+            Redis.shutdown(client);
         }
     }
 
     /** Options of a {@link Producer}. */
     public static final class Builder {
         private String redisUri = "redis://127.0.0.1:6379";
-        private RedisClient client;
+        private AbstractRedisClient client;
         private String prefix = Keys.DEFAULT_PREFIX;
         private String queue = "celery";
         private Limits limits = Limits.DEFAULT;
         private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
         private Duration outageTolerance = Duration.ofSeconds(30);
+        private Link.Durability durability = Link.Durability.NONE;
 
         private Builder() {}
 
-        /** A Redis URI such as {@code redis://127.0.0.1:6379/0}. */
-        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
-        /** Share a Lettuce client (the producer then does not shut it down). */
+        /**
+         * A Redis URL: {@code redis://127.0.0.1:6379/0}, a Sentinel ({@code redis-sentinel://...#master})
+         * or a Cluster ({@code redis-cluster://...}); see {@link RedisUrl}. Checked at once.
+         */
+        public Builder redisUri(String v) { RedisUrl.parse(v); redisUri = v; return this; }
+        /** Share a Lettuce client, direct or Sentinel (the producer then does not shut it down). */
         public Builder client(RedisClient v) { client = v; return this; }
+        /** Share a Lettuce Redis Cluster client (the producer then does not shut it down). */
+        public Builder client(RedisClusterClient v) { client = v; return this; }
+        /**
+         * After each publish, {@code WAIT} for {@code replicas} replicas of the primary that took it,
+         * at most {@code timeout}; fewer is logged and the publish stands (0, the default: no WAIT).
+         */
+        public Builder waitReplicas(int replicas, Duration timeout) {
+            durability = new Link.Durability(replicas, timeout);
+            return this;
+        }
         public Builder prefix(String v) { prefix = v; return this; }
         /** The default queue of {@link #publish(Envelope)}; {@code celery} unless set. */
         public Builder queue(String v) { queue = Keys.checkQueueName(v); return this; }

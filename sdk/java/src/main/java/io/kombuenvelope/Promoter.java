@@ -1,9 +1,10 @@
 package io.kombuenvelope;
 
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.ScriptOutputType;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.RedisClusterClient;
+import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 import io.lettuce.core.pubsub.RedisPubSubAdapter;
 import io.lettuce.core.pubsub.StatefulRedisPubSubConnection;
 
@@ -20,15 +21,15 @@ import org.slf4j.LoggerFactory;
  * Moves due delayed tasks to their streams (docs/protocol.md section 6): promote.lua for every
  * queue of {@code <prefix>:queues} with Redis' clock, repeated while a call moved a full batch;
  * sleeps until the earliest due time, a message on {@code <prefix>:wakeup}, or the poll interval.
- * Any number may run at once.
+ * Any number may run at once. On a Cluster each promote.lua call touches one queue's slot; a
+ * failover or a moved slot is waited out, never fatal.
  */
 public final class Promoter implements AutoCloseable {
     private static final Logger LOG = LoggerFactory.getLogger(Promoter.class);
 
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final boolean ownsClient;
-    private final StatefulRedisConnection<String, byte[]> conn;
-    private final RedisCommands<String, byte[]> redis;
+    private final Link link;
     private final Keys keys;
     private final int batch;
     private final Duration poll;
@@ -40,9 +41,8 @@ public final class Promoter implements AutoCloseable {
 
     private Promoter(Builder b) {
         this.ownsClient = b.client == null;
-        this.client = b.client != null ? b.client : Redis.client(b.redisUri);
-        this.conn = client.connect(Redis.CODEC);
-        this.redis = conn.sync();
+        this.client = Redis.clientOr(b.client, b.redisUri);
+        this.link = Link.open(client, Link.Durability.NONE);
         this.keys = new Keys(b.prefix);
         this.batch = b.batch;
         this.poll = b.poll;
@@ -54,6 +54,7 @@ public final class Promoter implements AutoCloseable {
 
     /** One pass over every queue; answers how many tasks were moved and the earliest due time (-1: none). */
     public long[] promoteOnce() {
+        RedisClusterCommands<String, byte[]> redis = link.sync();
         List<byte[]> time = redis.time();
         long now = Long.parseLong(Redis.s(time.get(0))) * 1000 + Long.parseLong(Redis.s(time.get(1))) / 1000;
         Set<String> queues = new TreeSet<>();
@@ -90,7 +91,7 @@ public final class Promoter implements AutoCloseable {
             return this;
         }
         try {
-            sub = client.connectPubSub(Redis.CODEC);
+            sub = link.pubSub();
             sub.addListener(new RedisPubSubAdapter<>() {
                 @Override
                 public void message(String channel, byte[] message) {
@@ -122,6 +123,7 @@ public final class Promoter implements AutoCloseable {
                 if (stopping) {
                     return;
                 }
+                link.recover(e);
                 LOG.warn("promoting failed; retrying: {}", e.toString());
             }
             synchronized (wake) {
@@ -153,24 +155,30 @@ public final class Promoter implements AutoCloseable {
         if (sub != null) {
             sub.close();
         }
-        conn.close();
+        link.close();
         if (ownsClient) {
-            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+            Redis.shutdown(client);
         }
     }
 
     /** Options of a {@link Promoter}. */
     public static final class Builder {
         private String redisUri = "redis://127.0.0.1:6379";
-        private RedisClient client;
+        private AbstractRedisClient client;
         private String prefix = Keys.DEFAULT_PREFIX;
         private int batch = 100;
         private Duration poll = Duration.ofSeconds(2);
 
         private Builder() {}
 
-        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
+        /** A Redis URL, also Sentinel or Cluster (see {@link RedisUrl}); checked at once. */
+        public Builder redisUri(String v) { RedisUrl.parse(v); redisUri = v; return this; }
+        /** Share a Lettuce client, direct or Sentinel (the promoter then does not shut it down). */
         public Builder client(RedisClient v) { client = v; return this; }
+        /** Share a Lettuce Redis Cluster client (the promoter then does not shut it down). */
+        public Builder client(RedisClusterClient v) { client = v; return this; }
+        /** Share any Lettuce client the SDK supports (the worker's own promoter). */
+        Builder client(AbstractRedisClient v) { client = v; return this; }
         public Builder prefix(String v) { prefix = Objects.requireNonNull(v); return this; }
         public Builder batch(int v) { batch = v; return this; }
         /** Longest sleep between passes (2 s by default), so new queues are seen. */

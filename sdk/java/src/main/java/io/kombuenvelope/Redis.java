@@ -1,5 +1,6 @@
 package io.kombuenvelope;
 
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.ClientOptions;
 import io.lettuce.core.RedisBusyException;
 import io.lettuce.core.RedisClient;
@@ -17,6 +18,7 @@ import io.lettuce.core.protocol.ProtocolVersion;
 
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
+import java.util.List;
 import java.util.function.Consumer;
 import java.util.function.Supplier;
 
@@ -27,11 +29,27 @@ final class Redis {
 
     private Redis() {}
 
+    /** A client of one server ({@code redis://}, {@code rediss://}). */
     static RedisClient client(String uri) {
-        RedisClient client = RedisClient.create(RedisURI.create(uri));
+        return client(RedisURI.create(uri));
+    }
+
+    /** A client of one server, or of the primary a Sentinel URI names, reconnecting by itself. */
+    static RedisClient client(RedisURI uri) {
+        RedisClient client = RedisClient.create(uri);
         client.setOptions(ClientOptions.builder().protocolVersion(ProtocolVersion.RESP2)
                 .autoReconnect(true).build());
         return client;
+    }
+
+    /** {@code given}, or a new client for {@code url} when it is null. */
+    static AbstractRedisClient clientOr(AbstractRedisClient given, String url) {
+        return given != null ? given : RedisUrl.client(url);
+    }
+
+    /** Shuts down a client this SDK made. */
+    static void shutdown(AbstractRedisClient client) {
+        client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
     }
 
     static byte[] b(String s) {
@@ -48,30 +66,70 @@ final class Redis {
         return String.valueOf(o);
     }
 
-    /** Whether an error means Redis was unreachable or not ready, so a safe command may be repeated. */
+    /** Error replies of a node that is not (or not yet) the primary of the keys asked for. */
+    private static final List<String> FAILOVER_REPLIES = List.of("LOADING", "MASTERDOWN", "TRYAGAIN", "READONLY",
+            "MOVED", "ASK", "CLUSTERDOWN", "UNBLOCKED", "NOREPLICAS");
+
+    /**
+     * Whether an error means Redis was unreachable, not ready, or between roles (a failover, a
+     * slot that moved), so a safe command may be repeated (docs/protocol.md section 5, failover).
+     */
     static boolean isOutage(Throwable e) {
-        if (e instanceof RedisConnectionException || e instanceof RedisCommandTimeoutException) {
-            return true;
+        for (Throwable t = e; t != null; t = t.getCause()) {
+            if (t instanceof RedisConnectionException || t instanceof RedisCommandTimeoutException
+                    || t instanceof java.io.IOException) {
+                return true;
+            }
+            if (t instanceof RedisBusyException) {
+                return false;
+            }
+            if (t instanceof RedisException) {
+                String m = String.valueOf(t.getMessage());
+                for (String reply : FAILOVER_REPLIES) {
+                    if (m.startsWith(reply + " ") || m.equals(reply) || m.contains("ERR " + reply)
+                            || m.contains(": " + reply + " ")) {
+                        return true;
+                    }
+                }
+                if (m.contains("Connection closed") || m.contains("Connection reset") || m.contains("not connected")
+                        || m.contains("Connection refused") || m.contains("EXECABORT")) {
+                    return true;
+                }
+            }
         }
-        if (e instanceof RedisBusyException) {
-            return false;
-        }
-        if (e instanceof RedisException) {
-            String m = String.valueOf(e.getMessage());
-            return m.startsWith("LOADING") || m.startsWith("MASTERDOWN") || m.startsWith("TRYAGAIN")
-                    || m.contains("Connection closed") || m.contains("Connection reset") || m.contains("not connected");
+        return false;
+    }
+
+    /** Whether an error says the server is no longer the primary (a failover demoted it). */
+    static boolean isRoleChange(Throwable e) {
+        for (Throwable t = e; t != null; t = t.getCause()) {
+            String m = String.valueOf(t.getMessage());
+            if (m.startsWith("READONLY") || m.contains("instance state changed") || m.contains("master -> replica")) {
+                return true;
+            }
         }
         return false;
     }
 
     /** Repeats {@code call} while Redis is unreachable, for at most {@code tolerance}. */
     static <T> T retrying(Duration tolerance, Supplier<T> call) {
+        return retrying(null, tolerance, call);
+    }
+
+    /**
+     * Repeats {@code call} while Redis is unreachable or failing over, for at most {@code tolerance};
+     * each error is shown to {@code link} (when not null) first, so it can find the new primary.
+     */
+    static <T> T retrying(Link link, Duration tolerance, Supplier<T> call) {
         long deadline = System.nanoTime() + tolerance.toNanos();
         long delay = 50;
         while (true) {
             try {
                 return call.get();
             } catch (RuntimeException e) {
+                if (link != null) {
+                    link.recover(e);
+                }
                 if (!isOutage(e) || System.nanoTime() + delay * 1_000_000 > deadline) {
                     throw e;
                 }

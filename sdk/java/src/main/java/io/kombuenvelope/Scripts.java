@@ -2,7 +2,7 @@ package io.kombuenvelope;
 
 import io.lettuce.core.RedisNoScriptException;
 import io.lettuce.core.ScriptOutputType;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 
 import java.io.IOException;
 import java.io.InputStream;
@@ -20,7 +20,7 @@ import java.util.TreeMap;
  * sdk/sync_lua.py), run with EVALSHA and loaded again on NOSCRIPT. Never re-implemented.
  */
 final class Scripts {
-    static final List<String> NAMES = List.of("enqueue", "schedule", "promote", "read", "requeue", "dead_letter",
+    private static final List<String> NAMES = List.of("enqueue", "schedule", "promote", "read", "requeue", "dead_letter",
             "retry", "cancel", "idem_begin", "idem_finish", "retry_slot", "forget_consumer", "replay");
     private static final String RESOURCE_DIR = "/io/kombuenvelope/lua/";
 
@@ -64,9 +64,13 @@ final class Scripts {
         return s;
     }
 
-    /** Runs a script; arguments are Strings, byte[] or numbers. */
+    /**
+     * Runs a script with EVALSHA (a cluster client routes it by its first key); a node that does
+     * not know it yet (NOSCRIPT: a new primary, a restart) gets the source with EVAL, which also
+     * caches it there. Arguments are Strings, byte[] or numbers.
+     */
     @SuppressWarnings("unchecked")
-    static <T> T run(RedisCommands<String, byte[]> redis, String name, ScriptOutputType type, List<String> keys,
+    static <T> T run(RedisClusterCommands<String, byte[]> redis, String name, ScriptOutputType type, List<String> keys,
                      Object... args) {
         Script s = get(name);
         String[] k = keys.toArray(new String[0]);
@@ -77,8 +81,7 @@ final class Scripts {
         try {
             return (T) redis.evalsha(s.sha(), type, k, a);
         } catch (RedisNoScriptException e) {
-            redis.scriptLoad(s.source());
-            return (T) redis.evalsha(s.sha(), type, k, a);
+            return (T) redis.eval(s.source(), type, k, a);
         }
     }
 

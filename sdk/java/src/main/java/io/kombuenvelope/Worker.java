@@ -2,6 +2,7 @@ package io.kombuenvelope;
 
 import com.fasterxml.jackson.databind.JsonNode;
 
+import io.lettuce.core.AbstractRedisClient;
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.models.stream.PendingMessage;
@@ -17,8 +18,8 @@ import io.lettuce.core.TransactionResult;
 import io.lettuce.core.XGroupCreateArgs;
 import io.lettuce.core.XPendingArgs;
 import io.lettuce.core.XReadArgs;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
+import io.lettuce.core.cluster.RedisClusterClient;
+import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 
 import java.io.PrintWriter;
 import java.io.StringWriter;
@@ -51,12 +52,15 @@ import org.slf4j.LoggerFactory;
 import org.slf4j.MDC;
 
 /**
- * Consumes one queue (docs/protocol.md sections 5, 5.1, 8, 9): reads with read.lua in the
- * consumer group, renews its liveness key from its own thread, runs registered handlers within
+ * Consumes one queue or several, in their configured order (docs/protocol.md sections 5, 5.1, 8,
+ * 9): reads with read.lua in the consumer group, queue by queue with the credit left and with one
+ * blocking read per queue, renews its liveness key from its own thread, runs registered handlers within
  * {@code timeout_ms}, acknowledges successes, retries with retry.lua, claims idempotency keys and
  * dead-letters malformed entries, unknown task types and final failures. Cancelled and expired
  * tasks are acknowledged without running (sections 5.1, 10); given a result backend, it writes
  * the results Celery callers ask for (section 12). Runs a promoter unless told not to.
+ * Runs on one server, behind Sentinel and on Redis Cluster: every step touches its queue's slot
+ * only (registries on their own, first), and failover errors are waited out, never fatal.
  * {@link #start()} it, {@link #close()} it.
  */
 public final class Worker implements AutoCloseable {
@@ -65,15 +69,21 @@ public final class Worker implements AutoCloseable {
 
     private final Builder cfg;
     private final Map<String, Handler> handlers;
-    private final RedisClient client;
+    private final AbstractRedisClient client;
     private final boolean ownsClient;
-    private final StatefulRedisConnection<String, byte[]> conn;
-    private final StatefulRedisConnection<String, byte[]> txConn;
-    private final StatefulRedisConnection<String, byte[]> blockConn;
-    private final RedisCommands<String, byte[]> redis;
+    /** Commands and the writes that settle entries (WAIT follows them on the same connection). */
+    private final Link link;
+    /** MULTI/EXEC only, one at a time. */
+    private final Link txLink;
+    /** The blocking reads only: one per queue, each waiting on that queue's streams. */
+    private final Map<String, Link> blockLinks = new LinkedHashMap<>();
+    /** The blocking reads under way, per queue. */
+    private final Map<String, CompletableFuture<Void>> waits = new HashMap<>();
+    private final ExecutorService waiters;
     private final Keys keys;
-    private final String queue;
-    private final List<String> streams;
+    private final List<String> queues;
+    /** The queues joined with commas, for logs and thread names. */
+    private final String name;
     private final String consumer;
     private final String host;
     private final String pid;
@@ -96,23 +106,26 @@ public final class Worker implements AutoCloseable {
         this.cfg = b;
         this.handlers = Map.copyOf(b.handlers);
         this.ownsClient = b.client == null;
-        this.client = b.client != null ? b.client : Redis.client(b.redisUri);
-        this.conn = client.connect(Redis.CODEC);
-        this.txConn = client.connect(Redis.CODEC);
-        this.blockConn = client.connect(Redis.CODEC);
-        this.blockConn.setTimeout(b.block.plusSeconds(10));
-        this.redis = conn.sync();
+        this.client = Redis.clientOr(b.client, b.redisUri);
+        this.link = Link.open(client, b.durability);
+        this.txLink = Link.open(client, b.durability);
+        this.queues = List.copyOf(b.queues);
+        this.name = String.join(",", queues);
+        for (String q : queues) {
+            Link l = Link.open(client, Link.Durability.NONE);
+            l.setTimeout(b.block.plusSeconds(3));
+            blockLinks.put(q, l);
+        }
         this.keys = new Keys(b.prefix);
-        this.queue = b.queue;
-        this.streams = keys.taskStreams(queue);
         this.host = hostName();
         this.pid = String.valueOf(ProcessHandle.current().pid());
         this.consumer = b.consumer != null ? b.consumer
                 : host.replace(' ', '_') + "-" + pid + "-" + UUID.randomUUID().toString().substring(0, 8);
         this.credit = new Semaphore(b.concurrency);
-        this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + queue));
-        this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + queue));
-        this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + queue));
+        this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + name));
+        this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + name));
+        this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + name));
+        this.waiters = Executors.newCachedThreadPool(named("envelope-wait-" + name));
         this.results = new CeleryResults(b.resultBackend);
         this.abandoned = new AbandonedClaims(lease);
     }
@@ -125,8 +138,14 @@ public final class Worker implements AutoCloseable {
         return consumer;
     }
 
+    /** The first queue it consumes. */
     public String queue() {
-        return queue;
+        return queues.get(0);
+    }
+
+    /** The queues it consumes, in the order it serves them. */
+    public List<String> queues() {
+        return queues;
     }
 
     /** Each task type this worker runs, with the payload versions it accepts, in order. */
@@ -141,9 +160,6 @@ public final class Worker implements AutoCloseable {
         if (loop != null) {
             return this;
         }
-        for (String name : Scripts.NAMES) {
-            redis.scriptLoad(Scripts.get(name).source());
-        }
         ensureGroups();
         renew();
         long every = Math.max(1, cfg.leaseMs / 3);
@@ -151,16 +167,22 @@ public final class Worker implements AutoCloseable {
         if (cfg.runPromoter) {
             promoter = Promoter.builder().client(client).prefix(cfg.prefix).build().start();
         }
-        loop = new Thread(this::runLoop, "envelope-read-" + queue);
+        loop = new Thread(this::runLoop, "envelope-read-" + name);
         loop.setDaemon(true);
         loop.start();
         if (cfg.closeOnShutdown) {
-            Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
+            Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + name));
         }
-        LOG.atInfo().addKeyValue("queue", queue).addKeyValue("consumer", consumer)
+        LOG.atInfo().addKeyValue("queue", name).addKeyValue("consumer", consumer)
                 .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
                 .addKeyValue("result_backend", results.hasBackend()).log("worker started");
         return this;
+    }
+
+    /** Whether the read loop runs (it stops only when the worker is closed). */
+    boolean isReading() {
+        Thread l = loop;
+        return l != null && l.isAlive() && !stopping.get();
     }
 
     /** Starts and blocks until the worker is closed from another thread. */
@@ -169,10 +191,15 @@ public final class Worker implements AutoCloseable {
         loop.join();
     }
 
+    /** Commands routed by their first key; after a failover, those of the new primary. */
+    private RedisClusterCommands<String, byte[]> redis() {
+        return link.sync();
+    }
+
     // --- liveness ---------------------------------------------------------------------------
 
     private void renew() {
-        redis.set(keys.consumer(consumer), Redis.b(host + " " + pid + " " + LANGUAGE),
+        redis().set(keys.consumer(consumer), Redis.b(host + " " + pid + " " + LANGUAGE),
                 SetArgs.Builder.px(cfg.leaseMs));
     }
 
@@ -190,6 +217,7 @@ public final class Worker implements AutoCloseable {
             }
         } catch (RuntimeException e) {
             renewalsInARow.set(0);
+            link.recover(e);
             LOG.warn("renewing the liveness key failed: {}", e.toString());
         }
     }
@@ -200,10 +228,18 @@ public final class Worker implements AutoCloseable {
      */
     int takeOverDeadConsumers() {
         int moved = 0;
-        for (String stream : streams) {
+        for (String queue : queues) {
+            moved += takeOverDeadConsumers(queue);
+        }
+        return moved;
+    }
+
+    private int takeOverDeadConsumers(String queue) {
+        int moved = 0;
+        for (String stream : keys.taskStreams(queue)) {
             PendingMessages summary;
             try {
-                summary = redis.xpending(stream, cfg.group);
+                summary = redis().xpending(stream, cfg.group);
             } catch (RedisException e) {
                 continue;
             }
@@ -211,26 +247,29 @@ public final class Worker implements AutoCloseable {
                 continue;
             }
             for (String owner : summary.getConsumerMessageCount().keySet()) {
-                if (owner.equals(consumer) || redis.exists(keys.consumer(owner)) > 0) {
+                if (owner.equals(consumer) || redis().exists(keys.consumer(owner)) > 0) {
                     continue;
                 }
-                List<PendingMessage> idle = redis.xpending(stream, XPendingArgs.Builder
+                List<PendingMessage> idle = redis().xpending(stream, XPendingArgs.Builder
                         .xpending(Consumer.from(cfg.group, owner), Range.create("-", "+"), Limit.from(100))
                         .idle(Duration.ofMillis(cfg.leaseMs)));
+                if (!idle.isEmpty()) {
+                    // requeue.lua may dead-letter: the registry first, on its own (section 2).
+                    redis().sadd(keys.deadQueues(), Redis.b(queue));
+                }
                 for (PendingMessage m : idle) {
                     String now = Timestamp.now().toString();
-                    byte[] r = Scripts.run(redis, "requeue", ScriptOutputType.VALUE,
+                    byte[] r = link.write(stream, node -> Scripts.run(node, "requeue", ScriptOutputType.VALUE,
                             List.of(stream, stream, keys.dead(queue)), cfg.group, m.getId(), owner, cfg.leaseMs, 1,
                             cfg.maxRedeliveries, now, "queue", queue, "language", LANGUAGE, "host", host, "pid", pid,
-                            "consumer", owner, "first_failure_at", now, "last_failure_at", now);
+                            "consumer", owner, "first_failure_at", now, "last_failure_at", now));
                     String answer = Redis.s(r);
                     if (answer != null) {
                         moved++;
                         if (answer.startsWith("dead:")) {
-                            redis.sadd(keys.deadQueues(), Redis.b(queue));
                             LOG.error("entry {} of dead consumer {} dead-lettered after too many redeliveries",
                                     m.getId(), owner);
-                            reportRedeliveryLimit(answer.substring("dead:".length()));
+                            reportRedeliveryLimit(queue, answer.substring("dead:".length()));
                         } else {
                             LOG.warn("took over entry {} of dead consumer {}", m.getId(), owner);
                         }
@@ -249,10 +288,10 @@ public final class Worker implements AutoCloseable {
     int forgetDeadConsumers() {
         long idleMs = Math.max(cfg.forgetAfter.toMillis(), cfg.leaseMs);
         int forgotten = 0;
-        for (String stream : streams) {
+        for (String stream : allStreams()) {
             List<Object> consumers;
             try {
-                consumers = redis.xinfoConsumers(stream, cfg.group);
+                consumers = redis().xinfoConsumers(stream, cfg.group);
             } catch (RedisException e) {
                 continue;
             }
@@ -266,10 +305,10 @@ public final class Worker implements AutoCloseable {
                 long pending = kv.get("pending") instanceof Number ? ((Number) kv.get("pending")).longValue() : 1;
                 long idle = kv.get("idle") instanceof Number ? ((Number) kv.get("idle")).longValue() : 0;
                 if (name == null || name.equals(consumer) || pending > 0 || idle < idleMs
-                        || redis.exists(keys.consumer(name)) > 0) {
+                        || redis().exists(keys.consumer(name)) > 0) {
                     continue;
                 }
-                Long r = Scripts.run(redis, "forget_consumer", ScriptOutputType.INTEGER, List.of(stream), cfg.group,
+                Long r = Scripts.run(redis(), "forget_consumer", ScriptOutputType.INTEGER, List.of(stream), cfg.group,
                         name, idleMs);
                 if (r != null && r == 1) {
                     forgotten++;
@@ -282,10 +321,15 @@ public final class Worker implements AutoCloseable {
 
     // --- reading ----------------------------------------------------------------------------
 
+    /** The task streams of every queue consumed. */
+    private List<String> allStreams() {
+        return queues.stream().flatMap(q -> keys.taskStreams(q).stream()).toList();
+    }
+
     private void ensureGroups() {
-        for (String stream : streams) {
+        for (String stream : allStreams()) {
             try {
-                redis.xgroupCreate(XReadArgs.StreamOffset.from(stream, "0"), cfg.group,
+                redis().xgroupCreate(XReadArgs.StreamOffset.from(stream, "0"), cfg.group,
                         XGroupCreateArgs.Builder.mkstream(true));
             } catch (RedisBusyException e) {
                 // BUSYGROUP: it exists
@@ -333,6 +377,8 @@ public final class Worker implements AutoCloseable {
                 }
                 // A read whose reply was lost may have taken entries: look at our own pending ones next.
                 recoverPending = true;
+                link.recover(e);
+                blockLinks.values().forEach(l -> l.recover(e));
                 String m = String.valueOf(e.getMessage());
                 if (m.contains("NOGROUP") || m.contains("no such key")) {
                     LOG.warn("consumer group missing (Redis lost its data?); creating it again");
@@ -341,6 +387,8 @@ public final class Worker implements AutoCloseable {
                     } catch (RuntimeException ignored) {
                         // retried below
                     }
+                } else if (Redis.isOutage(e)) {
+                    LOG.warn("Redis unreachable or failing over; reading again: {}", e.toString());
                 } else {
                     LOG.warn("reading failed; retrying: {}", e.toString());
                 }
@@ -354,15 +402,27 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** An entry read from a stream. */
-    private record Entry(String stream, String id, Map<String, byte[]> fields) {}
+    /** An entry read from a stream of {@code queue}. */
+    private record Entry(String queue, String stream, String id, Map<String, byte[]> fields) {}
+
+    /** At most {@code n} new entries: read.lua queue by queue, in order, with the credit left (one slot per call). */
+    private List<Entry> read(int n) {
+        List<Entry> out = new ArrayList<>();
+        for (String queue : queues) {
+            if (out.size() >= n) {
+                break;
+            }
+            read(queue, n - out.size(), out);
+        }
+        return out;
+    }
 
     @SuppressWarnings("unchecked")
-    private List<Entry> read(int n) {
-        List<Object> reply = Scripts.run(redis, "read", ScriptOutputType.MULTI, streams, cfg.group, consumer, n);
-        List<Entry> out = new ArrayList<>();
+    private void read(String queue, int n, List<Entry> out) {
+        List<Object> reply = Scripts.run(redis(), "read", ScriptOutputType.MULTI, keys.taskStreams(queue), cfg.group,
+                consumer, n);
         if (reply == null) {
-            return out;
+            return;
         }
         for (Object s : reply) {
             List<Object> streamReply = (List<Object>) s;
@@ -378,34 +438,61 @@ public final class Worker implements AutoCloseable {
                         fields.put(Redis.s(flat.get(i)), (byte[]) flat.get(i + 1));
                     }
                 }
-                out.add(new Entry(stream, id, fields));
+                out.add(new Entry(queue, stream, id, fields));
             }
         }
-        return out;
     }
 
-    /** Entries pending for this consumer that it is not running (XREADGROUP ... 0). */
+    /** Entries pending for this consumer that it is not running (XREADGROUP ... 0, queue by queue). */
     @SuppressWarnings("unchecked")
     private List<Entry> ownPending() {
         List<Entry> out = new ArrayList<>();
-        XReadArgs.StreamOffset<String>[] offsets = streams.stream().map(st -> XReadArgs.StreamOffset.from(st, "0"))
-                .toArray(XReadArgs.StreamOffset[]::new);
-        for (StreamMessage<String, byte[]> m : redis.xreadgroup(Consumer.from(cfg.group, consumer), offsets)) {
-            if (!inFlightIds.contains(m.getStream() + " " + m.getId())) {
-                Map<String, byte[]> body = m.getBody();
-                out.add(new Entry(m.getStream(), m.getId(), body == null ? Map.of() : new LinkedHashMap<>(body)));
+        for (String queue : queues) {
+            XReadArgs.StreamOffset<String>[] offsets = keys.taskStreams(queue).stream()
+                    .map(st -> XReadArgs.StreamOffset.from(st, "0")).toArray(XReadArgs.StreamOffset[]::new);
+            for (StreamMessage<String, byte[]> m : redis().xreadgroup(Consumer.from(cfg.group, consumer), offsets)) {
+                if (!inFlightIds.contains(m.getStream() + " " + m.getId())) {
+                    Map<String, byte[]> body = m.getBody();
+                    out.add(new Entry(queue, m.getStream(), m.getId(),
+                            body == null ? Map.of() : new LinkedHashMap<>(body)));
+                }
             }
         }
         return out;
     }
 
-    /** Waits with XREAD BLOCK from the group's last-delivered ids, then read.lua takes exactly the credit. */
+    /**
+     * Waits until a queue may have entries: one XREAD BLOCK per queue, on its own connection, from
+     * the group's last-delivered ids (then read.lua takes exactly the credit). A wait still under
+     * way from the last round goes on; an error of one ends the round with that error.
+     */
+    private void waitForEntries() throws InterruptedException {
+        List<CompletableFuture<Void>> all = new ArrayList<>();
+        for (String queue : queues) {
+            CompletableFuture<Void> w = waits.get(queue);
+            if (w == null || w.isDone()) {
+                w = CompletableFuture.runAsync(() -> waitOn(queue), waiters);
+                waits.put(queue, w);
+            }
+            all.add(w);
+        }
+        try {
+            CompletableFuture.anyOf(all.toArray(new CompletableFuture[0]))
+                    .get(cfg.block.toMillis() + 4000, TimeUnit.MILLISECONDS);
+        } catch (ExecutionException e) {
+            throw e.getCause() instanceof RuntimeException r ? r : new IllegalStateException(e.getCause());
+        } catch (TimeoutException e) {
+            // every wait still blocked: read again
+        }
+    }
+
+    /** One blocking XREAD on the streams of {@code queue} (one slot), on that queue's connection. */
     @SuppressWarnings("unchecked")
-    private void waitForEntries() {
+    private void waitOn(String queue) {
         List<XReadArgs.StreamOffset<String>> offsets = new ArrayList<>();
-        for (String stream : streams) {
+        for (String stream : keys.taskStreams(queue)) {
             String last = "0-0";
-            for (Object g : redis.xinfoGroups(stream)) {
+            for (Object g : redis().xinfoGroups(stream)) {
                 List<Object> info = (List<Object>) g;
                 Map<String, String> kv = new HashMap<>();
                 for (int i = 0; i + 1 < info.size(); i += 2) {
@@ -417,7 +504,7 @@ public final class Worker implements AutoCloseable {
             }
             offsets.add(XReadArgs.StreamOffset.from(stream, last));
         }
-        List<StreamMessage<String, byte[]>> ignored = blockConn.sync().xread(
+        List<StreamMessage<String, byte[]>> ignored = blockLinks.get(queue).sync().xread(
                 XReadArgs.Builder.block(cfg.block).count(1), offsets.toArray(new XReadArgs.StreamOffset[0]));
     }
 
@@ -466,7 +553,7 @@ public final class Worker implements AutoCloseable {
         }
         try {
             byte[][] members = ids.stream().map(Redis::b).toArray(byte[][]::new);
-            List<Double> scores = redis.zmscore(keys.cancelled(), members);
+            List<Double> scores = redis().zmscore(keys.cancelled(), members);
             java.util.HashSet<String> out = new java.util.HashSet<>();
             for (int i = 0; i < ids.size(); i++) {
                 if (scores.get(i) != null) {
@@ -483,7 +570,7 @@ public final class Worker implements AutoCloseable {
     // --- one entry (section 5.1) ---------------------------------------------------------------
 
     private void process(Entry e, Envelope env, MalformedEntryException malformed, boolean cancelled) {
-        MDC.put("queue", queue);
+        MDC.put("queue", e.queue());
         MDC.put("entry_id", e.id());
         if (env == null) {
             LOG.error("malformed entry {} in {}: {}", e.id(), e.stream(), malformed.getMessage());
@@ -523,7 +610,7 @@ public final class Worker implements AutoCloseable {
             return;
         }
         int redeliveries = intField(e, "n") + intField(e, "r");
-        Task task = new Task(env, queue, e.stream(), e.id(), redeliveries);
+        Task task = new Task(env, e.queue(), e.stream(), e.id(), redeliveries);
 
         String holder = null;
         if (env.idempotencyKey() != null) {
@@ -537,7 +624,7 @@ public final class Worker implements AutoCloseable {
             slot = keys.retrying(env.taskType());
             long hold = env.timeoutMs() != null ? env.timeoutMs() : 15 * 60 * 1000L;
             try {
-                Long got = Scripts.run(redis, "retry_slot", ScriptOutputType.INTEGER, List.of(slot), env.taskId(),
+                Long got = Scripts.run(redis(), "retry_slot", ScriptOutputType.INTEGER, List.of(slot), env.taskId(),
                         cfg.retryConcurrency, hold);
                 if (got != null && got == 0) {
                     if (holder != null) {
@@ -586,7 +673,7 @@ public final class Worker implements AutoCloseable {
         } finally {
             if (slot != null) {
                 String s = slot;
-                settle("release retry slot", () -> redis.zrem(s, Redis.b(env.taskId())));
+                settle("release retry slot", () -> redis().zrem(s, Redis.b(env.taskId())));
             }
         }
     }
@@ -664,7 +751,7 @@ public final class Worker implements AutoCloseable {
         for (int round = 0; round < 2; round++) {
             List<Object> res;
             try {
-                res = Scripts.run(redis, "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, replace);
+                res = Scripts.run(redis(), "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, replace);
             } catch (RuntimeException ex) {
                 LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
                 replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
@@ -690,7 +777,7 @@ public final class Worker implements AutoCloseable {
                 String owner = sp >= 0 ? other.substring(0, sp) : other;
                 boolean alive;
                 try {
-                    alive = redis.exists(keys.consumer(owner)) > 0;
+                    alive = redis().exists(keys.consumer(owner)) > 0;
                 } catch (RuntimeException ex) {
                     alive = true;
                 }
@@ -724,7 +811,7 @@ public final class Worker implements AutoCloseable {
         Map<String, String> mdc = MDC.getCopyOfContextMap();
         LOG.info("the abandoned attempt keeps its idempotency claim until its handler returns");
         abandoned.keep(key, Duration.ofMillis(claimFor / 3), () -> {
-            List<Object> res = Scripts.run(redis, "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, "");
+            List<Object> res = Scripts.run(redis(), "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, "");
             if (!"acquired".equals(Redis.s(res.get(0)))) {
                 LOG.warn("an abandoned attempt of {} lost its idempotency claim: {} {}", env.taskId(),
                         Redis.s(res.get(0)), res.size() > 1 ? Redis.s(res.get(1)) : "");
@@ -751,7 +838,7 @@ public final class Worker implements AutoCloseable {
     private void finishIdem(Envelope env, String holder, String how) {
         String key = keys.idempotency(env.taskType(), env.idempotencyKey());
         settle("idem_finish " + how, () -> {
-            Long n = Scripts.run(redis, "idem_finish", ScriptOutputType.INTEGER, List.of(key), holder, how,
+            Long n = Scripts.run(redis(), "idem_finish", ScriptOutputType.INTEGER, List.of(key), holder, how,
                     cfg.idemDoneTtl.toMillis(), Timestamp.now().toString());
             if (n != null && n == 0) {
                 LOG.warn("the idempotency claim had been taken over: the task may have run twice");
@@ -874,13 +961,14 @@ public final class Worker implements AutoCloseable {
         }
         long due = next.scheduleTime() != null && !delay.isZero() ? next.scheduleTime().toEpochMilli() : 0;
         String bucket = Keys.bucketFor(next.priority());
+        String queue = e.queue();
+        if (due > 0) {
+            registerDelayed(queue);
+        }
         settle("retry.lua", () -> {
-            if (due > 0) {
-                redis.sadd(keys.queues(), Redis.b(queue));
-            }
-            Long r = Scripts.run(redis, "retry", ScriptOutputType.INTEGER,
+            Long r = link.write(e.stream(), node -> Scripts.run(node, "retry", ScriptOutputType.INTEGER,
                     List.of(e.stream(), keys.stream(queue, bucket), keys.delayed(queue), keys.delayedData(queue)),
-                    cfg.group, e.id(), next.taskId(), due, bucket, body.enc(), body.bytes(), keys.wakeup());
+                    cfg.group, e.id(), next.taskId(), due, bucket, body.enc(), body.bytes(), keys.wakeup()));
             if (r == null) {
                 LOG.warn("entry was no longer pending when replaced (taken over?)");
             }
@@ -888,54 +976,50 @@ public final class Worker implements AutoCloseable {
         });
     }
 
-    /** Moves a not-yet-due entry to the delayed set byte for byte, with token entry:<id>. */
+    /** {@code SADD <prefix>:queues}, on its own, before a delayed store (section 2, registries). */
+    private void registerDelayed(String queue) {
+        settle("register the queue", () -> redis().sadd(keys.queues(), Redis.b(queue)));
+    }
+
+    /**
+     * Moves a not-yet-due entry to the delayed set byte for byte, with token entry:<id>: the
+     * registry first, then schedule.lua and the acknowledgement in one MULTI (one queue, one slot;
+     * the script goes as EVAL, since a MULTI cannot fall back from NOSCRIPT).
+     */
     private void reschedule(Entry e, Envelope env) {
         String bucket = Keys.bucketFor(env.priority());
         byte[] enc = e.fields().get("enc");
         byte[] body = e.fields().get("body");
-        settle("reschedule", () -> {
-            synchronized (txConn) {
-                RedisCommands<String, byte[]> tx = txConn.sync();
-                tx.multi();
-                tx.sadd(keys.queues(), Redis.b(queue));
-                Scripts.Script s = Scripts.get("schedule");
-                tx.evalsha(s.sha(), ScriptOutputType.INTEGER,
-                        new String[] {keys.delayed(queue), keys.delayedData(queue), keys.published(queue, env.taskId())},
-                        Redis.b(env.taskId()), Redis.b(String.valueOf(env.dueMs(0))), Redis.b(bucket), enc, body,
-                        Redis.b(keys.wakeup()), Redis.b("entry:" + e.id()), Redis.b(String.valueOf(Producer.PUBLISH_DEDUPE_MS)));
-                tx.xack(e.stream(), cfg.group, e.id());
-                tx.xdel(e.stream(), e.id());
-                TransactionResult r = tx.exec();
-                for (Object o : r) {
-                    if (o instanceof Exception) {
-                        throw new IllegalStateException("reschedule failed: " + o);
-                    }
-                }
-                return r;
-            }
-        });
+        String queue = e.queue();
+        registerDelayed(queue);
+        settle("reschedule", () -> txLink.transaction(e.stream(), tx -> {
+            tx.eval(Scripts.get("schedule").source(), ScriptOutputType.INTEGER,
+                    new String[] {keys.delayed(queue), keys.delayedData(queue), keys.published(queue, env.taskId())},
+                    Redis.b(env.taskId()), Redis.b(String.valueOf(env.dueMs(0))), Redis.b(bucket), enc, body,
+                    Redis.b(keys.wakeup()), Redis.b("entry:" + e.id()), Redis.b(String.valueOf(Producer.PUBLISH_DEDUPE_MS)));
+            tx.xack(e.stream(), cfg.group, e.id());
+            tx.xdel(e.stream(), e.id());
+        }));
         LOG.info("task not due yet; moved to the delayed set (outcome=scheduled schedule_time={})", env.scheduleTime());
     }
 
     private void ack(Entry e) {
         settle("ack", () -> {
-            synchronized (txConn) {
-                RedisCommands<String, byte[]> tx = txConn.sync();
-                tx.multi();
+            TransactionResult r = txLink.transaction(e.stream(), tx -> {
                 tx.xack(e.stream(), cfg.group, e.id());
                 tx.xdel(e.stream(), e.id());
-                TransactionResult r = tx.exec();
-                Object acked = r.isEmpty() ? null : r.get(0);
-                if (acked instanceof Long && (Long) acked == 0) {
-                    LOG.warn("ack answered 0: the entry was taken over while this consumer looked dead");
-                }
-                return r;
+            });
+            Object acked = r.isEmpty() ? null : r.get(0);
+            if (acked instanceof Long && (Long) acked == 0) {
+                LOG.warn("ack answered 0: the entry was taken over while this consumer looked dead");
             }
+            return r;
         });
     }
 
     private void deadLetter(Entry e, Envelope env, Failure f) {
         Timestamp now = Timestamp.now();
+        String queue = e.queue();
         List<Object> args = new ArrayList<>(List.of(cfg.group, e.id(),
                 "dlq", "1",
                 "failure_class", f.failureClass(),
@@ -964,13 +1048,14 @@ public final class Worker implements AutoCloseable {
                     f.message() != null && !f.message().isEmpty() ? f.message() : f.reason(), f.traceback()));
         }
         Object[] a = args.toArray();
+        settle("register the dead-letter queue", () -> redis().sadd(keys.deadQueues(), Redis.b(queue)));
         Object id = settle("dead_letter.lua", () -> {
-            byte[] r = Scripts.run(redis, "dead_letter", ScriptOutputType.VALUE, List.of(e.stream(), keys.dead(queue)), a);
+            byte[] r = link.write(e.stream(), node -> Scripts.run(node, "dead_letter", ScriptOutputType.VALUE,
+                    List.of(e.stream(), keys.dead(queue)), a));
             if (r == null) {
                 LOG.warn("entry was no longer pending when dead-lettered (taken over?)");
                 return null;
             }
-            redis.sadd(keys.deadQueues(), Redis.b(queue));
             return Redis.s(r);
         });
         LOG.error("entry dead-lettered (outcome=dead failure_class={} dead_id={}): {}", f.failureClass(), id, f.reason());
@@ -982,11 +1067,11 @@ public final class Worker implements AutoCloseable {
      * The FAILURE result of an entry requeue.lua dead-lettered as {@code redelivery_limit}, read back
      * from its dead-letter entry (off the lease thread: the write may wait for the backend).
      */
-    private void reportRedeliveryLimit(String deadId) {
+    private void reportRedeliveryLimit(String queue, String deadId) {
         try {
             handlerThreads.execute(() -> {
                 try {
-                    List<StreamMessage<String, byte[]>> found = redis.xrange(keys.dead(queue), Range.create(deadId, deadId));
+                    List<StreamMessage<String, byte[]>> found = redis().xrange(keys.dead(queue), Range.create(deadId, deadId));
                     if (found.isEmpty()) {
                         return;
                     }
@@ -1011,14 +1096,26 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** Runs a step that ends an entry's handling, retrying Redis errors for a while. */
+    /**
+     * Runs a step that ends an entry's handling (every such step is safe to repeat): an outage or
+     * failover is retried for the outage tolerance, finding the new primary, any other Redis error
+     * ten times.
+     */
     private <T> T settle(String what, java.util.function.Supplier<T> step) {
         long delay = 100;
-        for (int attempt = 1; ; attempt++) {
+        long deadline = System.nanoTime() + cfg.outageTolerance.toNanos();
+        int otherErrors = 0;
+        while (true) {
             try {
                 return step.get();
             } catch (RuntimeException ex) {
-                if (attempt == 10) {
+                link.recover(ex);
+                txLink.recover(ex);
+                boolean outage = Redis.isOutage(ex);
+                if (!outage) {
+                    otherErrors++;
+                }
+                if (outage ? System.nanoTime() > deadline : otherErrors == 10) {
                     LOG.error("giving up on step {}; the entry stays pending: {}", what, ex.toString());
                     return null;
                 }
@@ -1086,7 +1183,7 @@ public final class Worker implements AutoCloseable {
                 Thread.currentThread().interrupt();
             }
             finishClose();
-        }, "envelope-close-" + queue);
+        }, "envelope-close-" + name);
         rest.setDaemon(true);
         rest.start();
     }
@@ -1095,18 +1192,19 @@ public final class Worker implements AutoCloseable {
         lease.shutdownNow();
         handlerThreads.shutdownNow();
         try {
-            redis.del(keys.consumer(consumer));
+            redis().del(keys.consumer(consumer));
         } catch (RuntimeException e) {
             LOG.warn("deleting the liveness key failed: {}", e.toString());
         }
         results.close();
-        blockConn.close();
-        txConn.close();
-        conn.close();
+        waiters.shutdownNow();
+        blockLinks.values().forEach(Link::close);
+        txLink.close();
+        link.close();
         if (ownsClient) {
-            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+            Redis.shutdown(client);
         }
-        LOG.info("worker stopped: queue={} consumer={}", queue, consumer);
+        LOG.info("worker stopped: queue={} consumer={}", name, consumer);
     }
 
     private static String hostName() {
@@ -1131,9 +1229,11 @@ public final class Worker implements AutoCloseable {
     /** Options of a {@link Worker}. */
     public static final class Builder {
         private String redisUri = "redis://127.0.0.1:6379";
-        private RedisClient client;
+        private AbstractRedisClient client;
+        private Link.Durability durability = Link.Durability.NONE;
+        private Duration outageTolerance = Duration.ofSeconds(30);
         private String prefix = Keys.DEFAULT_PREFIX;
-        private String queue = "celery";
+        private List<String> queues = List.of("celery");
         private String group = Keys.DEFAULT_GROUP;
         private String consumer;
         private int concurrency = 4;
@@ -1159,11 +1259,46 @@ public final class Worker implements AutoCloseable {
 
         private Builder() {}
 
-        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
-        /** Share a Lettuce client (the worker then does not shut it down). */
+        /**
+         * A Redis URL: {@code redis://127.0.0.1:6379/0}, a Sentinel ({@code redis-sentinel://...#master})
+         * or a Cluster ({@code redis-cluster://...}); see {@link RedisUrl}. Checked at once.
+         */
+        public Builder redisUri(String v) { RedisUrl.parse(v); redisUri = v; return this; }
+        /** Share a Lettuce client, direct or Sentinel (the worker then does not shut it down). */
         public Builder client(RedisClient v) { client = v; return this; }
+        /** Share a Lettuce Redis Cluster client (the worker then does not shut it down). */
+        public Builder client(RedisClusterClient v) { client = v; return this; }
+        /**
+         * After each ack, retry and dead letter, {@code WAIT} for {@code replicas} replicas of the
+         * primary that took it, at most {@code timeout}; fewer is logged and the step stands (0,
+         * the default: no WAIT).
+         */
+        public Builder waitReplicas(int replicas, Duration timeout) {
+            durability = new Link.Durability(replicas, timeout);
+            return this;
+        }
+        /** How long a step that settles an entry is retried while Redis is away or failing over (30 s). */
+        public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
         public Builder prefix(String v) { prefix = Objects.requireNonNull(v); return this; }
-        public Builder queue(String v) { queue = Keys.checkQueueName(v); return this; }
+        /** The one queue to consume ({@code celery} unless set). */
+        public Builder queue(String v) { return queues(v); }
+        /**
+         * The queues to consume, served in this order: an earlier queue gets the credit first (the
+         * order of Celery's {@code -Q}). On a Cluster they may live on different shards.
+         */
+        public Builder queues(String... v) {
+            if (v.length == 0) {
+                throw new IllegalArgumentException("queues must name at least one queue");
+            }
+            java.util.LinkedHashSet<String> names = new java.util.LinkedHashSet<>();
+            for (String q : v) {
+                if (!names.add(Keys.checkQueueName(q))) {
+                    throw new IllegalArgumentException("queue " + q + " is named twice");
+                }
+            }
+            queues = List.copyOf(names);
+            return this;
+        }
         public Builder group(String v) { group = Objects.requireNonNull(v); return this; }
         /** The consumer name (no spaces); {@code <host>-<pid>-<random>} unless set. */
         public Builder consumer(String v) {

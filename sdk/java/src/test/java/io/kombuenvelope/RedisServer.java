@@ -26,14 +26,57 @@ final class RedisServer {
         return new RedisServer(fixedPort);
     }
 
+    /** A server of its own on a free port, with more arguments ({@code --replicaof ...}, {@code --cluster-enabled yes}). */
+    static RedisServer startWith(String... args) throws IOException, InterruptedException {
+        return new RedisServer(0, (dir, port) -> List.of(args));
+    }
+
+    /**
+     * A sentinel on a free port that monitors {@code masterName} at {@code masterPort}, quorum 2, with
+     * a short down-after (1 s) and failover timeout (3 s); it asks clients (and its peers) for
+     * {@code password} and logs in to the data nodes with {@code dataPassword}.
+     */
+    static RedisServer sentinel(String masterName, int masterPort, String dataPassword, String password)
+            throws IOException, InterruptedException {
+        return new RedisServer(0, (dir, port) -> {
+            Path conf = dir.resolve("sentinel.conf");
+            Files.writeString(conf, String.join("\n",
+                    "requirepass " + password,
+                    "sentinel monitor " + masterName + " 127.0.0.1 " + masterPort + " 2",
+                    "sentinel auth-pass " + masterName + " " + dataPassword,
+                    "sentinel down-after-milliseconds " + masterName + " 1000",
+                    "sentinel failover-timeout " + masterName + " 3000",
+                    "sentinel parallel-syncs " + masterName + " 1", ""));
+            return List.of(conf.toString(), "--sentinel");
+        });
+    }
+
+    /** The arguments that make a server a particular kind, given its directory and port; may write files there. */
+    private interface Kind {
+        List<String> args(Path dir, int port) throws IOException;
+    }
+
     private RedisServer(int fixedPort) throws IOException, InterruptedException {
+        this(fixedPort, (dir, port) -> List.of());
+    }
+
+    private RedisServer(int fixedPort, Kind kind) throws IOException, InterruptedException {
         dir = Files.createTempDirectory("kombu-envelope-redis");
         String bin = System.getProperty("kombuenvelope.redis.server", "redis-server");
         IOException last = null;
         for (int attempt = 0; attempt < 5; attempt++) {
             int p = fixedPort != 0 ? fixedPort : freePort();
-            ProcessBuilder pb = new ProcessBuilder(List.of(bin, "--port", String.valueOf(p), "--bind", "127.0.0.1",
-                    "--save", "", "--appendonly", "no", "--dir", dir.toString()))
+            List<String> kindArgs = kind.args(dir, p);
+            List<String> command = new java.util.ArrayList<>();
+            command.add(bin);
+            boolean configFirst = !kindArgs.isEmpty() && !kindArgs.get(0).startsWith("--");
+            if (configFirst) {
+                command.add(kindArgs.get(0));
+            }
+            command.addAll(List.of("--port", String.valueOf(p), "--bind", "127.0.0.1",
+                    "--save", "", "--appendonly", "no", "--dir", dir.toString()));
+            command.addAll(configFirst ? kindArgs.subList(1, kindArgs.size()) : kindArgs);
+            ProcessBuilder pb = new ProcessBuilder(command)
                     .redirectErrorStream(true).redirectOutput(dir.resolve("redis.log").toFile());
             Process proc = pb.start();
             if (waitForPort(p, proc)) {
@@ -82,7 +125,8 @@ final class RedisServer {
                 s.getOutputStream().write("PING\r\n".getBytes());
                 byte[] buf = new byte[7];
                 int n = s.getInputStream().read(buf);
-                if (n > 0 && new String(buf, 0, n).startsWith("+PONG")) {
+                String reply = n > 0 ? new String(buf, 0, n) : "";
+                if (reply.startsWith("+PONG") || reply.startsWith("-NOAUTH")) { // up; NOAUTH: asks for a password
                     return true;
                 }
             } catch (IOException e) {
@@ -97,6 +141,12 @@ final class RedisServer {
         if (process.isAlive()) {
             stop();
         }
+    }
+
+    /** SIGKILL: the server dies at once, with whatever it had not replicated. */
+    void kill() throws InterruptedException {
+        process.destroyForcibly();
+        process.waitFor(5, TimeUnit.SECONDS);
     }
 
     void stop() {

@@ -662,4 +662,30 @@ class RoundTripTest {
             await("run after the groups were created again", () -> ran.get() == 1);
         }
     }
+
+    @Test
+    void aWorkerOfSeveralQueuesServesThemInOrderAndWakesOnEach() throws Exception {
+        List<String> order = new CopyOnWriteArrayList<>();
+        try (Producer p = producer()) {
+            for (int i = 0; i < 3; i++) {
+                p.publish("second", Envelope.builder("step").put("k", "second").build());
+                p.publish("first", Envelope.builder("step").put("k", "first").build());
+            }
+            try (Worker w = worker().queues("first", "second").concurrency(1).block(Duration.ofSeconds(2))
+                    .handler("step", t -> order.add(t.queue() + "=" + t.get("k").asText())).build().start()) {
+                assertEquals(List.of("first", "second"), w.queues());
+                await("six tasks", () -> order.size() == 6);
+                assertEquals(List.of("first=first", "first=first", "first=first",
+                        "second=second", "second=second", "second=second"), order);
+                Thread.sleep(500); // both blocking reads armed, for 2 s
+                long t0 = System.nanoTime();
+                p.publish("second", Envelope.builder("step").put("k", "second").build());
+                await("woken by the second queue", () -> order.size() == 7);
+                assertTrue(System.nanoTime() - t0 < TimeUnit.MILLISECONDS.toNanos(1000),
+                        "the blocking read of the second queue woke the worker before the first's timed out");
+            }
+        }
+        assertThrows(IllegalArgumentException.class, () -> Worker.builder().queues("a", "a"));
+        assertThrows(IllegalArgumentException.class, () -> Worker.builder().queues());
+    }
 }

@@ -144,4 +144,25 @@ class UnitTest {
         assertEquals("low", Keys.bucketFor(84));
         assertThrows(IllegalArgumentException.class, () -> Keys.checkQueueName("a{b}"));
     }
+
+    @Test
+    void failoverErrorsAreOutagesAndRoleChangesAskForANewConnection() {
+        for (String reply : List.of("READONLY You can't write against a read only replica.", "MOVED 3999 127.0.0.1:7002",
+                "ASK 3999 127.0.0.1:7002", "TRYAGAIN Multiple keys request during rehashing of slot",
+                "CLUSTERDOWN The cluster is down", "LOADING Redis is loading the dataset in memory",
+                "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+                "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)",
+                "EXECABORT Transaction discarded because of previous errors.")) {
+            assertTrue(Redis.isOutage(new io.lettuce.core.RedisCommandExecutionException(reply)), reply);
+        }
+        assertTrue(Redis.isOutage(new io.lettuce.core.RedisException(new java.io.IOException("Connection reset"))));
+        assertFalse(Redis.isOutage(new io.lettuce.core.RedisCommandExecutionException("WRONGTYPE Operation against a key")));
+        assertFalse(Redis.isOutage(new io.lettuce.core.RedisCommandExecutionException("ERR unknown command 'ASKING2'")));
+        assertTrue(Redis.isRoleChange(new io.lettuce.core.RedisCommandExecutionException(
+                "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)")));
+        assertTrue(Redis.isRoleChange(new io.lettuce.core.RedisCommandExecutionException("READONLY You can't write")));
+        assertFalse(Redis.isRoleChange(new io.lettuce.core.RedisCommandExecutionException(
+                "UNBLOCKED the stream key no longer exists")), "a deleted stream is no failover");
+        assertFalse(Redis.isRoleChange(new io.lettuce.core.RedisCommandExecutionException("MOVED 1 127.0.0.1:7000")));
+    }
 }

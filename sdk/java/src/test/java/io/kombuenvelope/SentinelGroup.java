@@ -1,0 +1,118 @@
+package io.kombuenvelope;
+
+import java.io.IOException;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Map;
+import java.util.concurrent.TimeUnit;
+import java.util.function.BooleanSupplier;
+
+/**
+ * A Sentinel group from the redis-server binary, on free loopback ports: a primary, two replicas
+ * and three sentinels (quorum 2, down-after 1 s, failover timeout 3 s). The data nodes and the
+ * sentinels ask for passwords of their own.
+ */
+final class SentinelGroup implements AutoCloseable {
+    static final String MASTER = "envmaster";
+    static final String DATA_PASSWORD = "data-pw";
+    static final String SENTINEL_PASSWORD = "sentinel-pw";
+
+    final List<RedisServer> data = new ArrayList<>();
+    final List<RedisServer> sentinels = new ArrayList<>();
+
+    private SentinelGroup() {}
+
+    static SentinelGroup start() throws IOException, InterruptedException {
+        SentinelGroup g = new SentinelGroup();
+        try {
+            String[] auth = {"--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD};
+            RedisServer primary = RedisServer.startWith(auth);
+            g.data.add(primary);
+            for (int i = 0; i < 2; i++) {
+                g.data.add(RedisServer.startWith(auth[0], auth[1], auth[2], auth[3],
+                        "--replicaof", "127.0.0.1", String.valueOf(primary.port)));
+            }
+            for (RedisServer r : g.data.subList(1, 3)) {
+                await("replica " + r.port + " in sync", () -> info(r.port, "replication").contains("master_link_status:up"));
+            }
+            for (int i = 0; i < 3; i++) {
+                g.sentinels.add(RedisServer.sentinel(MASTER, primary.port, DATA_PASSWORD, SENTINEL_PASSWORD));
+            }
+            for (RedisServer s : g.sentinels) {
+                await("sentinel " + s.port + " knows the group", () -> {
+                    Map<String, String> m = sentinelMaster(s.port);
+                    return "2".equals(m.get("num-other-sentinels")) && "2".equals(m.get("num-slaves"));
+                });
+            }
+            return g;
+        } catch (IOException | InterruptedException | RuntimeException | Error e) {
+            g.close();
+            throw e;
+        }
+    }
+
+    /** {@code redis-sentinel://:<data password>@<the three sentinels>?sentinel_password=...#envmaster}. */
+    String url() {
+        StringBuilder b = new StringBuilder("redis-sentinel://:" + DATA_PASSWORD + "@");
+        for (int i = 0; i < sentinels.size(); i++) {
+            b.append(i == 0 ? "" : ",").append("127.0.0.1:").append(sentinels.get(i).port);
+        }
+        return b.append("?sentinel_password=").append(SENTINEL_PASSWORD).append("#").append(MASTER).toString();
+    }
+
+    /** Admin commands to the data node on {@code port}. */
+    static Resp node(int port) {
+        return Resp.at(port, DATA_PASSWORD);
+    }
+
+    /** The port of the primary the sentinels name now. */
+    int primaryPort() {
+        for (RedisServer s : sentinels) {
+            try {
+                if (Resp.at(s.port, SENTINEL_PASSWORD).call("SENTINEL", "get-master-addr-by-name", MASTER) instanceof List<?> a) {
+                    return Integer.parseInt(String.valueOf(a.get(1)));
+                }
+            } catch (IOException | RuntimeException e) {
+                // this sentinel is not answering: ask the next
+            }
+        }
+        throw new IllegalStateException("no sentinel answers");
+    }
+
+    RedisServer server(int port) {
+        return data.stream().filter(s -> s.port == port).findFirst().orElseThrow();
+    }
+
+    /** Waits until the sentinels name a primary other than {@code oldPort} and it answers as one. */
+    void awaitFailover(int oldPort) throws InterruptedException {
+        await("a failover away from " + oldPort, () -> {
+            int p = primaryPort();
+            return p != oldPort && info(p, "replication").contains("role:master");
+        });
+    }
+
+    static Map<String, String> sentinelMaster(int port) {
+        return Resp.at(port, SENTINEL_PASSWORD).pairs("SENTINEL", "MASTER", MASTER);
+    }
+
+    /** {@code INFO <section>} of the server on {@code port}, or "" when it does not answer. */
+    static String info(int port, String section) {
+        return node(port).text("INFO", section);
+    }
+
+    static void await(String what, BooleanSupplier cond) throws InterruptedException {
+        long deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(20);
+        while (!cond.getAsBoolean()) {
+            if (System.nanoTime() > deadline) {
+                throw new AssertionError("timed out waiting for " + what);
+            }
+            Thread.sleep(50);
+        }
+    }
+
+    @Override
+    public void close() {
+        sentinels.forEach(RedisServer::stop);
+        data.forEach(RedisServer::stop);
+    }
+}
