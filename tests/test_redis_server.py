@@ -12,7 +12,7 @@ import psutil
 import pytest
 import redis
 
-from kombu_envelope import redis_server as rs
+from kombu_envelope.testing import redis_server as rs
 from kombu_envelope.testing.redis_server import PrivateRedisServer, find_redis_server_binary
 
 
