@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from kombu_envelope.store import lease
 from kombu_envelope.settings import Settings
+from kombu_envelope.store import lease
 from kombu_envelope.store.lease import forget_dead_consumers, renew
 
 QUEUE = "jobs"

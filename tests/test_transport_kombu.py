@@ -37,7 +37,6 @@ from kombu_envelope.codec import decode_entry, encode_entry
 from kombu_envelope.envelope import utcnow
 from kombu_envelope.keys import KeySpace, QueueKeys, bucket_for
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.client import connection_kwargs
 from kombu_envelope.store.promoter import Promoter
 
 #: How long a "nothing else arrives" check waits (seconds).
@@ -701,34 +700,39 @@ class TestGzipEveryBodyOwnConsumerGroup(EnvelopeTransportBehaviour):
 # ------------------------------------------------------- connection parameters
 
 
+def pool_of(conn: kombu.Connection) -> redis.ConnectionPool:
+    """The connection pool the transport builds for ``conn`` (nothing connects yet)."""
+    pool: redis.ConnectionPool = conn.transport.shared_client.connection_pool
+    return pool
+
+
 def test_envelopes_url_connects_over_tls() -> None:
-    conn = kombu.Connection("envelopes://cache.example:6380/2")
-    kwargs = connection_kwargs(conn, Settings())
-    assert kwargs["connection_class"] is redis.SSLConnection
+    pool = pool_of(kombu.Connection("envelopes://cache.example:6380/2"))
+    assert pool.connection_class is redis.SSLConnection
+    kwargs = pool.connection_kwargs
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("cache.example", 6380, 2)
-    assert conn.transport.pool.connection_class is redis.SSLConnection
 
 
 def test_envelope_url_connects_without_tls() -> None:
-    kwargs = connection_kwargs(kombu.Connection("envelope://cache.example"), Settings())
-    assert "connection_class" not in kwargs
-    assert (kwargs["port"], kwargs["db"]) == (6379, 0)
+    pool = pool_of(kombu.Connection("envelope://cache.example"))
+    assert pool.connection_class is redis.Connection
+    assert (pool.connection_kwargs["port"], pool.connection_kwargs["db"]) == (6379, 0)
 
 
 def test_ssl_argument_turns_on_tls_with_its_options() -> None:
-    conn = kombu.Connection("envelope://cache.example:6380/0",
-                            ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED,
-                                 "ssl_ca_certs": "/etc/ca.pem", "unrelated": 1})
-    kwargs = connection_kwargs(conn, Settings())
-    assert kwargs["connection_class"] is redis.SSLConnection
+    pool = pool_of(kombu.Connection("envelope://cache.example:6380/0",
+                                    ssl={"ssl_cert_reqs": ssl.CERT_REQUIRED,
+                                         "ssl_ca_certs": "/etc/ca.pem", "unrelated": 1}))
+    assert pool.connection_class is redis.SSLConnection
+    kwargs = pool.connection_kwargs
     assert kwargs["ssl_cert_reqs"] == "required"
     assert kwargs["ssl_ca_certs"] == "/etc/ca.pem"
     assert "unrelated" not in kwargs
 
 
 def test_url_username_password_and_database_are_passed_to_redis() -> None:
-    conn = kombu.Connection("envelope://app-user:s3cr%40t@cache.example:6390/5")
-    kwargs = connection_kwargs(conn, Settings())
+    kwargs = pool_of(kombu.Connection("envelope://app-user:s3cr%40t@cache.example:6390/5")
+                     ).connection_kwargs
     assert kwargs["username"] == "app-user"
     assert kwargs["password"] == "s3cr@t"
     assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("cache.example", 6390, 5)
