@@ -51,9 +51,6 @@ func (d Durability) write(ctx context.Context, client redis.UniversalClient, key
 				"replicas", got, "wait_replicas", d.Replicas, "timeout_ms", d.timeout().Milliseconds())
 		}
 	}
-	if cluster, ok := client.(*redis.ClusterClient); ok && IsOutage(err) {
-		cluster.ReloadState(ctx) // the slot may have moved: look it up again before the retry
-	}
 	return err
 }
 

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // outagePrefixes are the replies of a node that is away, between roles or no
@@ -44,11 +46,11 @@ func IsOutage(err error) bool {
 // Sentinel or Cluster failover takes with sensible timeouts.
 const outageAttempts = 10
 
-// retryOutage runs step, retrying while it fails and retry(err) holds, for
-// about 15 s (Redis away, loading or failing over); it returns the last error.
-// It stops early when ctx ends.
-func retryOutage(ctx context.Context, log *slog.Logger, what string, retry func(error) bool,
-	step func() error) error {
+// retryOutage runs step on client, retrying while it fails and retry(err)
+// holds, for about 15 s (Redis away, loading or failing over); it returns the
+// last error. It stops early when ctx ends.
+func retryOutage(ctx context.Context, client redis.UniversalClient, log *slog.Logger, what string,
+	retry func(error) bool, step func() error) error {
 	delay := 100 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		err := step()
@@ -56,8 +58,19 @@ func retryOutage(ctx context.Context, log *slog.Logger, what string, retry func(
 			return err
 		}
 		log.Warn("step failed; retrying", "step", what, "error", err.Error())
+		refreshRoutes(ctx, client, err)
 		sleep(ctx, delay)
 		delay = min(2*delay, 3*time.Second)
+	}
+}
+
+// refreshRoutes makes a cluster client look the slot map up again after an
+// outage error: a node that died is never asked again otherwise (its slots'
+// new primary answers no MOVED to a client that keeps dialling the old one).
+// Sentinel clients follow the sentinels' announcements themselves.
+func refreshRoutes(ctx context.Context, client redis.UniversalClient, err error) {
+	if cluster, ok := client.(*redis.ClusterClient); ok && IsOutage(err) {
+		cluster.ReloadState(ctx)
 	}
 }
 

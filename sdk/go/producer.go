@@ -66,7 +66,7 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	log = log.With("task_id", e.TaskID, "queue", queue)
 	due := e.IsDue(now)
 	var id string
-	err = retryOutage(ctx, log, "publish", IsOutage, func() error {
+	err = retryOutage(ctx, p.Client, log, "publish", IsOutage, func() error {
 		if due {
 			return p.Durability.write(ctx, p.Client, keys.Stream(bucket), log, func(c redis.Cmdable) error {
 				var err error

@@ -89,6 +89,7 @@ func (p *Promoter) Run(ctx context.Context) {
 		case err != nil:
 			if ctx.Err() == nil {
 				log.Warn("promotion failed; retrying", "error", err.Error())
+				refreshRoutes(ctx, p.Client, err)
 			}
 			wait = time.Second
 		case next >= 0:

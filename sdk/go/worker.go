@@ -336,7 +336,7 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 		}
 		return nil
 	}
-	if err := retryOutage(ctx, w.log, "start", IsOutage, start); err != nil {
+	if err := retryOutage(ctx, w.client, w.log, "start", IsOutage, start); err != nil {
 		return err
 	}
 	keeperCtx, stopKeeper := context.WithCancel(bg)
@@ -384,6 +384,7 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 				break
 			}
 			w.log.Warn("read failed; retrying", "error", err.Error(), "outage", IsOutage(err))
+			refreshRoutes(bg, w.client, err)
 			sleep(ctx, 200*time.Millisecond)
 			continue
 		}
@@ -559,6 +560,7 @@ func (w *Worker) keepAlive(ctx context.Context) {
 		if err := w.renew(ctx); err != nil {
 			if ctx.Err() == nil {
 				w.log.Warn("liveness renewal failed", "error", err.Error())
+				refreshRoutes(ctx, w.client, err)
 			}
 			renewed = 0
 			continue
@@ -1386,7 +1388,7 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 // a while: an entry is never dropped, at worst it stays pending until this
 // consumer reads its own pending entries again or stops and puts it back.
 func (w *Worker) settle(e *entry, what string, step func() error) {
-	if err := retryOutage(context.Background(), e.log, what, anyError, step); err != nil {
+	if err := retryOutage(context.Background(), w.client, e.log, what, anyError, step); err != nil {
 		e.log.Error("giving up on a step; the entry stays pending", "step", what, "error", err.Error())
 	}
 }
