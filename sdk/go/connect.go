@@ -115,7 +115,10 @@ func parseMultiHost(raw string, defaultPort int) (*multiHostURL, error) {
 	u := &multiHostURL{tls: strings.HasPrefix(scheme, "rediss")}
 	rest := strings.TrimPrefix(raw, scheme+"://")
 	rest, fragment, hasFragment := strings.Cut(rest, "#")
-	rest, query, _ := strings.Cut(rest, "?")
+	rest, query, hasQuery := strings.Cut(rest, "?")
+	if !hasQuery { // the query may also follow the master name: ...#<master_name>?sentinel_password=...
+		fragment, query, _ = strings.Cut(fragment, "?")
+	}
 	rest, path, hasPath := strings.Cut(rest, "/")
 	if at := strings.LastIndexByte(rest, '@'); at >= 0 {
 		user, password, _ := strings.Cut(rest[:at], ":")

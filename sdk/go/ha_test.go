@@ -8,6 +8,7 @@ package envelope
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -19,7 +20,12 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-const effectTask = "ha.effect"
+// Task types of the workers of these tests: ha.effect counts its effect in
+// the ledger; ha.flaky fails its first attempt, then does the same.
+const (
+	effectTask = "ha.effect"
+	flakyTask  = "ha.flaky"
+)
 
 type haEnv struct {
 	t       *testing.T
@@ -70,12 +76,20 @@ func (h *haEnv) runWorkers(queues []string, d Durability) (stop func() int) {
 	var wg sync.WaitGroup
 	for _, queue := range queues {
 		w, err := NewWorker(h.client, h.scripts, Config{Prefix: h.prefix, Queue: queue, Durability: d,
-			Block: 200 * time.Millisecond, DeferDelay: 300 * time.Millisecond, Logger: h.logger()})
+			Block: 200 * time.Millisecond, DeferDelay: 300 * time.Millisecond, Logger: h.logger(),
+			Retry: RetryPolicy{Backoff: 100 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}})
 		if err != nil {
 			h.t.Fatal(err)
 		}
-		w.Handle(effectTask, func(ctx context.Context, t *Task) error {
+		effect := func(ctx context.Context, t *Task) error {
 			return h.ledger.Incr(ctx, "effect:"+t.TaskID).Err()
+		}
+		w.Handle(effectTask, effect)
+		w.Handle(flakyTask, func(ctx context.Context, t *Task) error {
+			if t.RetryCount == 0 {
+				return errors.New("the first attempt fails")
+			}
+			return effect(ctx, t)
 		})
 		wg.Go(func() {
 			if err := w.Run(ctx); err != nil || ctx.Err() == nil {
@@ -208,6 +222,7 @@ func (h *haEnv) drill(name string, queues []string, d Durability, kill func(), r
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+
 	exited := stop()
 	var lost []string
 	twice := 0
@@ -258,7 +273,7 @@ func TestSentinelRoundTripsAndFailover(t *testing.T) {
 		}
 	}
 	old := g.primary(t)
-	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 1, Timeout: time.Second}, old.kill,
+	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 1, Timeout: 250 * time.Millisecond}, old.kill,
 		failoverFrom(old))
 	old = g.primary(t)
 	waitForReplicas(t, old, 1)
@@ -302,6 +317,33 @@ func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {
 		t.Fatalf("dead-queues registry: %v %v", listed, err)
 	}
 
+	// A retry on the backoff tier (SADD <prefix>:queues, then retry.lua) and an
+	// entry that is not due yet (SADD, then schedule.lua and the ack in one MULTI).
+	flaky, err := p.PublishTask(ctx, queues[0], flakyTask, nil, WithTieredRetries())
+	if err != nil {
+		t.Fatal(err)
+	}
+	early, err := NewTask(ctx, effectTask, nil, WithDelay(300*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fields, err := EncodeEntry(early, GzipMinBytes, DefaultLimits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.client.XAdd(ctx, &redis.XAddArgs{Stream: h.keys.Queue(queues[1]).Stream(Normal),
+		Values: fields}).Err(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the retried and the rescheduled task", func() bool {
+		got := h.effects([]string{flaky.TaskID, early.TaskID})
+		return got[0] == 1 && got[1] == 1
+	})
+	if out := h.logs.String(); !strings.Contains(out, "moved to the delayed set") ||
+		!strings.Contains(out, "task failed; retrying") || strings.Contains(out, "CROSSSLOT") {
+		t.Fatalf("expected a reschedule and a retry, no CROSSSLOT:\n%s", tail(out, 50))
+	}
+
 	later := "cancel-me-" + NewTraceID()[:6]
 	if err := h.publish(ctx, p, queues[0], later, 5*time.Second); err != nil {
 		t.Fatal(err)
@@ -321,10 +363,61 @@ func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {
 		}
 	}
 	kill, recovered := failoverOf(h.keys.Queue(queues[0]).Stream(Normal))
-	h.drill("cluster-wait", queues[:2], Durability{Replicas: 1, Timeout: time.Second}, kill, recovered)
+	h.drill("cluster-wait", queues[:2], Durability{Replicas: 1, Timeout: 250 * time.Millisecond}, kill, recovered)
 	kill, recovered = failoverOf(h.keys.Queue(queues[2]).Stream(Normal))
 	h.drill("cluster", queues[1:], Durability{}, kill, recovered)
 	if got := h.effects([]string{later}); got[0] != 0 {
 		t.Fatalf("the cancelled task ran")
+	}
+}
+
+func TestAnUnblockedWaitIsReArmed(t *testing.T) {
+	e := newEnv(t)
+	var ran atomic.Int32
+	w := e.worker(func(c *Config) { c.Block = 2 * time.Second })
+	w.Handle("t", func(context.Context, *Task) error { ran.Add(1); return nil })
+	e.start(w)
+	ctx := context.Background()
+	var blocked string
+	e.waitFor("the worker's blocking wait", func() bool {
+		clients, _ := e.client.ClientList(ctx).Result()
+		for _, line := range strings.Split(clients, "\n") {
+			if strings.Contains(line, "cmd=xread ") && strings.Contains(line, "flags=b") {
+				id, _, _ := strings.Cut(strings.TrimPrefix(line, "id="), " ")
+				blocked = id
+				return true
+			}
+		}
+		return false
+	})
+	if err := e.client.Do(ctx, "CLIENT", "UNBLOCK", blocked, "ERROR").Err(); err != nil {
+		t.Fatal(err)
+	}
+	e.waitFor("the wait armed again", func() bool {
+		clients, _ := e.client.ClientList(ctx).Result()
+		return strings.Contains(clients, "cmd=xread ")
+	})
+	e.publish(New("t", nil))
+	e.waitFor("the task", func() bool { return ran.Load() == 1 })
+	if strings.Contains(e.logs.String(), "read failed") {
+		t.Fatalf("UNBLOCKED was logged as a failed read:\n%s", e.logs.String())
+	}
+}
+
+func TestWaitingForMoreReplicasThanAnswerIsLoggedAndTheWritesStand(t *testing.T) {
+	e := newEnv(t)
+	d := Durability{Replicas: 1, Timeout: 20 * time.Millisecond}
+	var ran atomic.Int32
+	w := e.worker(func(c *Config) { c.Durability = d })
+	w.Handle("t", func(context.Context, *Task) error { ran.Add(1); return nil })
+	e.start(w)
+	p := NewProducer(e.client, e.prefix, e.scripts)
+	p.Durability, p.Log = d, slog.New(slog.NewJSONHandler(e.logs, nil))
+	if _, err := p.PublishTask(context.Background(), e.queue, "t", nil); err != nil {
+		t.Fatal(err)
+	}
+	e.waitFor("the task acknowledged", func() bool { return ran.Load() == 1 && e.drained() })
+	if n := strings.Count(e.logs.String(), "fewer replicas than asked"); n < 2 {
+		t.Fatalf("want the publish and the ack logged as short of replicas, got %d lines:\n%s", n, e.logs.String())
 	}
 }
