@@ -98,12 +98,12 @@ func NewUniversalClient(rawURL string) (redis.UniversalClient, error) {
 
 // multiHostURL is a parsed redis-sentinel:// or redis-cluster:// URL.
 type multiHostURL struct {
-	tls                              bool
-	username, password               string
-	addrs                            []string
-	db                               int
-	masterName                       string
-	sentinelUsername, sentinelPasswd string
+	tls                                bool
+	username, password                 string
+	addrs                              []string
+	db                                 int
+	masterName                         string
+	sentinelUsername, sentinelPassword string
 }
 
 // parseMultiHost parses the Sentinel and Cluster forms; Go's url package
@@ -168,7 +168,7 @@ func parseMultiHost(raw string, defaultPort int) (*multiHostURL, error) {
 		case sentinel && key == "sentinel_username":
 			u.sentinelUsername = v[0]
 		case sentinel && key == "sentinel_password":
-			u.sentinelPasswd = v[0]
+			u.sentinelPassword = v[0]
 		default:
 			return fail("query", fmt.Sprintf("unknown parameter %q (allowed: sentinel_username, "+
 				"sentinel_password, with redis-sentinel:// only)", key))
@@ -208,7 +208,7 @@ func (u *multiHostURL) tlsConfig() *tls.Config {
 func (u *multiHostURL) failoverOptions() *redis.FailoverOptions {
 	return &redis.FailoverOptions{
 		MasterName: u.masterName, SentinelAddrs: u.addrs,
-		SentinelUsername: u.sentinelUsername, SentinelPassword: u.sentinelPasswd,
+		SentinelUsername: u.sentinelUsername, SentinelPassword: u.sentinelPassword,
 		Username: u.username, Password: u.password, DB: u.db,
 		TLSConfig: u.tlsConfig(), Protocol: 2, DisableIdentity: true,
 	}

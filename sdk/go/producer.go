@@ -19,9 +19,9 @@ type Producer struct {
 	Keys       KeySpace
 	Scripts    Scripts
 	Limits     Limits
-	GzipMin    int        // bodies of at least this many bytes are compressed; <= 0 never
-	Durability Durability // replicas each publish waits for (none by default)
-	Log        *slog.Logger
+	GzipMin    int          // bodies of at least this many bytes are compressed; <= 0 never
+	Durability Durability   // replicas each publish waits for (none by default)
+	Log        *slog.Logger // publish retries and WAIT warnings; nil: slog.Default()
 }
 
 // NewProducer returns a Producer with the default limits and gzip threshold.
@@ -59,11 +59,7 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	keys := p.Keys.Queue(queue)
 	bucket := BucketFor(e.Priority)
 	token := PublishToken()
-	log := p.Log
-	if log == nil {
-		log = slog.Default()
-	}
-	log = log.With("task_id", e.TaskID, "queue", queue)
+	log := p.logger().With("task_id", e.TaskID, "queue", queue)
 	due := e.IsDue(now)
 	var id string
 	err = retryOutage(ctx, p.Client, log, "publish", IsOutage, func() error {
@@ -88,6 +84,14 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 		})
 	})
 	return id, err
+}
+
+// logger is Log, else slog.Default().
+func (p *Producer) logger() *slog.Logger {
+	if p.Log != nil {
+		return p.Log
+	}
+	return slog.Default()
 }
 
 // StoreDelayed queues schedule.lua on pipe, which may be a MULTI of the same
