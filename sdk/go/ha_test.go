@@ -264,20 +264,13 @@ func TestSentinelRoundTripsAndFailover(t *testing.T) {
 		t.Fatalf("%d workers stopped", n)
 	}
 
-	failoverFrom := func(old *redisServer) func() bool {
-		return func() bool {
-			c := directClient(g.sentinels[1])
-			defer c.Close()
-			addr, err := c.Do(context.Background(), "SENTINEL", "GET-MASTER-ADDR-BY-NAME", masterName).StringSlice()
-			return err == nil && len(addr) == 2 && addr[1] != fmt.Sprint(old.port)
-		}
-	}
-	old := g.primary(t)
-	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 1, Timeout: 250 * time.Millisecond}, old.kill,
-		failoverFrom(old))
-	old = g.primary(t)
-	waitForReplicas(t, old, 1)
-	h.drill("sentinel", []string{"ha"}, Durability{}, old.kill, failoverFrom(old))
+	g.settled(t)
+	kill, failedOver := g.killPrimary(t)
+	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 1, Timeout: 250 * time.Millisecond}, kill,
+		failedOver)
+	g.settled(t)
+	kill, failedOver = g.killPrimary(t)
+	h.drill("sentinel", []string{"ha"}, Durability{}, kill, failedOver)
 }
 
 func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {

@@ -122,30 +122,74 @@ func (g *sentinelGroup) url() string {
 	return "redis-sentinel://" + strings.Join(addrs, ",") + "/0#" + masterName
 }
 
-// primary is the data node the sentinels name as primary.
-func (g *sentinelGroup) primary(t *testing.T) *redisServer {
-	c := directClient(g.sentinels[0])
-	defer c.Close()
-	addr, err := c.Do(context.Background(), "SENTINEL", "GET-MASTER-ADDR-BY-NAME", masterName).StringSlice()
-	if err != nil || len(addr) != 2 {
-		t.Fatalf("asking the sentinels for the primary: %v %v", addr, err)
-	}
-	for _, d := range g.data {
-		if fmt.Sprint(d.port) == addr[1] {
-			return d
+// agreedPrimary is the data node every sentinel names as primary, nil while
+// they disagree or name a node that is not a primary (yet).
+func (g *sentinelGroup) agreedPrimary() *redisServer {
+	var named *redisServer
+	for _, s := range g.sentinels {
+		c := directClient(s)
+		addr, err := c.Do(context.Background(), "SENTINEL", "GET-MASTER-ADDR-BY-NAME", masterName).StringSlice()
+		c.Close()
+		if err != nil || len(addr) != 2 {
+			return nil
 		}
+		var found *redisServer
+		for _, d := range g.data {
+			if fmt.Sprint(d.port) == addr[1] {
+				found = d
+			}
+		}
+		if found == nil || (named != nil && found != named) {
+			return nil
+		}
+		named = found
 	}
-	t.Fatalf("the sentinels name an unknown primary %v", addr)
-	return nil
+	if named.dead.Load() {
+		return nil
+	}
+	c := directClient(named)
+	defer c.Close()
+	if infoField(c, "replication", "role") != "master" {
+		return nil
+	}
+	return named
 }
 
-// waitForReplicas waits until primary has n replicas in sync.
-func waitForReplicas(t *testing.T, primary *redisServer, n int) {
-	c := nodeClient(t, primary)
-	eventually(t, 15*time.Second, fmt.Sprintf("%d replicas of %s", n, primary.addr()), func() bool {
-		return infoField(c, "replication", "role") == "master" &&
-			infoField(c, "replication", "connected_slaves") == fmt.Sprint(n)
+// settled waits until the sentinels agree on a primary that has every other
+// running data node as a replica in sync.
+func (g *sentinelGroup) settled(t *testing.T) {
+	eventually(t, 20*time.Second, "the sentinel group to settle", func() bool {
+		p := g.agreedPrimary()
+		if p == nil {
+			return false
+		}
+		replicas := 0
+		for _, d := range g.data {
+			if d != p && !d.dead.Load() {
+				replicas++
+			}
+		}
+		c := directClient(p)
+		defer c.Close()
+		return infoField(c, "replication", "connected_slaves") == fmt.Sprint(replicas)
 	})
+}
+
+// killPrimary SIGKILLs the primary the sentinels agree on, and returns a
+// check that reports when they agree on another one.
+func (g *sentinelGroup) killPrimary(t *testing.T) (kill func(), failedOver func() bool) {
+	var killed *redisServer
+	kill = func() {
+		if killed = g.agreedPrimary(); killed == nil {
+			t.Fatal("the sentinels agree on no primary")
+		}
+		killed.kill()
+	}
+	failedOver = func() bool {
+		p := g.agreedPrimary()
+		return p != nil && p != killed
+	}
+	return kill, failedOver
 }
 
 // redisCluster is three primaries with one replica each (node timeout 1 s).

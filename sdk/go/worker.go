@@ -1357,8 +1357,9 @@ func (w *Worker) deadLetterFields(e *entry, f failure) []any {
 	return fields
 }
 
-// deadLetter moves the entry to the dead-letter stream with dead_letter.lua
-// (after SADD <prefix>:dead-queues), after writing the FAILURE result of a decoded task that asks for one.
+// deadLetter writes the FAILURE result of a decoded task that asks for one,
+// then SADD <prefix>:dead-queues, then moves the entry to the dead-letter
+// stream with dead_letter.lua.
 func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 	if e.env != nil {
 		w.results.write(ctx, e.log, e.env, failed(f))
