@@ -54,6 +54,20 @@ func (d Durability) write(ctx context.Context, client redis.UniversalClient, key
 	return err
 }
 
+// check refuses a client whose writes cannot be followed by a WAIT on the
+// same connection.
+func (d Durability) check(client redis.UniversalClient) error {
+	if d.Replicas <= 0 {
+		return nil
+	}
+	switch client.(type) {
+	case *redis.Client, *redis.ClusterClient:
+		return nil
+	}
+	return fmt.Errorf("durability: waiting for replicas needs a *redis.Client (plain or Sentinel) or a "+
+		"*redis.ClusterClient, not %T", client)
+}
+
 // primaryFor is the client of the primary that holds key: the client itself,
 // or for a cluster client the node serving key's slot.
 func primaryFor(ctx context.Context, client redis.UniversalClient, key string) (*redis.Client, error) {
@@ -63,6 +77,5 @@ func primaryFor(ctx context.Context, client redis.UniversalClient, key string) (
 	case *redis.ClusterClient:
 		return c.MasterForKey(ctx, key)
 	}
-	return nil, fmt.Errorf("waiting for replicas needs a *redis.Client (plain or Sentinel) or a "+
-		"*redis.ClusterClient, not %T", client)
+	return nil, Durability{Replicas: 1}.check(client)
 }

@@ -202,6 +202,9 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 	if strings.ContainsAny(cfg.Consumer, " \t\r\n") {
 		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
 	}
+	if err := cfg.Durability.check(client); err != nil {
+		return nil, err
+	}
 	cfg.defaults()
 	return newWorker(client, scripts, cfg, map[string]handler{}, &results{backend: cfg.ResultBackend}), nil
 }
