@@ -38,8 +38,8 @@ func IsOutage(err error) bool {
 			return true
 		}
 	}
-	return strings.Contains(msg, "connection pool timeout") || strings.Contains(msg, "client is closed") ||
-		strings.Contains(msg, "all sentinels") || strings.Contains(msg, "connection reset")
+	return strings.Contains(msg, "connection pool timeout") || strings.Contains(msg, "all sentinels") ||
+		strings.Contains(msg, "connection reset")
 }
 
 // outageAttempts bound retryOutage: about 15 s of backoff, longer than a
