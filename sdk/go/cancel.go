@@ -55,24 +55,40 @@ func (p *Producer) cancel(ctx context.Context, taskID string, queues []string) (
 		return CancelResult{}, err
 	}
 	now := time.Now().UnixMilli()
+	log := p.logger().With("task_id", taskID)
+	// Every step is safe to repeat: retried while Redis is away or failing over.
+	retried := func(what string, step func() error) error {
+		return retryOutage(ctx, p.Client, log, what, IsOutage, step)
+	}
 	var added *redis.IntCmd
-	_, err := p.Client.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
-		pipe.ZRemRangeByScore(ctx, p.Keys.Cancelled(), "-inf", strconv.FormatInt(now-CancelMarkTTL.Milliseconds(), 10))
-		added = pipe.ZAddNX(ctx, p.Keys.Cancelled(), redis.Z{Score: float64(now), Member: taskID})
-		return nil
+	err := retried("cancel mark", func() error {
+		_, err := p.Client.TxPipelined(ctx, func(pipe redis.Pipeliner) error {
+			pipe.ZRemRangeByScore(ctx, p.Keys.Cancelled(), "-inf", strconv.FormatInt(now-CancelMarkTTL.Milliseconds(), 10))
+			added = pipe.ZAddNX(ctx, p.Keys.Cancelled(), redis.Z{Score: float64(now), Member: taskID})
+			return nil
+		})
+		return err
 	})
 	if err != nil {
 		return CancelResult{}, fmt.Errorf("marking task %s cancelled: %w", taskID, err)
 	}
 	if queues == nil {
-		if queues, err = p.Client.SMembers(ctx, p.Keys.Queues()).Result(); err != nil {
+		err := retried("listing the queues", func() (err error) {
+			queues, err = p.Client.SMembers(ctx, p.Keys.Queues()).Result()
+			return err
+		})
+		if err != nil {
 			return CancelResult{}, fmt.Errorf("listing the queues (%s): %w", p.Keys.Queues(), err)
 		}
 	}
 	removed := CancelResult{}
 	for _, queue := range queues { // every queue: the same id may wait in several
 		q := p.Keys.Queue(queue)
-		got, err := p.Scripts.Get("cancel").Run(ctx, p.Client, []string{q.Delayed(), q.DelayedData()}, taskID).Text()
+		var got string
+		err := retried("cancel.lua", func() (err error) {
+			got, err = p.Scripts.Get("cancel").Run(ctx, p.Client, []string{q.Delayed(), q.DelayedData()}, taskID).Text()
+			return err
+		})
 		if err != nil {
 			return CancelResult{}, fmt.Errorf("cancel.lua on queue %s: %w", queue, err)
 		}

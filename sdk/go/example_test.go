@@ -14,7 +14,7 @@ import (
 // TestReadmeExampleIsTheOneInTheReadme keeps the two the same.
 func readmeExample(ctx context.Context, redisURL string) error {
 	// README example: begin
-	client, err := envelope.NewClient(redisURL) // or any redis.UniversalClient (Sentinel, Cluster)
+	client, err := envelope.NewUniversalClient(redisURL) // redis://, redis-sentinel://, redis-cluster://
 	if err != nil {
 		return err
 	}

@@ -12,8 +12,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // testRedisURL is the Redis the tests use, "" when there is none.
@@ -56,39 +60,77 @@ func freePort() (int, error) {
 
 // startRedisAt runs redis-server on port, without persistence.
 func startRedisAt(port int) (string, func(), error) {
-	bin, err := exec.LookPath("redis-server")
+	srv, err := startServer(port, "")
 	if err != nil {
 		return "", nil, err
+	}
+	return fmt.Sprintf("redis://%s/0", srv.addr()), srv.stop, nil
+}
+
+// redisServer is a redis-server process of a test (a node, a replica, a sentinel).
+type redisServer struct {
+	port int
+	dir  string
+	cmd  *exec.Cmd
+	once sync.Once
+	dead atomic.Bool // killed
+}
+
+func (s *redisServer) addr() string { return fmt.Sprintf("127.0.0.1:%d", s.port) }
+
+// kill ends the process with SIGKILL (a crash: nothing is flushed); it is safe to repeat.
+func (s *redisServer) kill() {
+	s.once.Do(func() {
+		s.dead.Store(true)
+		_ = s.cmd.Process.Kill()
+		_ = s.cmd.Wait()
+	})
+}
+
+// stop kills the process and removes its directory.
+func (s *redisServer) stop() {
+	s.kill()
+	os.RemoveAll(s.dir)
+}
+
+// startServer runs redis-server on a loopback port, without persistence, in
+// a directory of its own, with extra arguments; it returns once the server
+// answers PING. A non-empty conf is written to a config file the server
+// starts from (sentinels need one and rewrite it).
+func startServer(port int, conf string, extra ...string) (*redisServer, error) {
+	bin, err := exec.LookPath("redis-server")
+	if err != nil {
+		return nil, err
 	}
 	dir, err := os.MkdirTemp("", "envelope-go-redis-")
 	if err != nil {
-		return "", nil, err
+		return nil, err
 	}
-	cmd := exec.Command(bin, "--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
-		"--appendonly", "no", "--dir", dir)
+	args := []string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
+		"--appendonly", "no", "--dir", dir}
+	if conf != "" {
+		file := filepath.Join(dir, "redis.conf")
+		if err := os.WriteFile(file, []byte(conf), 0o600); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+		args = append([]string{file}, args...)
+	}
+	cmd := exec.Command(bin, append(args, extra...)...)
 	if err := cmd.Start(); err != nil {
 		os.RemoveAll(dir)
-		return "", nil, err
+		return nil, err
 	}
-	cleanup := func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		os.RemoveAll(dir)
-	}
-	url := fmt.Sprintf("redis://127.0.0.1:%d/0", port)
-	client, err := NewClient(url)
-	if err != nil {
-		cleanup()
-		return "", nil, err
-	}
+	srv := &redisServer{port: port, dir: dir, cmd: cmd}
+	client := redis.NewClient(&redis.Options{Addr: srv.addr(), Protocol: 2, DisableIdentity: true, MaxRetries: -1})
 	defer client.Close()
 	for deadline := time.Now().Add(10 * time.Second); ; {
 		if client.Ping(context.Background()).Err() == nil {
-			return url, cleanup, nil
+			return srv, nil
 		}
 		if time.Now().After(deadline) {
-			cleanup()
-			return "", nil, fmt.Errorf("redis-server on port %d did not answer", port)
+			srv.stop()
+			return nil, fmt.Errorf("redis-server on port %d did not answer", port)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -4,34 +4,24 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"log/slog"
 	"strconv"
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"github.com/redis/go-redis/v9/maintnotifications"
 )
 
-// NewClient connects to a redis:// or rediss:// URL with the settings this
-// peer relies on: RESP2 (Lua false reads as nil, as in every other language)
-// and no connection-time commands that older servers refuse.
-func NewClient(url string) (*redis.Client, error) {
-	opts, err := redis.ParseURL(url)
-	if err != nil {
-		return nil, err
-	}
-	opts.Protocol = 2
-	opts.DisableIdentity = true
-	opts.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
-	return redis.NewClient(opts), nil
-}
-
-// Producer publishes Envelopes (docs/protocol.md section 4).
+// Producer publishes Envelopes (docs/protocol.md section 4) on any
+// redis.UniversalClient: one Redis, a Sentinel-managed primary
+// (redis.NewFailoverClient) or a Redis Cluster (see NewUniversalClient).
 type Producer struct {
-	Client  redis.UniversalClient
-	Keys    KeySpace
-	Scripts Scripts
-	Limits  Limits
-	GzipMin int // bodies of at least this many bytes are compressed; <= 0 never
+	Client     redis.UniversalClient
+	Keys       KeySpace
+	Scripts    Scripts
+	Limits     Limits
+	GzipMin    int          // bodies of at least this many bytes are compressed; <= 0 never
+	Durability Durability   // replicas each publish waits for (none by default)
+	Log        *slog.Logger // publish retries and WAIT warnings; nil: slog.Default()
 }
 
 // NewProducer returns a Producer with the default limits and gzip threshold.
@@ -42,8 +32,12 @@ func NewProducer(client redis.UniversalClient, prefix string, scripts Scripts) *
 
 // Publish validates e (including max_delay) and stores it: enqueue.lua into
 // its priority stream when due (removing a delayed copy of the same task_id),
-// SADD <prefix>:queues and schedule.lua into the delayed set otherwise.
+// SADD <prefix>:queues then schedule.lua into the delayed set otherwise.
 // It returns the stream entry id, or "" when the task was delayed.
+//
+// While Redis is away or failing over (IsOutage) the publish is retried for
+// about 15 s with one publish token, so it is stored once however many tries
+// reach Redis. With Durability set it then waits for replicas.
 //
 // e must carry its identity (task_id, trace_id, created_at): build it with
 // New, which fills them in.
@@ -64,28 +58,52 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	}
 	keys := p.Keys.Queue(queue)
 	bucket := BucketFor(e.Priority)
-	if e.IsDue(now) {
-		return p.Scripts.Get("enqueue").Run(ctx, p.Client,
-			[]string{keys.Stream(bucket), keys.Delayed(), keys.DelayedData(), keys.Published(e.TaskID)},
-			e.TaskID, enc, string(body), PublishToken(), PublishDedupeMS).Text()
-	}
-	_, err = p.Client.Pipelined(ctx, func(pipe redis.Pipeliner) error {
-		StoreDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body,
-			PublishToken())
-		return nil
+	token := PublishToken()
+	log := p.logger().With("task_id", e.TaskID, "queue", queue)
+	due := e.IsDue(now)
+	var id string
+	err = retryOutage(ctx, p.Client, log, "publish", IsOutage, func() error {
+		if due {
+			return p.Durability.write(ctx, p.Client, keys.Stream(bucket), log, func(c redis.Cmdable) error {
+				var err error
+				id, err = p.Scripts.Get("enqueue").Run(ctx, c,
+					[]string{keys.Stream(bucket), keys.Delayed(), keys.DelayedData(), keys.Published(e.TaskID)},
+					e.TaskID, enc, string(body), token, PublishDedupeMS).Text()
+				return err
+			})
+		}
+		if err := p.Client.SAdd(ctx, p.Keys.Queues(), queue).Err(); err != nil {
+			return err
+		}
+		return p.Durability.write(ctx, p.Client, keys.Delayed(), log, func(c redis.Cmdable) error {
+			_, err := c.Pipelined(ctx, func(pipe redis.Pipeliner) error {
+				StoreDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body, token)
+				return nil
+			})
+			return err
+		})
 	})
-	return "", err
+	return id, err
 }
 
-// StoreDelayed queues, on pipe, what every delayed store sends in one round
-// trip: SADD <prefix>:queues <queue> (so a registry lost with a Redis restart
-// is rebuilt) and schedule.lua. The script is sent with EVAL, which never
-// answers NOSCRIPT, so the pipeline may be a MULTI transaction.
+// logger is Log, else slog.Default().
+func (p *Producer) logger() *slog.Logger {
+	if p.Log != nil {
+		return p.Log
+	}
+	return slog.Default()
+}
+
+// StoreDelayed queues schedule.lua on pipe, which may be a MULTI of the same
+// queue's keys: the script is sent with EVAL, which never answers NOSCRIPT.
+// The caller sends SADD <prefix>:queues <queue> first, on its own (a registry
+// is never in a MULTI with a queue's keys: docs/protocol.md section 2), so a
+// registry lost with a Redis restart is rebuilt and a crash in between leaves
+// a listed queue with nothing in it, never a delayed task nobody lists.
 // token is the publish token, the same for every try of one store.
 func StoreDelayed(ctx context.Context, pipe redis.Pipeliner, scripts Scripts, ks KeySpace, queue,
 	taskID string, dueMS int64, bucket Bucket, enc string, body []byte, token string) {
 	q := ks.Queue(queue)
-	pipe.SAdd(ctx, ks.Queues(), queue)
 	scripts.Get("schedule").Eval(ctx, pipe, []string{q.Delayed(), q.DelayedData(), q.Published(taskID)},
 		taskID, strconv.FormatInt(dueMS, 10), string(bucket), enc, string(body), ks.Wakeup(),
 		token, PublishDedupeMS)

@@ -2,6 +2,7 @@ package envelope
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -21,8 +22,10 @@ type Promoter struct {
 	Log     *slog.Logger
 }
 
-// RunOnce promotes what is due now on Redis's clock; it returns how many tasks
-// moved and the earliest due time still waiting (ms, -1 when none).
+// RunOnce promotes what is due now on Redis's clock, with one promote.lua per
+// queue (each call touches one queue's slot); it returns how many tasks moved,
+// the earliest due time still waiting (ms, -1 when none) and the errors of the
+// queues it could not promote (the others are promoted all the same).
 func (p *Promoter) RunOnce(ctx context.Context) (int64, int64, error) {
 	batch := int64(p.Batch)
 	if batch <= 0 {
@@ -39,6 +42,7 @@ func (p *Promoter) RunOnce(ctx context.Context) (int64, int64, error) {
 	}
 	var moved int64
 	earliest := int64(-1)
+	var failed []error // one queue's node failing over does not hold the others back
 	for _, queue := range queues {
 		if CheckQueueName(queue) != nil {
 			continue
@@ -49,7 +53,8 @@ func (p *Promoter) RunOnce(ctx context.Context) (int64, int64, error) {
 				[]string{q.Delayed(), q.DelayedData(), q.Stream(High), q.Stream(Normal), q.Stream(Low)},
 				nowMS, batch).Int64Slice()
 			if err != nil {
-				return moved, earliest, fmt.Errorf("promote.lua on %s: %w", queue, err)
+				failed = append(failed, fmt.Errorf("promote.lua on %s: %w", queue, err))
+				break
 			}
 			moved += res[0]
 			if res[0] < batch {
@@ -60,7 +65,7 @@ func (p *Promoter) RunOnce(ctx context.Context) (int64, int64, error) {
 			}
 		}
 	}
-	return moved, earliest, nil
+	return moved, earliest, errors.Join(failed...)
 }
 
 // Run promotes until ctx ends, sleeping until the next due time or a wake-up
@@ -84,6 +89,7 @@ func (p *Promoter) Run(ctx context.Context) {
 		case err != nil:
 			if ctx.Err() == nil {
 				log.Warn("promotion failed; retrying", "error", err.Error())
+				refreshRoutes(ctx, p.Client, err)
 			}
 			wait = time.Second
 		case next >= 0:

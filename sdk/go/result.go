@@ -180,7 +180,7 @@ func (r *results) write(ctx context.Context, log *slog.Logger, env *Envelope, o 
 		return
 	}
 	meta := resultMeta(env.TaskID, o, time.Now())
-	err = retryOutage(log, "result write", func() error {
+	err = retryOutage(ctx, r.backend, log, "result write", anyError, func() error {
 		_, err := r.backend.TxPipelined(ctx, func(p redis.Pipeliner) error {
 			p.Set(ctx, req.key, meta, req.expires)
 			p.Publish(ctx, req.key, meta)

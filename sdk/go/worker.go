@@ -73,6 +73,7 @@ type Config struct {
 	IsTransient   func(error) bool // default DefaultIsTransient
 	Limits        Limits
 	GzipMin       int           // default GzipMinBytes
+	Durability    Durability    // replicas each settled entry (ack, retry, dead letter) waits for
 	ExitAfterIdle time.Duration // stop after this long without entries (0: never)
 
 	// Concurrency is how many tasks the Worker runs at once (1): it runs that
@@ -201,6 +202,9 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 	if strings.ContainsAny(cfg.Consumer, " \t\r\n") {
 		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
 	}
+	if err := cfg.Durability.check(client); err != nil {
+		return nil, err
+	}
 	cfg.defaults()
 	return newWorker(client, scripts, cfg, map[string]handler{}, &results{backend: cfg.ResultBackend}), nil
 }
@@ -323,14 +327,20 @@ func (w *Worker) Shutdown(ctx context.Context) error {
 // consume is one consumer's loop; it signals ready once it consumes.
 func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	bg := context.Background()
-	if err := w.scripts.Load(bg, w.client); err != nil {
-		return err
+	start := func() error {
+		if err := w.scripts.Load(bg, w.client); err != nil {
+			return err
+		}
+		if err := w.ensureGroups(bg); err != nil {
+			return err
+		}
+		if err := w.renew(bg); err != nil {
+			return fmt.Errorf("setting the liveness key: %w", err)
+		}
+		return nil
 	}
-	if err := w.ensureGroups(bg); err != nil {
+	if err := retryOutage(ctx, w.client, w.log, "start", IsOutage, start); err != nil {
 		return err
-	}
-	if err := w.renew(bg); err != nil {
-		return fmt.Errorf("setting the liveness key: %w", err)
 	}
 	keeperCtx, stopKeeper := context.WithCancel(bg)
 	var keeper sync.WaitGroup
@@ -343,16 +353,29 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	ready <- struct{}{} // buffered for every consumer
 
 	lastWork := time.Now()
+	recoverOwn := false // a read failed: its reply may have been lost with entries in it
 	for ctx.Err() == nil {
 		if w.cfg.ExitAfterIdle > 0 && time.Since(lastWork) > w.cfg.ExitAfterIdle {
 			w.log.Info("idle; stopping", "idle_ms", w.cfg.ExitAfterIdle.Milliseconds())
 			break
 		}
-		streams, err := w.read(bg)
+		var streams []redis.XStream
+		var err error
+		if recoverOwn {
+			streams, err = w.readOwnPending(bg)
+			recoverOwn = err != nil
+		}
+		if err == nil && len(streams) == 0 {
+			streams, err = w.read(bg)
+		}
 		if err == nil && len(streams) == 0 {
 			err = w.wait(ctx)
 		}
+		if err != nil && strings.HasPrefix(err.Error(), "UNBLOCKED") {
+			continue // the wait took nothing (a stream was deleted, the server changed role): re-arm
+		}
 		if err != nil {
+			recoverOwn = true
 			if strings.Contains(err.Error(), "NOGROUP") || strings.Contains(err.Error(), "no such key") {
 				if err := w.ensureGroups(bg); err != nil {
 					w.log.Warn("creating the consumer groups failed; retrying", "error", err.Error())
@@ -363,8 +386,9 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 			if ctx.Err() != nil {
 				break
 			}
-			w.log.Warn("read failed; retrying", "error", err.Error())
-			sleep(ctx, time.Second)
+			w.log.Warn("read failed; retrying", "error", err.Error(), "outage", IsOutage(err))
+			refreshRoutes(bg, w.client, err)
+			sleep(ctx, 200*time.Millisecond)
 			continue
 		}
 		if len(streams) > 0 {
@@ -414,6 +438,31 @@ func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
 		return nil, err
 	}
 	return parseStreams(res)
+}
+
+// readOwnPending takes back the entries this consumer read and has not
+// settled (XREADGROUP from id 0): after a read whose reply was lost, they are
+// pending to this consumer and nobody else would deliver them.
+func (w *Worker) readOwnPending(ctx context.Context) ([]redis.XStream, error) {
+	streams := w.queue.TaskStreams()
+	args := slices.Clone(streams)
+	for range streams {
+		args = append(args, "0")
+	}
+	res, err := w.client.XReadGroup(ctx, &redis.XReadGroupArgs{Group: w.cfg.Group, Consumer: w.cfg.Consumer,
+		Streams: args, Count: int64(max(w.cfg.Prefetch, 100))}).Result()
+	if errors.Is(err, redis.Nil) {
+		return nil, nil
+	}
+	var own []redis.XStream
+	for _, s := range res {
+		s.Messages = slices.DeleteFunc(s.Messages, func(m redis.XMessage) bool { return len(m.Values) == 0 })
+		if len(s.Messages) > 0 {
+			w.log.Warn("delivering entries read before a lost reply", "stream", s.Stream, "entries", len(s.Messages))
+			own = append(own, s)
+		}
+	}
+	return own, err
 }
 
 // wait blocks up to Block until one of the task streams has entries the group
@@ -500,18 +549,27 @@ func (w *Worker) renew(ctx context.Context) error {
 }
 
 // keepAlive renews the liveness key every lease/3, whatever the tasks do, and
-// takes over the entries of dead consumers.
+// takes over the entries of dead consumers once it renewed twice in a row.
 func (w *Worker) keepAlive(ctx context.Context) {
 	ticker := time.NewTicker(w.cfg.Lease / 3)
 	defer ticker.Stop()
+	renewed := 1 // consume renewed once before starting this
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-ticker.C:
 		}
-		if err := w.renew(ctx); err != nil && ctx.Err() == nil {
-			w.log.Warn("liveness renewal failed", "error", err.Error())
+		if err := w.renew(ctx); err != nil {
+			if ctx.Err() == nil {
+				w.log.Warn("liveness renewal failed", "error", err.Error())
+				refreshRoutes(ctx, w.client, err)
+			}
+			renewed = 0
+			continue
+		}
+		// Never right after an outage: live consumers may not have renewed yet.
+		if renewed++; renewed < 2 {
 			continue
 		}
 		if n, err := w.TakeOverDeadConsumers(ctx); err != nil && ctx.Err() == nil {
@@ -578,6 +636,13 @@ func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error
 	if err != nil {
 		return 0, err
 	}
+	if len(pending) == 0 {
+		return 0, nil
+	}
+	// requeue.lua may dead-letter an entry (redelivery_limit): list the queue first.
+	if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
+		return 0, err
+	}
 	moved := 0
 	for _, p := range pending {
 		args := append([]any{w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1,
@@ -592,9 +657,6 @@ func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error
 		}
 		moved++
 		if strings.HasPrefix(res, "dead:") {
-			if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
-				return moved, err
-			}
 			deadID := strings.TrimPrefix(res, "dead:")
 			w.log.Error("entry of a dead consumer dead-lettered: redelivery limit reached",
 				"outcome", "dead", "failure_class", ClassRedeliveryLimit, "owner", owner,
@@ -1179,8 +1241,7 @@ func (w *Worker) deferred(env *Envelope, delay time.Duration) *Envelope {
 }
 
 // replace swaps the pending entry for next atomically with retry.lua. A
-// delayed next attempt also registers the queue (SADD <prefix>:queues) in the
-// same round trip.
+// delayed next attempt registers the queue (SADD <prefix>:queues) first.
 func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration) {
 	enc, body, err := EncodeBody(next, w.cfg.GzipMin, w.cfg.Limits)
 	if err != nil {
@@ -1194,39 +1255,43 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 	}
 	bucket := BucketFor(next.Priority)
 	w.settle(e, "retry.lua", func() error {
-		var stored *redis.Cmd
-		_, err := w.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-			if due > 0 {
-				p.SAdd(ctx, w.keys.Queues(), w.cfg.Queue)
+		if due > 0 { // the registry first, on its own (docs/protocol.md section 2)
+			if err := w.client.SAdd(ctx, w.keys.Queues(), w.cfg.Queue).Err(); err != nil {
+				return err
 			}
-			stored = w.scripts.Get("retry").Eval(ctx, p,
+		}
+		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
+			err := w.scripts.Get("retry").Run(ctx, c,
 				[]string{e.stream, w.queue.Stream(bucket), w.queue.Delayed(), w.queue.DelayedData()},
-				w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup())
-			return nil
-		})
-		if err != nil && !errors.Is(err, redis.Nil) {
+				w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup()).Err()
+			if errors.Is(err, redis.Nil) {
+				e.log.Warn("entry was no longer pending when replaced (taken over?)")
+				return nil
+			}
 			return err
-		}
-		if errors.Is(stored.Err(), redis.Nil) {
-			e.log.Warn("entry was no longer pending when replaced (taken over?)")
-		}
-		return nil
+		})
 	})
 }
 
 // reschedule moves an entry that is not due yet to the delayed set, byte for
-// byte, registering the queue for promotion in the same transaction.
+// byte: SADD <prefix>:queues first, then schedule.lua and the acknowledgement
+// in one MULTI (they touch one queue's keys).
 func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 	bucket := BucketFor(e.env.Priority)
 	w.settle(e, "reschedule", func() error {
-		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
-			StoreDelayed(ctx, p, w.scripts, w.keys, w.cfg.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
-				e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id)
-			p.XAck(ctx, e.stream, w.cfg.Group, e.id)
-			p.XDel(ctx, e.stream, e.id)
-			return nil
+		if err := w.client.SAdd(ctx, w.keys.Queues(), w.cfg.Queue).Err(); err != nil {
+			return err
+		}
+		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
+			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
+				StoreDelayed(ctx, p, w.scripts, w.keys, w.cfg.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
+					e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id)
+				p.XAck(ctx, e.stream, w.cfg.Group, e.id)
+				p.XDel(ctx, e.stream, e.id)
+				return nil
+			})
+			return err
 		})
-		return err
 	})
 	e.log.Info("task not due yet; moved to the delayed set", "outcome", "scheduled",
 		"schedule_time", e.env.ScheduleTime.String())
@@ -1234,16 +1299,18 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 
 func (w *Worker) ack(ctx context.Context, e *entry) {
 	w.settle(e, "ack", func() error {
-		var acked *redis.IntCmd
-		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
-			acked = p.XAck(ctx, e.stream, w.cfg.Group, e.id)
-			p.XDel(ctx, e.stream, e.id)
-			return nil
+		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
+			var acked *redis.IntCmd
+			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
+				acked = p.XAck(ctx, e.stream, w.cfg.Group, e.id)
+				p.XDel(ctx, e.stream, e.id)
+				return nil
+			})
+			if err == nil && acked.Val() == 0 {
+				e.log.Warn("ack answered 0: the entry was taken over while this consumer looked dead")
+			}
+			return err
 		})
-		if err == nil && acked.Val() == 0 {
-			e.log.Warn("ack answered 0: the entry was taken over while this consumer looked dead")
-		}
-		return err
 	})
 }
 
@@ -1293,8 +1360,9 @@ func (w *Worker) deadLetterFields(e *entry, f failure) []any {
 	return fields
 }
 
-// deadLetter moves the entry to the dead-letter stream with dead_letter.lua,
-// after writing the FAILURE result of a decoded task that asks for one.
+// deadLetter writes the FAILURE result of a decoded task that asks for one,
+// then SADD <prefix>:dead-queues, then moves the entry to the dead-letter
+// stream with dead_letter.lua.
 func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 	if e.env != nil {
 		w.results.write(ctx, e.log, e.env, failed(f))
@@ -1302,17 +1370,19 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 	args := append([]any{w.cfg.Group, e.id}, w.deadLetterFields(e, f)...)
 	var deadID string
 	w.settle(e, "dead_letter.lua", func() error {
-		id, err := w.scripts.Get("dead_letter").Run(ctx, w.client,
-			[]string{e.stream, w.queue.Dead()}, args...).Text()
-		if errors.Is(err, redis.Nil) {
-			e.log.Warn("entry was no longer pending when dead-lettered (taken over?)")
-			return nil
-		}
-		if err != nil {
+		// The registry first, on its own (docs/protocol.md sections 2 and 7).
+		if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
 			return err
 		}
-		deadID = id
-		return w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err()
+		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
+			id, err := w.scripts.Get("dead_letter").Run(ctx, c, []string{e.stream, w.queue.Dead()}, args...).Text()
+			if errors.Is(err, redis.Nil) {
+				e.log.Warn("entry was no longer pending when dead-lettered (taken over?)")
+				return nil
+			}
+			deadID = id
+			return err
+		})
 	})
 	e.log.Error("entry dead-lettered", "outcome", "dead", "failure_class", f.class,
 		"reason", f.reason, "dead_id", deadID)
@@ -1320,24 +1390,9 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 
 // settle runs a step that ends an entry's handling, retrying Redis errors for
 // a while: an entry is never dropped, at worst it stays pending until this
-// consumer stops and it is put back.
+// consumer reads its own pending entries again or stops and puts it back.
 func (w *Worker) settle(e *entry, what string, step func() error) {
-	if err := retryOutage(e.log, what, step); err != nil {
+	if err := retryOutage(context.Background(), w.client, e.log, what, anyError, step); err != nil {
 		e.log.Error("giving up on a step; the entry stays pending", "step", what, "error", err.Error())
-	}
-}
-
-// retryOutage runs step, retrying its errors for about 15 s (Redis away or
-// loading); it returns the last error.
-func retryOutage(log *slog.Logger, what string, step func() error) error {
-	delay := 100 * time.Millisecond
-	for attempt := 1; ; attempt++ {
-		err := step()
-		if err == nil || attempt == 10 {
-			return err
-		}
-		log.Warn("step failed; retrying", "step", what, "error", err.Error())
-		time.Sleep(delay)
-		delay = min(2*delay, 3*time.Second)
 	}
 }

@@ -1,0 +1,78 @@
+package envelope
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// outagePrefixes are the replies of a node that is away, between roles or no
+// longer the primary of the keys (docs/protocol.md section 5, "Failover").
+var outagePrefixes = []string{"READONLY", "MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "LOADING",
+	"MASTERDOWN", "UNBLOCKED", "NOREPLICAS"}
+
+// IsOutage reports whether err means Redis is unreachable or failing over
+// (a reset or refused connection, READONLY, MOVED, ASK, TRYAGAIN, CLUSTERDOWN,
+// LOADING, MASTERDOWN, UNBLOCKED): the step may be retried, and it never
+// counts against a task.
+func IsOutage(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed) {
+		return true
+	}
+	msg := err.Error()
+	for _, prefix := range outagePrefixes {
+		if strings.HasPrefix(msg, prefix+" ") || msg == prefix {
+			return true
+		}
+	}
+	return strings.Contains(msg, "connection pool timeout") || strings.Contains(msg, "all sentinels") ||
+		strings.Contains(msg, "connection reset")
+}
+
+// outageAttempts bound retryOutage: about 15 s of backoff, longer than a
+// Sentinel or Cluster failover takes with sensible timeouts.
+const outageAttempts = 10
+
+// retryOutage runs step on client, retrying while it fails and retry(err)
+// holds, for about 15 s (Redis away, loading or failing over); it returns the
+// last error. It stops early when ctx ends.
+func retryOutage(ctx context.Context, client redis.UniversalClient, log *slog.Logger, what string,
+	retry func(error) bool, step func() error) error {
+	delay := 100 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		err := step()
+		if err == nil || attempt == outageAttempts || !retry(err) || ctx.Err() != nil {
+			return err
+		}
+		log.Warn("step failed; retrying", "step", what, "error", err.Error())
+		refreshRoutes(ctx, client, err)
+		sleep(ctx, delay)
+		delay = min(2*delay, 3*time.Second)
+	}
+}
+
+// refreshRoutes makes a cluster client look the slot map up again after an
+// outage error: a node that died is never asked again otherwise (its slots'
+// new primary answers no MOVED to a client that keeps dialling the old one).
+// Sentinel clients follow the sentinels' announcements themselves.
+func refreshRoutes(ctx context.Context, client redis.UniversalClient, err error) {
+	if cluster, ok := client.(*redis.ClusterClient); ok && IsOutage(err) {
+		cluster.ReloadState(ctx)
+	}
+}
+
+// anyError retries every error (steps that are safe to repeat whatever failed).
+func anyError(error) bool { return true }

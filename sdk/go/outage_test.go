@@ -1,0 +1,45 @@
+package envelope
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"syscall"
+	"testing"
+)
+
+func TestOutagesAreTheErrorsOfANodeThatIsAwayOrBetweenRoles(t *testing.T) {
+	outages := []error{
+		errors.New("READONLY You can't write against a read only replica."),
+		errors.New("MOVED 3999 127.0.0.1:6381"),
+		errors.New("ASK 3999 127.0.0.1:6381"),
+		errors.New("TRYAGAIN Multiple keys request during rehashing of slot"),
+		errors.New("CLUSTERDOWN The cluster is down"),
+		errors.New("LOADING Redis is loading the dataset in memory"),
+		errors.New("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+		errors.New("UNBLOCKED client unblocked via CLIENT UNBLOCK"),
+		io.EOF,
+		fmt.Errorf("reading: %w", syscall.ECONNRESET),
+		syscall.ECONNREFUSED,
+		errors.New("redis: all sentinels specified in configuration are unreachable"),
+	}
+	for _, err := range outages {
+		if !IsOutage(err) {
+			t.Errorf("%v is an outage", err)
+		}
+	}
+	for _, err := range []error{
+		nil,
+		errors.New("ERR Error running script: bad argument"),
+		errors.New("NOSCRIPT No matching script"),
+		errors.New("WRONGTYPE Operation against a key holding the wrong kind of value"),
+		errors.New("READONLYISH not a reply prefix"),
+		context.Canceled,
+		fmt.Errorf("publish: %w", context.DeadlineExceeded),
+	} {
+		if IsOutage(err) {
+			t.Errorf("%v is not an outage", err)
+		}
+	}
+}
