@@ -228,6 +228,7 @@ export class Worker extends EventEmitter {
     });
     this.running = false;
     this.recoverAt = null;
+    this.renewedInARow = 0;
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
     for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
       if (typeof spec === 'function') this.register(taskType, spec);
@@ -330,9 +331,15 @@ export class Worker extends EventEmitter {
     }
   }
 
-  /** Mark this consumer alive for another lease. */
-  renew() {
-    return this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
+  /** Mark this consumer alive for another lease; counts the renewals in a row that succeeded. */
+  async renew() {
+    try {
+      await this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
+      this.renewedInARow += 1;
+    } catch (err) {
+      this.renewedInARow = 0;
+      throw err;
+    }
   }
 
   // ---------------------------------------------------------------- reading
@@ -980,7 +987,8 @@ export class Worker extends EventEmitter {
           this.checkOwnPending(stream, Number(count));
           continue;
         }
-        if (await this.cmd.exists(this.keys.consumer(owner))) continue;
+        // Not right after Redis was away (a failover): live consumers may not have renewed yet.
+        if (this.renewedInARow < 2 || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
         const items = await this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner);
         // requeue.lua may dead-letter an entry (redelivery_limit): the queue is listed first.
         if (items.length) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
