@@ -109,10 +109,11 @@ process.once('exit', () => {
 export async function startRedisServer(port = null, args = []) {
   const chosen = port ?? (await freePort());
   const [conf, ...rest] = args[0] && !args[0].startsWith('--') ? args : [null, ...args];
-  // A replica's full sync writes an RDB file: in the temporary directory, one name per port.
+  // A replica's full sync starts at once (not after the default 5 s wait for more replicas)
+  // and writes its RDB file in the temporary directory, one name per port.
   const child = spawn('redis-server', [...(conf ? [conf] : []), '--port', String(chosen), '--bind', '127.0.0.1',
-    '--save', '', '--appendonly', 'no', '--dir', os.tmpdir(), '--dbfilename', `envelope-test-${chosen}.rdb`, ...rest],
-  { stdio: 'ignore' });
+    '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0',
+    '--dir', os.tmpdir(), '--dbfilename', `envelope-test-${chosen}.rdb`, ...rest], { stdio: 'ignore' });
   children.add(child);
   const exited = new Promise((resolve) => child.once('exit', () => {
     children.delete(child);
@@ -163,8 +164,8 @@ function tempDir(name) {
 /**
  * A Sentinel group: a primary, two replicas and three sentinels (quorum 2,
  * down-after-milliseconds 1000, failover-timeout 3000) monitoring it as
- * `masterName`. Resolves once every sentinel sees both replicas and the
- * other sentinels. Returns { masterName, sentinels: [port], nodes: [server],
+ * `masterName`. Resolves once both replicas are in sync and every sentinel
+ * sees them and the other sentinels. Returns { masterName, sentinels: [port], nodes: [server],
  * url (redis-sentinel://...), primaryPort(), rejoin(port), close }; rejoin
  * starts a stopped node again as a replica of the current primary.
  */
@@ -181,6 +182,7 @@ export async function startSentinelGroup({ masterName = 'envelope-test' } = {}) 
     for (let i = 0; i < 2; i += 1) {
       nodes.push(await startRedisServer(null, ['--replicaof', '127.0.0.1', String(nodes[0].port)]));
     }
+    for (const replica of nodes.slice(1)) await replicaInSync(replica.port);
     for (let i = 0; i < 3; i += 1) {
       const conf = path.join(tmp.dir, `sentinel-${i}.conf`);
       fs.writeFileSync(conf, [
