@@ -13,7 +13,8 @@ export const OUTAGE_TOLERANCE_MS = 30_000;
 
 const AWAY_MESSAGE = new RegExp([
   '^(LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|READONLY|UNBLOCKED|MOVED|ASK)\\b',
-  'Connection is closed', "Stream isn't writeable", 'connect E[A-Z]+', 'read E[A-Z]+',
+  'Connection is closed', 'Command aborted due to connection close', "Stream isn't writeable",
+  'connect E[A-Z]+', 'read E[A-Z]+', 'write E[A-Z]+',
   'Failed to refresh slots cache', 'None of startup nodes is available', "Cluster isn't ready",
   'Too many Cluster redirections', 'All sentinels are unreachable',
 ].join('|'));

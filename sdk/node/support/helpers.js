@@ -237,6 +237,26 @@ export async function clusterNodes(port) {
 }
 
 /**
+ * Move hash slot `slot` from the primary on `fromPort` to the primary on
+ * `toPort` while clients use it, as a resharding does: IMPORTING / MIGRATING,
+ * MIGRATE of its keys in batches, then SETSLOT NODE on both (gossip tells the rest).
+ */
+export async function moveSlot(fromPort, toPort, slot) {
+  const idOf = async (port) => (await clusterNodes(port)).find((n) => n.flags.includes('myself')).id;
+  const [fromId, toId] = [await idOf(fromPort), await idOf(toPort)];
+  await onNode(toPort, (c) => c.call('CLUSTER', 'SETSLOT', slot, 'IMPORTING', fromId));
+  await onNode(fromPort, (c) => c.call('CLUSTER', 'SETSLOT', slot, 'MIGRATING', toId));
+  await onNode(fromPort, async (c) => {
+    for (;;) {
+      const keys = await c.call('CLUSTER', 'GETKEYSINSLOT', slot, 100);
+      if (!keys.length) break;
+      await c.call('MIGRATE', '127.0.0.1', toPort, '', 0, 5000, 'KEYS', ...keys);
+    }
+  });
+  for (const port of [toPort, fromPort]) await onNode(port, (c) => c.call('CLUSTER', 'SETSLOT', slot, 'NODE', toId));
+}
+
+/**
  * A Redis Cluster of three primaries with one replica each (cluster-node-timeout
  * 1000 ms), made with `redis-cli --cluster create`. Resolves once every node
  * answers cluster_state:ok and every replica is in sync. Returns

@@ -15,7 +15,7 @@ import { after, before, describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
 import { DeadLetters, KeySpace, Producer, Worker, createLogger, createRedis } from '../src/index.js';
 import {
-  clusterNodes, onNode, startCluster, startRedisServer, startSentinelGroup, waitFor,
+  clusterNodes, moveSlot, onNode, startCluster, startRedisServer, startSentinelGroup, waitFor,
 } from '../support/helpers.js';
 
 const FAST = { leaseMs: 3000, blockMs: 200, promoterMaxIdleMs: 200 };
@@ -86,7 +86,7 @@ async function drill(t, { name, connection, queues, waitReplicas, ledger, kill, 
   for (const w of workers) w.on('error', (err) => errors.push(err));
   const producer = new Producer({ connection, prefix, logger, waitReplicas, waitTimeoutMs: 200 });
   const published = [];
-  let publishFailed = 0;
+  const publishFailed = [];
   let publishing = true;
   let next = 0;
   const publisher = async () => {
@@ -99,8 +99,8 @@ async function drill(t, { name, connection, queues, waitReplicas, ledger, kill, 
           task_type: 'ha.effect', payload: { n }, idempotency_key: n, ...(i % 3 === 0 ? { schedule_time: soon(400) } : {}),
         });
         published.push(n);
-      } catch {
-        publishFailed += 1;
+      } catch (err) {
+        publishFailed.push(err.message); // not acknowledged: not counted as lost
       }
       await sleep(20);
     }
@@ -132,7 +132,7 @@ async function drill(t, { name, connection, queues, waitReplicas, ledger, kill, 
     for (const l of lines.filter((x) => x.level === level)) counts[l.msg] = (counts[l.msg] ?? 0) + 1;
     return JSON.stringify(counts);
   };
-  t.diagnostic(`${name}: failover took ${failoverMs} ms; ${published.length} publishes acknowledged, ${publishFailed} failed; `
+  t.diagnostic(`${name}: failover took ${failoverMs} ms; ${published.length} publishes acknowledged, ${publishFailed.length} failed ${JSON.stringify([...new Set(publishFailed)])}; `
     + `lost (acknowledged, no effect): ${lost}; effect more than once: ${twice}; waitReplicas ${waitReplicas}; `
     + `warnings logged ${tally('warn')}; errors logged ${tally('error')}`);
 
@@ -213,20 +213,26 @@ describe('Cluster', { concurrency: false }, () => {
   let client;
   const shardQueues = new Map(); // primary port -> a queue whose slot it serves
 
+  /** The hash slot of `{queue}` and the port of the primary serving it. */
+  const placeOf = async (queue) => {
+    const slot = Number(await onNode(cluster.ports[0], (c) => c.call('CLUSTER', 'KEYSLOT', `{${queue}}`)));
+    const primaries = (await clusterNodes(cluster.ports[0])).filter((n) => n.flags.includes('master'));
+    const owner = primaries.find((p) => p.slots.some((range) => {
+      const [lo, hi = lo] = range.split('-').map(Number);
+      return slot >= lo && slot <= hi;
+    }));
+    return { slot, port: owner.port };
+  };
+
   before(async () => {
     [cluster, ledgerServer] = await Promise.all([startCluster(), startRedisServer()]);
     ledger = new Redis(ledgerServer.url);
     client = createRedis(cluster.url);
     client.on('error', () => {}); // the drills kill nodes: ioredis reconnects
-    const primaries = (await clusterNodes(cluster.ports[0])).filter((n) => n.flags.includes('master'));
-    for (let i = 0; shardQueues.size < primaries.length && i < 1000; i += 1) {
+    for (let i = 0; shardQueues.size < 3 && i < 1000; i += 1) {
       const queue = `ha.q${i}`;
-      const slot = Number(await onNode(cluster.ports[0], (c) => c.call('CLUSTER', 'KEYSLOT', `{${queue}}`)));
-      const owner = primaries.find((p) => p.slots.some((range) => {
-        const [lo, hi = lo] = range.split('-').map(Number);
-        return slot >= lo && slot <= hi;
-      }));
-      if (!shardQueues.has(owner.port)) shardQueues.set(owner.port, queue);
+      const { port } = await placeOf(queue);
+      if (!shardQueues.has(port)) shardQueues.set(port, queue);
     }
     assert.equal(shardQueues.size, 3, 'one queue per shard');
   });
@@ -278,6 +284,47 @@ describe('Cluster', { concurrency: false }, () => {
     assert.equal(workers[1].stats.cancelled, 1);
     await producer.close();
     for (const w of workers) await w.close({ graceMs: 0 });
+  });
+
+  test('a worker keeps consuming while its queue\'s slot moves to another shard', async () => {
+    const prefix = prefixFor();
+    const queue = 'ha.moving';
+    const from = await placeOf(queue);
+    const to = [...shardQueues.keys()].find((port) => port !== from.port);
+    const { lines, logger } = sink();
+    const [worker] = await startWorkers([queue], {
+      'ha.effect': async (payload) => { await ledger.incr(`${prefix}:effect:${payload.n}`); },
+    }, { connection: cluster.url, prefix, logger, concurrency: 4 });
+    const producer = new Producer({ connection: cluster.url, prefix, logger });
+    const published = [];
+    let publishing = true;
+    const publisher = async (p) => {
+      for (let i = 0; publishing; i += 1) {
+        const n = `${p}-${i}`;
+        await producer.publish(queue, {
+          task_type: 'ha.effect', payload: { n }, idempotency_key: n, ...(i % 3 === 0 ? { schedule_time: soon(300) } : {}),
+        });
+        published.push(n);
+        await sleep(10);
+      }
+    };
+    const publishers = [0, 1, 2].map(publisher);
+    await sleep(300);
+    await moveSlot(from.port, to, from.slot);
+    assert.equal((await placeOf(queue)).port, to, 'the slot moved');
+    await sleep(500);
+    publishing = false;
+    await Promise.all(publishers);
+    const keys = published.map((n) => `${prefix}:effect:${n}`);
+    await waitFor(async () => (await ledger.mget(...keys)).every((v) => v !== null), {
+      timeoutMs: 15_000, message: () => JSON.stringify(lines.filter((l) => l.level !== 'info').slice(0, 5)),
+    });
+    assert.deepEqual((await ledger.mget(...keys)).filter((v) => v !== '1'), [], 'each task had its effect once');
+    assert.ok(published.length > 20, `only ${published.length} publishes`);
+    assert.equal(worker.running, true);
+    assert.deepEqual(lines.filter((l) => l.level === 'error'), []);
+    await producer.close();
+    await worker.close({ graceMs: 1000 });
   });
 
   /** SIGKILL a primary; resolve once the others mark it failed and every live node is ok again (its replica serves its slots). */
