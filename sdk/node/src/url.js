@@ -146,7 +146,7 @@ export function parseRedisUrl(url) {
  * added to each connection (for a Cluster: to every node's).
  * @param {string | object} urlOrOptions
  * @param {object} [extra]
- * @returns {Redis | Cluster}
+ * @returns {import('ioredis').Redis | import('ioredis').Cluster}
  */
 export function createRedis(urlOrOptions, extra = {}) {
   if (typeof urlOrOptions !== 'string') return new Redis({ ...(urlOrOptions ?? {}), ...extra });
