@@ -204,6 +204,37 @@ describe('Sentinel', { concurrency: false }, () => {
     }), { timeoutMs: 20_000, intervalMs: 100, message: 'the replicas did not follow the new primary' });
     await drill(t, { name: 'sentinel-wait', connection: group.url, queues: ['ha.drill'], waitReplicas: 1, ledger, ...failover() });
   });
+
+  test('a manual failover (the primary becomes a replica: UNBLOCKED, READONLY) does not stop a worker', async () => {
+    const prefix = prefixFor();
+    const ran = [];
+    const { lines, logger } = sink();
+    // A long block, so that the read waits on the old primary when it changes role.
+    const [worker] = await startWorkers(['ha.manual'], { 'ha.echo': (payload) => { ran.push(payload.id); } },
+      { connection: group.url, prefix, logger, blockMs: 5000 });
+    const producer = new Producer({ connection: group.url, prefix, logger });
+    await producer.publish('ha.manual', { task_type: 'ha.echo', payload: { id: 'before' } });
+    await waitFor(() => ran.includes('before'));
+    await sleep(200); // the reader blocks again
+    const old = await group.primaryPort();
+    await onNode(group.sentinels[0], (c) => c.call('SENTINEL', 'FAILOVER', group.masterName));
+    await waitFor(async () => (await group.primaryPort()) !== old, { timeoutMs: 20_000, intervalMs: 100, message: 'no manual failover' });
+    // Sentinel demotes the old primary after its next periodic check (seconds later): do it now, as it would.
+    const now = await group.primaryPort();
+    await onNode(old, (c) => c.call('REPLICAOF', '127.0.0.1', String(now)));
+    const ids = ['now-1', 'now-2', 'delayed'];
+    for (const id of ids) {
+      await producer.publish('ha.manual', { task_type: 'ha.echo', payload: { id }, ...(id === 'delayed' ? { schedule_time: soon(300) } : {}) });
+    }
+    await waitFor(() => ids.every((id) => ran.includes(id)), { timeoutMs: 20_000, message: () => JSON.stringify(ran) });
+    assert.equal(worker.running, true);
+    assert.deepEqual(lines.filter((l) => l.level === 'error'), []);
+    // The worker's connections left the demoted node for the new primary.
+    const names = String(await onNode(now, (c) => c.call('CLIENT', 'LIST')));
+    for (const role of ['cmd', 'reader']) assert.match(names, new RegExp(`name=envelope-node-${role} `));
+    await producer.close();
+    await worker.close({ graceMs: 1000 });
+  });
 });
 
 describe('Cluster', { concurrency: false }, () => {
