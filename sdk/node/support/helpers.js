@@ -77,9 +77,14 @@ export async function testRedis() {
   return startRedisServer();
 }
 
+/** The password of each port whose server requires one (startRedisServer's `password`). */
+const passwords = new Map();
+
 /** A connection to 127.0.0.1:port that never retries (for probes and admin commands). */
 export function directClient(port) {
-  const client = new Redis({ host: '127.0.0.1', port, lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
+  const client = new Redis({
+    host: '127.0.0.1', port, password: passwords.get(port), lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null,
+  });
   client.on('error', () => {});
   return client;
 }
@@ -104,10 +109,12 @@ process.once('exit', () => {
 /**
  * A private redis-server on a loopback port (a free one unless given), ready
  * to answer; `args` are more redis-server arguments (a config file first
- * when `args[0]` is one). Returns { url, port, args, child, stop(signal), close }.
+ * when `args[0]` is one), `password` the one they make it require (for the
+ * probes of onNode). Returns { url, port, args, password, child, stop(signal), close }.
  */
-export async function startRedisServer(port = null, args = []) {
+export async function startRedisServer(port = null, args = [], { password } = {}) {
   const chosen = port ?? (await freePort());
+  if (password !== undefined) passwords.set(chosen, password);
   const [conf, ...rest] = args[0] && !args[0].startsWith('--') ? args : [null, ...args];
   // A replica's full sync starts at once (not after the default 5 s wait for more replicas)
   // and writes its RDB file in the temporary directory, one name per port.
@@ -137,7 +144,7 @@ export async function startRedisServer(port = null, args = []) {
     await exited;
     fs.rmSync(path.join(os.tmpdir(), `envelope-test-${chosen}.rdb`), { force: true });
   };
-  return { url: `redis://127.0.0.1:${chosen}/0`, port: chosen, args, child, stop, close: () => stop() };
+  return { url: `redis://127.0.0.1:${chosen}/0`, port: chosen, args, password, child, stop, close: () => stop() };
 }
 
 /** Wait until the redis-server on `port` is a replica whose link to its primary is up. */
@@ -150,7 +157,7 @@ async function replicaInSync(port) {
 
 /** Start `server` again on its port (with `args`, or its own) in place of the stopped one in `nodes`. */
 async function restartIn(nodes, server, args = server.args) {
-  const again = await startRedisServer(server.port, args);
+  const again = await startRedisServer(server.port, args, { password: server.password });
   nodes.splice(nodes.indexOf(server), 1, again);
   return again;
 }
@@ -164,12 +171,18 @@ function tempDir(name) {
 /**
  * A Sentinel group: a primary, two replicas and three sentinels (quorum 2,
  * down-after-milliseconds 1000, failover-timeout 3000) monitoring it as
- * `masterName`. Resolves once both replicas are in sync and every sentinel
- * sees them and the other sentinels. Returns { masterName, sentinels: [port], nodes: [server],
- * url (redis-sentinel://...), primaryPort(), rejoin(port), close }; rejoin
- * starts a stopped node again as a replica of the current primary.
+ * `masterName`; the data nodes require `password`, the sentinels
+ * `sentinelPassword`. Resolves once both replicas are in sync and every
+ * sentinel sees them and the other sentinels. Returns { masterName, password,
+ * sentinelPassword, sentinels: [port], nodes: [server], url (redis-sentinel://...
+ * with both passwords), primaryPort(), rejoin(port), close }; rejoin starts a
+ * stopped node again as a replica of the current primary.
  */
-export async function startSentinelGroup({ masterName = 'envelope-test' } = {}) {
+export async function startSentinelGroup({
+  masterName = 'envelope-test', password = 'data-secret', sentinelPassword = 'sentinel-secret',
+} = {}) {
+  const auth = ['--requirepass', password, '--masterauth', password];
+  const dataNode = (args = []) => startRedisServer(null, [...auth, ...args], { password });
   const tmp = tempDir('sentinel');
   const nodes = [];
   const sentinels = [];
@@ -178,22 +191,23 @@ export async function startSentinelGroup({ masterName = 'envelope-test' } = {}) 
     tmp.remove();
   };
   try {
-    nodes.push(await startRedisServer());
-    for (let i = 0; i < 2; i += 1) {
-      nodes.push(await startRedisServer(null, ['--replicaof', '127.0.0.1', String(nodes[0].port)]));
-    }
+    nodes.push(await dataNode());
+    for (let i = 0; i < 2; i += 1) nodes.push(await dataNode(['--replicaof', '127.0.0.1', String(nodes[0].port)]));
     for (const replica of nodes.slice(1)) await replicaInSync(replica.port);
     for (let i = 0; i < 3; i += 1) {
       const conf = path.join(tmp.dir, `sentinel-${i}.conf`);
       fs.writeFileSync(conf, [
         `dir ${tmp.dir}`,
+        `requirepass ${sentinelPassword}`,
+        `sentinel sentinel-pass ${sentinelPassword}`,
         `sentinel monitor ${masterName} 127.0.0.1 ${nodes[0].port} 2`,
+        `sentinel auth-pass ${masterName} ${password}`,
         `sentinel down-after-milliseconds ${masterName} 1000`,
         `sentinel failover-timeout ${masterName} 3000`,
         `sentinel parallel-syncs ${masterName} 2`,
         '',
       ].join('\n'));
-      sentinels.push(await startRedisServer(null, [conf, '--sentinel']));
+      sentinels.push(await startRedisServer(null, [conf, '--sentinel'], { password: sentinelPassword }));
     }
     await waitFor(async () => {
       for (const s of sentinels) {
@@ -212,13 +226,15 @@ export async function startSentinelGroup({ masterName = 'envelope-test' } = {}) 
     (c) => c.call('SENTINEL', 'GET-MASTER-ADDR-BY-NAME', masterName)))[1]);
   return {
     masterName,
+    password,
+    sentinelPassword,
     sentinels: sentinels.map((s) => s.port),
     nodes,
-    url: `redis-sentinel://${hosts}/0#${masterName}`,
+    url: `redis-sentinel://:${encodeURIComponent(password)}@${hosts}/0?sentinel_password=${encodeURIComponent(sentinelPassword)}#${masterName}`,
     /** The port of the primary the sentinels announce now. */
     primaryPort,
     rejoin: async (port) => {
-      await restartIn(nodes, nodes.find((n) => n.port === port), ['--replicaof', '127.0.0.1', String(await primaryPort())]);
+      await restartIn(nodes, nodes.find((n) => n.port === port), [...auth, '--replicaof', '127.0.0.1', String(await primaryPort())]);
       await replicaInSync(port);
     },
     close,

@@ -169,9 +169,12 @@ describe('Sentinel', { concurrency: false }, () => {
     await group?.close();
   });
 
-  test('round trips through a redis-sentinel:// URL and through an ioredis Sentinel client', async () => {
+  test('round trips through a redis-sentinel:// URL and an ioredis Sentinel client, with data and sentinel passwords', async () => {
     await roundTrip(group.url, group.url, ['ha.sentinel']);
-    const client = new Redis({ sentinels: group.sentinels.map((port) => ({ host: '127.0.0.1', port })), name: group.masterName });
+    const client = new Redis({
+      sentinels: group.sentinels.map((port) => ({ host: '127.0.0.1', port })), name: group.masterName,
+      password: group.password, sentinelPassword: group.sentinelPassword,
+    });
     client.on('error', () => {});
     const prefix = await roundTrip(client, client, ['ha.sentinel']);
     assert.equal(await client.sismember(new KeySpace(prefix).queues, 'ha.sentinel'), 1, 'the delayed publish registered its queue');
