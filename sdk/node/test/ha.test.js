@@ -13,7 +13,7 @@ import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
-import { DeadLetters, KeySpace, Producer, Worker, createLogger, createRedis } from '../src/index.js';
+import { DeadLetters, KeySpace, Producer, Promoter, Worker, createLogger, createRedis } from '../src/index.js';
 import {
   clusterNodes, moveSlot, onNode, startCluster, startRedisServer, startSentinelGroup, waitFor,
 } from '../support/helpers.js';
@@ -286,6 +286,22 @@ describe('Cluster', { concurrency: false }, () => {
     const prefix = await roundTrip(given, cluster.url, queuesOn().slice(0, 2));
     assert.deepEqual((await client.smembers(new KeySpace(prefix).queues)).sort(), queuesOn().slice(0, 2).sort());
     given.disconnect();
+  });
+
+  test('a standalone promoter from a redis-cluster:// URL promotes the delayed tasks of every shard', async () => {
+    const prefix = prefixFor();
+    const queues = queuesOn();
+    const producer = new Producer({ connection: client, prefix });
+    for (const queue of queues) await producer.publish(queue, { task_type: 'ha.echo', payload: {}, schedule_time: soon(200) });
+    const promoter = new Promoter({ connection: cluster.url, prefix, maxIdleMs: 100, log: sink().logger });
+    await promoter.start();
+    const keys = new KeySpace(prefix);
+    await waitFor(async () => {
+      const lengths = await Promise.all(queues.map((q) => client.xlen(keys.queue(q).stream('normal'))));
+      return lengths.every((n) => n === 1);
+    }, { message: 'not every shard\'s delayed task was promoted' });
+    await promoter.stop();
+    await producer.close();
   });
 
   test('a dead letter and a cancel on a Cluster', async () => {
