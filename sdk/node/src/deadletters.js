@@ -5,16 +5,14 @@
 // tools (kombu_envelope.store.dead_letters.DeadLetters), on the same keys.
 
 import os from 'node:os';
-import Redis from 'ioredis';
 import { DEFAULT_GZIP_MIN_BYTES, MalformedEntry, decodeEntry, encodeBody } from './codec.js';
 import { DEFAULT_LIMITS, envelopeToJson, newEnvelope } from './envelope.js';
 import { parseJson } from './json.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { Scripts } from './scripts.js';
 import { Timestamp } from './time.js';
-import { parseRedisUrl } from './url.js';
-
-const isClient = (value) => value !== null && typeof value === 'object' && typeof value.defineCommand === 'function';
+import { isRedisClient, openConnection } from './connection.js';
+import { createLogger } from './log.js';
 const text = (value) => (Buffer.isBuffer(value) ? value.toString('utf8') : String(value));
 
 /** RFC 7386 JSON merge patch of `target` by `patch`. */
@@ -46,25 +44,20 @@ export function jsonMergePatch(target, patch) {
 
 export class DeadLetters {
   /**
-   * new DeadLetters({ connection, prefix }) or new DeadLetters(client, { prefix }).
+   * new DeadLetters({ connection, prefix }) or new DeadLetters(client, { prefix });
+   * connection: an ioredis client or Cluster, a Redis URL (any form of src/url.js) or ioredis options.
+   * Connection errors of a connection opened here go to `logger` (JSON lines on stderr by default).
    * @param {any} clientOrOptions
-   * @param {{ prefix?: string, limits?: object, gzipMinBytes?: number }} [options]
+   * @param {{ prefix?: string, limits?: object, gzipMinBytes?: number, logger?: any }} [options]
    */
   constructor(clientOrOptions, options = {}) {
-    let opts = options;
-    if (isClient(clientOrOptions)) {
-      this.client = clientOrOptions;
-    } else {
-      const { connection, ...rest } = clientOrOptions ?? {};
-      opts = rest;
-      if (isClient(connection)) {
-        this.client = connection;
-      } else {
-        const base = typeof connection === 'string' ? parseRedisUrl(connection) : { ...(connection ?? {}) };
-        this.client = new Redis({ connectionName: 'envelope-node-dead-letters', ...base });
-        this.owned = true;
-      }
-    }
+    const direct = isRedisClient(clientOrOptions);
+    const { connection, ...rest } = direct ? {} : clientOrOptions ?? {};
+    const opts = direct ? options : rest;
+    const { client, owned } = openConnection(direct ? clientOrOptions : connection, 'envelope-node-dead-letters',
+      opts.logger ?? createLogger());
+    this.client = client;
+    this.owned = owned;
     this.keys = new KeySpace(opts.prefix);
     this.limits = { ...DEFAULT_LIMITS, ...(opts.limits ?? {}) };
     this.gzipMinBytes = opts.gzipMinBytes ?? DEFAULT_GZIP_MIN_BYTES;

@@ -6,20 +6,23 @@ export * from './retry.js';
 export { parseOffset, formatOffset, parseRfc3339 } from './time.js';
 export { Scripts, loadScripts, keyCount, LUA_DIR, SCRIPT_NAMES } from './scripts.js';
 export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
-export { Worker, WORKER_DEFAULTS, isRedisClient } from './worker.js';
-export { parseRedisUrl } from './url.js';
+export { Worker, WORKER_DEFAULTS } from './worker.js';
+export { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from './url.js';
+export { isRedisClient } from './connection.js';
+export { ReplicaWait } from './replicas.js';
 export { Promoter, redisNowMs } from './promoter.js';
 export { DeadLetters, jsonMergePatch, readDeadLetter } from './deadletters.js';
 export { cancelTask, CANCEL_MARK_TTL_MS } from './cancel.js';
 export {
   InvalidResultRequest, ResultEncodeError, checkResult, encodeResult, formatDateDone, resultMeta, resultRequestOf,
 } from './results.js';
-export { OUTAGE_TOLERANCE_MS } from './outage.js';
+export { OUTAGE_TOLERANCE_MS, isRedisAway } from './outage.js';
 export { createLogger } from './log.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 
 /** @typedef {import('./producer.js').PublishResult} PublishResult */
 /** @typedef {import('./producer.js').PublishOptions} PublishOptions */
+/** @typedef {import('./producer.js').ProducerOptions} ProducerOptions */
 /** @typedef {import('./cancel.js').CancelResult} CancelResult */
 /** @typedef {import('./worker.js').Handler} Handler */
 /** @typedef {import('./worker.js').HandlerSpec} HandlerSpec */

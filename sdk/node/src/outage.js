@@ -1,5 +1,9 @@
 // Commands that are safe to repeat are retried while Redis is unreachable or
-// loading, for a bounded time (docs/protocol.md section 5, outages).
+// loading, for a bounded time (docs/protocol.md section 5, outages). Behind
+// Sentinel and on a Cluster the errors of a failover are outages too: a node
+// that stopped being the primary (READONLY, MASTERDOWN, UNBLOCKED), a slot
+// between nodes (MOVED, ASK, TRYAGAIN, CLUSTERDOWN and the ioredis errors of a
+// slot map being refreshed) and reset connections.
 
 import { setTimeout as sleep } from 'node:timers/promises';
 import { isTransientError } from './retry.js';
@@ -7,12 +11,18 @@ import { isTransientError } from './retry.js';
 /** How long a repeatable command is retried while Redis is away (ms), as Python's outage_tolerance_s. */
 export const OUTAGE_TOLERANCE_MS = 30_000;
 
-const AWAY_MESSAGE = /^(LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|READONLY)\b|Connection is closed|Stream isn't writeable|connect E[A-Z]+/;
+const AWAY_MESSAGE = new RegExp([
+  '^(LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|READONLY|UNBLOCKED|MOVED|ASK)\\b',
+  'Connection is closed', 'Command aborted due to connection close', "Stream isn't writeable",
+  'connect E[A-Z]+', 'read E[A-Z]+', 'write E[A-Z]+',
+  'Failed to refresh slots cache', 'None of startup nodes is available', "Cluster isn't ready",
+  'Too many Cluster redirections', 'All sentinels are unreachable',
+].join('|'));
 
 /** True when `err` says Redis is unreachable or not ready, not that the command is wrong. */
 export function isRedisAway(err) {
   if (!err || typeof err !== 'object') return false;
-  if (err.name === 'MaxRetriesPerRequestError') return true;
+  if (err.name === 'MaxRetriesPerRequestError' || err.name === 'ClusterAllFailedError') return true;
   return isTransientError(err) || AWAY_MESSAGE.test(String(err.message));
 }
 

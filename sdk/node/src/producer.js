@@ -1,18 +1,23 @@
 // Publishing (docs/protocol.md section 4): fill in the identity (task_id,
 // trace_id, created_at) when absent, validate (publish rules included), encode,
 // then enqueue.lua into the priority bucket's stream when due (it removes a
-// delayed copy of the same task_id), or SADD <prefix>:queues + schedule.lua
-// into the delayed set, in one round trip, when ahead. cancel() marks a task_id
+// delayed copy of the same task_id), or SADD <prefix>:queues, then schedule.lua
+// into the delayed set, when ahead. Each try of a publish sends the same publish
+// token, so a publish retried while Redis is away (a failover) is stored once.
+// With waitReplicas, WAIT follows every publish. cancel() marks a task_id
 // cancelled for every queue (src/cancel.js).
 
 import crypto from 'node:crypto';
 import { cancelTask } from './cancel.js';
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isDue, newEnvelope } from './envelope.js';
+import { isRedisClient, openConnection } from './connection.js';
 import { KeySpace, bucketFor } from './keys.js';
-import Redis from 'ioredis';
+import { createLogger } from './log.js';
+import { OUTAGE_TOLERANCE_MS, retryWhileAway } from './outage.js';
+import { registerThen } from './registry.js';
+import { ReplicaWait } from './replicas.js';
 import { Scripts } from './scripts.js';
-import { parseRedisUrl } from './url.js';
 
 /** How long enqueue.lua and schedule.lua remember a publish token (ms, docs/protocol.md section 4). */
 export const PUBLISH_DEDUPE_MS = 90_000;
@@ -32,40 +37,38 @@ function withExpiry(fields, expiresInMs, nowMs) {
   return { ...fields, expires: Timestamp.fromEpochMs(nowMs + expiresInMs) };
 }
 
-/** An ioredis client or Cluster (anything with defineCommand). */
-const isClient = (value) => value !== null && typeof value === 'object' && typeof value.defineCommand === 'function';
-
 export class Producer {
   /**
    * Two forms:
    *
-   *   new Producer({ connection, prefix })   // connection: ioredis client or Cluster, redis:// URL, or ioredis options
+   *   new Producer({ connection, prefix })   // connection: ioredis client (Sentinel-managed or not) or Cluster,
+   *                                          // a Redis URL (src/url.js: redis, sentinel, cluster), or ioredis options
    *   new Producer(client, { prefix })       // client: an ioredis client or Cluster
    *
    * A connection the producer opened itself (URL or options) is closed by
    * close(); a client that was given stays open.
+   * Options: prefix, limits, gzipMinBytes, outageToleranceMs (how long a
+   * publish is retried while Redis is away), waitReplicas and waitTimeoutMs
+   * (WAIT for that many replicas after each publish; 0: no wait), logger.
    * @param {any} clientOrOptions
-   * @param {{ prefix?: string, limits?: object, gzipMinBytes?: number, scripts?: any }} [options]
+   * @param {ProducerOptions} [options]
+   * @typedef {{ prefix?: string, limits?: object, gzipMinBytes?: number, scripts?: any, outageToleranceMs?: number,
+   *   waitReplicas?: number, waitTimeoutMs?: number, logger?: any }} ProducerOptions
    */
   constructor(clientOrOptions, options = {}) {
-    let client;
-    let opts;
-    if (isClient(clientOrOptions)) {
-      client = clientOrOptions;
-      opts = options;
-    } else {
-      const { connection, ...rest } = clientOrOptions ?? {};
-      opts = rest;
-      if (isClient(connection)) {
-        client = connection;
-      } else {
-        const base = typeof connection === 'string' ? parseRedisUrl(connection) : { ...(connection ?? {}) };
-        client = new Redis({ connectionName: 'envelope-node-producer', ...base });
-        this.owned = true;
-      }
-    }
-    const { prefix, limits = DEFAULT_LIMITS, gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, scripts } = opts;
+    const direct = isRedisClient(clientOrOptions);
+    const { connection, ...rest } = direct ? {} : clientOrOptions ?? {};
+    const opts = direct ? options : rest;
+    const {
+      prefix, limits = DEFAULT_LIMITS, gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, scripts,
+      outageToleranceMs = OUTAGE_TOLERANCE_MS, waitReplicas = 0, waitTimeoutMs = 1000, logger,
+    } = opts;
+    this.log = logger ?? createLogger();
+    const { client, owned } = openConnection(direct ? clientOrOptions : connection, 'envelope-node-producer', this.log);
+    this.owned = owned;
     this.client = client;
+    this.outageToleranceMs = outageToleranceMs;
+    this.replicas = new ReplicaWait({ replicas: waitReplicas, timeoutMs: waitTimeoutMs, log: this.log });
     this.keys = new KeySpace(prefix);
     this.limits = { ...DEFAULT_LIMITS, ...limits };
     this.gzipMinBytes = gzipMinBytes;
@@ -144,23 +147,34 @@ export class Producer {
     const qk = this.keys.queue(queue);
     const { enc, body } = encodeBody(envelope, { gzipMinBytes: this.gzipMinBytes, limits: this.limits });
     const bucket = bucketFor(envelope.priority);
+    const token = publishToken(); // the same for every try of this publish
+    const log = this.log.child({ task_id: envelope.task_id, trace_id: envelope.trace_id, queue });
+    const retrying = (fn) => retryWhileAway(fn, {
+      toleranceMs: this.outageToleranceMs,
+      onRetry: (err, attempt) => log.warn('publish failed while Redis is away; retrying', { err, attempt }),
+    });
     if (isDue(envelope, nowMs)) {
       // enqueue.lua: an XADD that also removes a delayed copy of the same task_id,
       // so a task first scheduled and then published to run now is delivered once.
-      const entryId = await this.scripts.run('enqueue',
-        [qk.stream(bucket), qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
-        [envelope.task_id, enc, body, publishToken(), PUBLISH_DEDUPE_MS]);
+      const stream = qk.stream(bucket);
+      const entryId = await retrying(async () => {
+        const id = await this.scripts.run('enqueue', [stream, qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
+          [envelope.task_id, enc, body, token, PUBLISH_DEDUPE_MS]);
+        await this.replicas.after(this.client, stream, 'publish', log);
+        return id;
+      });
       return { taskId: envelope.task_id, envelope, entryId, delayed: false, dueMs: nowMs };
     }
-    // Register the queue on every delayed publish, in the same round trip and
-    // before schedule.lua wakes the promoters: a registry lost with a Redis
-    // restart is rebuilt by the next publish.
+    // Register the queue on every delayed publish, before schedule.lua stores
+    // it and wakes the promoters: a registry lost with its node is rebuilt by
+    // the next publish.
     const due = dueMs(envelope, nowMs);
-    const pipeline = this.client.pipeline().sadd(this.keys.queues, queue);
-    this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
-      [envelope.task_id, due, bucket, enc, body, this.keys.wakeup, publishToken(), PUBLISH_DEDUPE_MS],
-      pipeline);
-    for (const [err] of await pipeline.exec()) if (err) throw err;
+    await retrying(async () => {
+      await registerThen(this.client, this.keys.queues, queue, () => this.scripts.run('schedule',
+        [qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
+        [envelope.task_id, due, bucket, enc, body, this.keys.wakeup, token, PUBLISH_DEDUPE_MS]));
+      await this.replicas.after(this.client, qk.delayed, 'publish', log);
+    });
     return { taskId: envelope.task_id, envelope, entryId: null, delayed: true, dueMs: due };
   }
 }

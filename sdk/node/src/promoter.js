@@ -2,10 +2,16 @@
 // queue of <prefix>:queues with Redis' clock, repeats while a call moved a full
 // batch, sleeps until the earliest next due time or a wake-up on
 // <prefix>:wakeup, and looks again at least every maxIdleMs. Any number of
-// promoters, in any language, may run at once.
+// promoters, in any language, may run at once. One promote.lua call touches
+// one queue's keys only (one Cluster slot); a failing pass (a failover) is
+// tried again a second later, never ending the loop. With waitReplicas, WAIT
+// follows every call that moved tasks, so that a failover does not lose the move
+// and promote the same tasks again.
 
 import { setTimeout as sleep } from 'node:timers/promises';
+import { logConnectionErrors, openConnection, roleConnection } from './connection.js';
 import { KeySpace } from './keys.js';
+import { ReplicaWait } from './replicas.js';
 import { Scripts } from './scripts.js';
 
 export async function redisNowMs(client) {
@@ -14,9 +20,31 @@ export async function redisNowMs(client) {
 }
 
 export class Promoter {
-  constructor({ client, subscriber, prefix, batch = 1000, maxIdleMs = 5000, log, scripts }) {
+  /**
+   * `client` (an ioredis client or Cluster) and an optional `subscriber` for
+   * wake-ups; or `connection` (a client, a Redis URL of any form of src/url.js,
+   * or ioredis options), from which the promoter opens both and closes them on stop().
+   * waitReplicas and waitTimeoutMs: WAIT for that many replicas after each call that moved tasks.
+   * @param {{ client?: any, subscriber?: any, connection?: any, prefix?: string, batch?: number,
+   *   maxIdleMs?: number, log?: any, scripts?: any, waitReplicas?: number, waitTimeoutMs?: number }} options
+   */
+  constructor({
+    client, subscriber, connection, prefix, batch = 1000, maxIdleMs = 5000, log, scripts, waitReplicas = 0, waitTimeoutMs = 1000,
+  }) {
+    this.owned = [];
+    if (!client) {
+      const opened = openConnection(connection, 'envelope-node-promoter', log);
+      client = opened.client;
+      if (opened.owned) this.owned.push(client);
+      if (subscriber === undefined) {
+        subscriber = roleConnection(client, 'envelope-node-promoter-wakeup');
+        logConnectionErrors(subscriber, log, { connection: 'envelope-node-promoter-wakeup' });
+        this.owned.push(subscriber);
+      }
+    }
     this.client = client;
     this.subscriber = subscriber;
+    this.replicas = new ReplicaWait({ replicas: waitReplicas, timeoutMs: waitTimeoutMs, log });
     this.keys = new KeySpace(prefix);
     this.batch = batch;
     this.maxIdleMs = maxIdleMs;
@@ -35,6 +63,7 @@ export class Promoter {
       const [moved, nextDue] = await this.scripts.run(
         'promote', [qk.delayed, qk.delayedData, ...qk.taskStreams], [nowMs, this.batch]);
       total += Number(moved);
+      if (Number(moved)) await this.replicas.after(this.client, qk.delayed, 'promote');
       if (Number(moved) < this.batch) return { moved: total, nextDue: Number(nextDue) < 0 ? null : Number(nextDue) };
     }
   }
@@ -102,5 +131,6 @@ export class Promoter {
     this.running = false;
     if (this.wake) this.wake();
     await this.done;
+    for (const client of this.owned.splice(0)) await client.quit().catch(() => client.disconnect());
   }
 }

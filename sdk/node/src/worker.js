@@ -24,23 +24,31 @@
 //   - promotes delayed tasks (promote.lua), like every other worker;
 //   - on stop: prefetched, unstarted entries go back with requeue.lua, running
 //     tasks get a grace period, the liveness key is deleted.
-// Every dead-letter write is followed by SADD <prefix>:dead-queues <queue>.
+// Every dead-letter write is preceded by SADD <prefix>:dead-queues <queue>, every
+// delayed store by SADD <prefix>:queues, each on its own (no step crosses a
+// Cluster slot). Failover errors and resets are outages: settling steps are
+// retried for outageToleranceMs, reads re-arm, and entries a lost read reply
+// left pending to this consumer are read again. With waitReplicas, WAIT follows
+// every settling step (idempotency done marker, ack, retry, dead letter) and
+// every promotion.
 // Logs are JSON lines on stderr, each with trace_id and task_id.
 
 import crypto from 'node:crypto';
 import { EventEmitter } from 'node:events';
 import os from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
-import Redis from 'ioredis';
 import { AbandonedClaims } from './abandoned.js';
+import { isRedisClient, logConnectionErrors, roleConnection } from './connection.js';
 import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js';
 import { readDeadLetter } from './deadletters.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isExpired } from './envelope.js';
 import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
-import { OUTAGE_TOLERANCE_MS, retryWhileAway } from './outage.js';
+import { OUTAGE_TOLERANCE_MS, isRedisAway, retryWhileAway } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
+import { registerThen } from './registry.js';
+import { ReplicaWait } from './replicas.js';
 import {
   FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, asksForTiered, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
@@ -49,7 +57,7 @@ import { ResultWriter, checkResult } from './results.js';
 import { Scripts } from './scripts.js';
 import { parseRedisUrl } from './url.js';
 
-export { parseRedisUrl };
+export { parseRedisUrl, isRedisClient };
 
 export const WORKER_DEFAULTS = Object.freeze({
   prefix: DEFAULT_PREFIX,
@@ -81,8 +89,11 @@ export const WORKER_DEFAULTS = Object.freeze({
   isTransient: null,
   // Celery's result backend: an ioredis client (used as it is), a redis:// URL or ioredis options.
   resultBackend: null,
-  // How long a result write is retried while its Redis is away.
+  // How long a settling step (or a result write) is retried while Redis is away or failing over.
   outageToleranceMs: OUTAGE_TOLERANCE_MS,
+  // WAIT for this many replicas after each settling step (0: no wait), at most waitTimeoutMs.
+  waitReplicas: 0,
+  waitTimeoutMs: 1_000,
 });
 
 const LANGUAGE = 'node';
@@ -150,7 +161,7 @@ function positiveInt(name, value, { allowZero = false } = {}) {
  *   promoter?: boolean, promoterMaxIdleMs?: number, defaultTimeoutMs?: number | null,
  *   forgetAfterMs?: number, idemClaimMs?: number, idemDoneTtlMs?: number, retrySlotHoldMs?: number,
  *   takeoverBatch?: number, gzipMinBytes?: number, autorun?: boolean,
- *   resultBackend?: any, outageToleranceMs?: number }} WorkerOptions
+ *   resultBackend?: any, outageToleranceMs?: number, waitReplicas?: number, waitTimeoutMs?: number }} WorkerOptions
  */
 
 /** @extends {EventEmitter<any>} */
@@ -161,13 +172,15 @@ export class Worker extends EventEmitter {
    *   new Worker(queue, handlers, { connection, concurrency, ... })  // starts at once unless autorun: false
    *   new Worker({ redis, queue, concurrency, ... })                  // then worker.register(...) and await worker.start()
    *
-   * connection (or redis): an ioredis client or Cluster (each role gets a
-   * duplicate() of it), a redis:// URL, or ioredis options.
+   * connection (or redis): an ioredis client, Sentinel-managed or not, or a
+   * Cluster (each role gets a duplicate() of it), a Redis URL (redis://,
+   * rediss://, redis-sentinel://, redis-cluster://: src/url.js), or ioredis options.
    * Options: prefix, group, leaseMs, blockMs, concurrency, prefetch,
    * fastRetries, backoffMs, maxBackoffMs, retryConcurrency, maxRedeliveries,
    * deferMs, shutdownGraceMs, limits, isTransient(err) (extra transient
    * errors), logger, consumer, promoter, autorun, resultBackend (the Redis of
-   * Celery's result backend: client, URL or options), outageToleranceMs.
+   * Celery's result backend: client, URL or options), outageToleranceMs,
+   * waitReplicas and waitTimeoutMs (WAIT after each settling step).
    *
    * Events: 'ready', 'completed' (envelope, { result, durationMs }),
    * 'failed' (envelope, error, { retrying, delayMs }) for every failed attempt,
@@ -193,7 +206,7 @@ export class Worker extends EventEmitter {
     for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs']) {
       positiveInt(name, o[name]);
     }
-    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs', 'outageToleranceMs']) positiveInt(name, o[name], { allowZero: true });
+    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs', 'outageToleranceMs', 'waitReplicas', 'waitTimeoutMs']) positiveInt(name, o[name], { allowZero: true });
     if (o.prefetch !== null) positiveInt('prefetch', o.prefetch);
     this.opts = o;
     this.keys = new KeySpace(o.prefix);
@@ -203,17 +216,19 @@ export class Worker extends EventEmitter {
     this.consumer = o.consumer ?? `${this.host.replace(/\s/g, '_')}-${process.pid}-${crypto.randomBytes(4).toString('hex')}`;
     if (/\s/.test(this.consumer)) throw new Error(`consumer name ${JSON.stringify(this.consumer)} must not contain spaces`);
     this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queue: o.queue });
+    this.replicas = new ReplicaWait({ replicas: o.waitReplicas, timeoutMs: o.waitTimeoutMs, log: this.log });
     this.handlers = new Map();
     this.inflight = new Map(); // "<stream> <id>" -> { entry, abort, promise }
     this.waiting = []; // read, not started (most urgent first)
     this.held = new Set(); // "<stream> <id>" of waiting and running entries
+    this.claiming = new Set(); // idempotency keys claimed by attempts running here
     this.abandoned = new AbandonedClaims({
       renew: async (claim) => (await this.scripts.run('idem_begin', [claim.key], [claim.holder, claim.claimMs, '']))[0],
-      // Safe to repeat: retried while Redis is away (section 9).
-      finish: (claim, how, log) => retryWhileAway(() => this.finishClaim(claim, how, log), { toleranceMs: this.opts.outageToleranceMs }),
+      finish: (claim, how, log) => this.finishClaim(claim, how, log), // retried while Redis is away (section 9)
     });
     this.running = false;
     this.recoverAt = null;
+    this.renewedInARow = 0;
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
     for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
       if (typeof spec === 'function') this.register(taskType, spec);
@@ -257,21 +272,9 @@ export class Worker extends EventEmitter {
   }
 
   client(role, given = this.opts.redis) {
-    let client;
-    if (isRedisClient(given)) {
-      // BullMQ's way: every role gets its own connection, a duplicate of the given one.
-      client = given.isCluster ? given.duplicate() : given.duplicate({ connectionName: `envelope-node-${role}` });
-    } else {
-      const base = typeof given === 'string' ? { ...parseRedisUrl(given) } : { ...(given ?? {}) };
-      client = new Redis({ ...base, connectionName: `envelope-node-${role}`, lazyConnect: false });
-    }
-    // Connection errors are logged as JSON lines (ioredis reconnects by itself).
-    let lastLogged = 0;
-    client.on('error', (err) => {
-      if (Date.now() - lastLogged < 5000) return;
-      lastLogged = Date.now();
-      this.log.warn('redis connection error', { role, err });
-    });
+    // BullMQ's way: every role gets its own connection, a duplicate of a given client.
+    const client = roleConnection(given, `envelope-node-${role}`);
+    logConnectionErrors(client, this.log, { role });
     return client;
   }
 
@@ -301,6 +304,7 @@ export class Worker extends EventEmitter {
       this.promoter = new Promoter({
         client: this.cmd, subscriber: this.subscriber, prefix: this.opts.prefix,
         maxIdleMs: this.opts.promoterMaxIdleMs, log: this.log, scripts: this.scripts,
+        waitReplicas: this.opts.waitReplicas, waitTimeoutMs: this.opts.waitTimeoutMs,
       });
       await this.promoter.start();
     }
@@ -327,9 +331,15 @@ export class Worker extends EventEmitter {
     }
   }
 
-  /** Mark this consumer alive for another lease. */
-  renew() {
-    return this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
+  /** Mark this consumer alive for another lease; counts the renewals in a row that succeeded. */
+  async renew() {
+    try {
+      await this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
+      this.renewedInARow += 1;
+    } catch (err) {
+      this.renewedInARow = 0;
+      throw err;
+    }
   }
 
   // ---------------------------------------------------------------- reading
@@ -365,9 +375,12 @@ export class Worker extends EventEmitter {
         if (this.inflight.size) await Promise.race([...this.inflight.values()].map((t) => t.promise));
       } catch (err) {
         if (!this.running) break;
-        this.log.error('reading failed; retrying in 1 s', { err });
+        // A failover (UNBLOCKED, READONLY, MOVED, a reset...) is an outage: read again soon.
+        const away = isRedisAway(err);
+        if (away) this.log.warn('reading interrupted (Redis away or failing over); reading again', { err });
+        else this.log.error('reading failed; retrying in 1 s', { err });
         this.recoverAt = Date.now();
-        await sleep(1000);
+        await sleep(away ? 200 : 1000);
         if (/NOGROUP|no such key/.test(String(err?.message))) {
           // A stream or its group was deleted under us (or Redis lost its data): create them again.
           await this.ensureGroups().catch((e) => this.log.error('could not create the consumer groups', { err: e }));
@@ -571,14 +584,21 @@ export class Worker extends EventEmitter {
         `payload_version ${env.payload_version} is not accepted by the handler of ${env.task_type} (accepts ${[...handler.payloadVersions].join(', ')})`));
       return;
     }
-    let claim = null;
-    if (env.idempotency_key !== null) {
-      // The claim is re-entrant for this consumer: it defers its own retries while their abandoned attempt runs.
-      if (this.abandoned.holds(this.keys.idempotency(env.task_type, env.idempotency_key))) {
-        await this.defer(entry, env, log, 'an abandoned attempt of this idempotency key still runs on this consumer; deferred');
-        return;
-      }
-      claim = await this.claim(env, log);
+    if (env.idempotency_key === null) {
+      await this.runSlotted(entry, env, handler, abort, log, null);
+      return;
+    }
+    // The claim is re-entrant for this consumer: it defers another entry of the same key while
+    // an attempt of it runs here (a retry of an abandoned attempt, or a second entry of the task
+    // after a failover lost a promotion or a delivery).
+    const key = this.keys.idempotency(env.task_type, env.idempotency_key);
+    if (this.abandoned.holds(key) || this.claiming.has(key)) {
+      await this.defer(entry, env, log, 'an attempt of this idempotency key still runs on this consumer; deferred');
+      return;
+    }
+    this.claiming.add(key);
+    try {
+      const claim = await this.claim(env, log);
       if (claim.state === 'done') {
         await this.results.success(env, null, log); // as a Celery worker does for a duplicate
         await this.ack(entry, log);
@@ -592,7 +612,14 @@ export class Worker extends EventEmitter {
         await this.defer(entry, env, log, 'another live consumer runs this idempotency key; deferred', { holder: claim.value });
         return;
       }
+      await this.runSlotted(entry, env, handler, abort, log, claim);
+    } finally {
+      this.claiming.delete(key);
     }
+  }
+
+  /** Step 5 of section 8 (a retry slot for a tiered retry), then the run. */
+  async runSlotted(entry, env, handler, abort, log, claim) {
     const slotKey = this.keys.retrying(env.task_type);
     let slot = false;
     if (env.retry_count > 0 && asksForTiered(env)) { // the cap belongs to the tiered policy
@@ -746,12 +773,14 @@ export class Worker extends EventEmitter {
     const holder = `${this.consumer} ${env.task_id}`;
     // A safety net only: timeout_ms + leaseMs, or an hour without timeout_ms.
     const claimMs = env.timeout_ms !== null ? env.timeout_ms + this.opts.leaseMs : this.opts.idemClaimMs;
-    let [state, value] = await this.scripts.run('idem_begin', [key], [holder, claimMs, '']);
+    // idem_begin.lua is re-entrant for its holder: safe to repeat.
+    const begin = (replacing) => this.retrying('idempotency claim', log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
+    let [state, value] = await begin('');
     if (state === 'busy') {
       const owner = value.slice(0, value.lastIndexOf(' '));
       if (!(await this.cmd.exists(this.keys.consumer(owner)))) {
         log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
-        [state, value] = await this.scripts.run('idem_begin', [key], [holder, claimMs, value]);
+        [state, value] = await begin(value);
       }
     }
     return { state, value, key, holder, claimMs };
@@ -761,7 +790,8 @@ export class Worker extends EventEmitter {
     const args = how === 'done'
       ? [claim.holder, 'done', this.opts.idemDoneTtlMs, Timestamp.now().toString()]
       : [claim.holder, 'release'];
-    const settled = await this.scripts.run('idem_finish', [claim.key], args);
+    // Part of settling: a done marker lost with its primary would let the task run again.
+    const settled = await this.settle(`idempotency ${how}`, claim.key, log, () => this.scripts.run('idem_finish', [claim.key], args));
     if (Number(settled) === 0) {
       log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
     }
@@ -769,36 +799,51 @@ export class Worker extends EventEmitter {
 
   // ---------------------------------------------------------------- settling entries
 
-  async ack(entry, log) {
-    const replies = await this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id).exec();
-    for (const [err] of replies) if (err) throw err;
-    if (Number(replies[0][1]) === 0) {
-      log.warn('acknowledgement answered 0: the entry was taken over while this consumer looked dead');
+  /**
+   * Run a step that is safe to repeat, retried while Redis is away or failing
+   * over (outageToleranceMs), then WAIT for replicas on the node of `key`.
+   */
+  async settle(what, key, log, fn) {
+    const reply = await this.retrying(what, log, fn);
+    if (this.replicas.replicas) {
+      await this.retrying('wait for replicas', log, () => this.replicas.after(this.cmd, key, what, log))
+        .catch((err) => log.warn('could not wait for replicas', { err, step: what }));
     }
+    return reply;
   }
 
-  /** Run `add(pipeline)` in one round trip and throw the first error. */
-  async pipelined(add) {
-    const pipeline = this.cmd.pipeline();
-    add(pipeline);
-    const replies = await pipeline.exec();
-    for (const [err] of replies) if (err) throw err;
-    return replies.map(([, reply]) => reply);
+  /** `fn()`, a step safe to repeat, retried while Redis is away or failing over (outageToleranceMs). */
+  retrying(what, log, fn) {
+    return retryWhileAway(fn, {
+      toleranceMs: this.opts.outageToleranceMs,
+      onRetry: (err, attempt) => log.warn(`${what}: Redis away or failing over; retrying`, { err, attempt }),
+    });
+  }
+
+  /** XACK + XDEL in one MULTI (the keys of one stream). */
+  async ack(entry, log) {
+    const replies = await this.settle('ack', entry.stream, log, async () => {
+      const r = await this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id).exec();
+      for (const [err] of r) if (err) throw err;
+      return r;
+    });
+    if (Number(replies[0][1]) === 0) {
+      log.warn('acknowledgement answered 0: the entry was taken over while this consumer looked dead (or a retried ack had landed)');
+    }
   }
 
   /**
    * An entry that is not due yet goes to the delayed set, bytes unchanged:
-   * SADD <prefix>:queues (on every delayed store, so a registry lost with a
-   * restart is rebuilt) and schedule.lua in one round trip, then the ack.
+   * SADD <prefix>:queues first (on every delayed store, so a registry lost with
+   * its node is rebuilt), then schedule.lua (token entry:<id>, so retrying it
+   * stores it once), then the ack.
    */
   async scheduleEntry(entry, fields, env, log) {
     const qk = this.queueKeys;
-    await this.pipelined((p) => {
-      p.sadd(this.keys.queues, this.opts.queue);
-      this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(env.task_id)],
+    await this.settle('move to the delayed set', qk.delayed, log, () => registerThen(this.cmd, this.keys.queues, this.opts.queue,
+      () => this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(env.task_id)],
         [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'),
-          this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS], p);
-    });
+          this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS])));
     await this.ack(entry, log);
     this.stats.scheduled += 1;
     log.info('entry not due yet; moved to the delayed set', { schedule_time: env.schedule_time });
@@ -810,13 +855,11 @@ export class Worker extends EventEmitter {
     const bucket = bucketFor(next.priority);
     const { enc, body } = encodeBody(next, { gzipMinBytes: this.opts.gzipMinBytes, limits: this.opts.limits });
     const due = delayMs > 0 && next.schedule_time !== null ? Timestamp.parse(next.schedule_time).epochMs : 0;
-    // A delayed next attempt registers the queue for promotion in the same round trip.
-    const replies = await this.pipelined((p) => {
-      if (due) p.sadd(this.keys.queues, this.opts.queue);
-      this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
-        [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup], p);
-    });
-    const stored = replies.at(-1);
+    // A delayed next attempt registers the queue for promotion first.
+    const run = () => this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
+      [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup]);
+    const stored = await this.settle('replace the entry', entry.stream, log,
+      () => (due ? registerThen(this.cmd, this.keys.queues, this.opts.queue, run) : run()));
     if (!stored) log.warn('the entry was no longer pending (taken over); its next attempt was not stored by this consumer');
   }
 
@@ -852,12 +895,12 @@ export class Worker extends EventEmitter {
     if (env?.ext) await this.failureResult(env, failure, log);
     const args = [this.opts.group, entry.id];
     for (const [name, value] of this.failureFields(failure, env)) args.push(name, typeof value === 'string' ? value : String(value));
-    const deadId = await this.scripts.run('dead_letter', [entry.stream, this.queueKeys.dead], args);
+    const deadId = await this.settle('dead-letter', this.queueKeys.dead, log, () => registerThen(
+      this.cmd, this.keys.deadQueues, this.opts.queue, () => this.scripts.run('dead_letter', [entry.stream, this.queueKeys.dead], args)));
     if (!deadId) {
-      log.warn('the entry was no longer pending (taken over); not dead-lettered by this consumer', { failure_class: failure.failure_class });
+      log.warn('the entry was no longer pending (taken over, or a retried dead letter had landed); not dead-lettered by this consumer', { failure_class: failure.failure_class });
       return;
     }
-    await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
     this.stats.dead += 1;
     log.error('entry dead-lettered', {
       failure_class: failure.failure_class, reason: failure.reason, dead_id: deadId, attempts: failure.attempts ?? null,
@@ -939,9 +982,16 @@ export class Worker extends EventEmitter {
       } catch {
         continue; // no stream or group yet
       }
-      for (const [owner] of summary?.[3] ?? []) {
-        if (owner === this.consumer || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
+      for (const [owner, count] of summary?.[3] ?? []) {
+        if (owner === this.consumer) {
+          this.checkOwnPending(stream, Number(count));
+          continue;
+        }
+        // Not right after Redis was away (a failover): live consumers may not have renewed yet.
+        if (this.renewedInARow < 2 || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
         const items = await this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner);
+        // requeue.lua may dead-letter an entry (redelivery_limit): the queue is listed first.
+        if (items.length) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
         for (const [id] of items) {
           // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
           // the consumer is the one that died holding the entry.
@@ -954,7 +1004,6 @@ export class Worker extends EventEmitter {
           moved += 1;
           const dead = String(reply).startsWith('dead:');
           if (dead) {
-            await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
             await this.redeliveryLimitResult(String(reply).slice('dead:'.length));
           }
           this.log.warn(dead
@@ -966,6 +1015,20 @@ export class Worker extends EventEmitter {
     }
     this.stats.taken_over += moved;
     return moved;
+  }
+
+  /**
+   * More entries pending to this consumer in `stream` than it holds: a read
+   * whose reply was lost (ioredis sends a command in flight again after a
+   * reconnect, a failover) took entries nobody here knows of. The loop reads
+   * this consumer's own pending entries again and handles those it does not hold.
+   */
+  checkOwnPending(stream, pending) {
+    let held = 0;
+    for (const tag of this.held) if (tag.startsWith(`${stream} `)) held += 1;
+    if (pending <= held || this.recoverAt !== null) return;
+    this.log.warn('entries pending to this consumer that it does not hold; reading them again', { stream, pending, held });
+    this.recoverAt = Date.now();
   }
 
   /**
@@ -1061,10 +1124,4 @@ export class Worker extends EventEmitter {
     this.log.info('worker stopped', { stats: this.stats });
     this.notify('closed', this.stats);
   }
-}
-
-/** An ioredis client or Cluster (anything with defineCommand and duplicate). */
-export function isRedisClient(value) {
-  return value !== null && typeof value === 'object' && typeof value.defineCommand === 'function' &&
-    typeof value.duplicate === 'function';
 }

@@ -1,14 +1,17 @@
-// Shared test helpers: the conformance vectors and a Redis to run against.
+// Shared test helpers: the conformance vectors and a Redis to run against: one
+// private redis-server, a Sentinel group or a Redis Cluster, all started from the
+// redis-server binary on free loopback ports.
 
-import { spawn } from 'node:child_process';
+import { execFile, spawn } from 'node:child_process';
 import fs from 'node:fs';
 import net from 'node:net';
+import os from 'node:os';
 import path from 'node:path';
+import { promisify } from 'node:util';
 import { fileURLToPath } from 'node:url';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
 import { parseJson } from '../src/json.js';
-import { parseRedisUrl } from '../src/worker.js';
 
 /**
  * The conformance vectors: $ENVELOPE_CONFORMANCE_DIR when set, else the first
@@ -74,44 +77,246 @@ export async function testRedis() {
   return startRedisServer();
 }
 
+/** The password of each port whose server requires one (startRedisServer's `password`). */
+const passwords = new Map();
+
+/** A connection to 127.0.0.1:port that never retries (for probes and admin commands). */
+export function directClient(port) {
+  const client = new Redis({
+    host: '127.0.0.1', port, password: passwords.get(port), lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null,
+  });
+  client.on('error', () => {});
+  return client;
+}
+
+/** Run `fn(client)` on a fresh direct connection to `port`, closed afterwards. */
+export async function onNode(port, fn) {
+  const client = directClient(port);
+  try {
+    await client.connect();
+    return await fn(client);
+  } finally {
+    client.disconnect();
+  }
+}
+
+/** Every redis-server started here, killed when the test process exits however it ends. */
+const children = new Set();
+process.once('exit', () => {
+  for (const child of children) child.kill('SIGKILL');
+});
+
 /**
  * A private redis-server on a loopback port (a free one unless given), ready
- * to answer. Returns { url, port, close }.
+ * to answer; `args` are more redis-server arguments (a config file first
+ * when `args[0]` is one), `password` the one they make it require (for the
+ * probes of onNode). Returns { url, port, args, password, child, stop(signal), close }.
  */
-export async function startRedisServer(port = null) {
+export async function startRedisServer(port = null, args = [], { password } = {}) {
   const chosen = port ?? (await freePort());
-  const child = spawn('redis-server', ['--port', String(chosen), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
-    stdio: 'ignore',
-  });
-  const url = `redis://127.0.0.1:${chosen}/0`;
+  if (password !== undefined) passwords.set(chosen, password);
+  const [conf, ...rest] = args[0] && !args[0].startsWith('--') ? args : [null, ...args];
+  // A replica's full sync starts at once (not after the default 5 s wait for more replicas)
+  // and writes its RDB file in the temporary directory, one name per port.
+  const child = spawn('redis-server', [...(conf ? [conf] : []), '--port', String(chosen), '--bind', '127.0.0.1',
+    '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0',
+    '--dir', os.tmpdir(), '--dbfilename', `envelope-test-${chosen}.rdb`, ...rest], { stdio: 'ignore' });
+  children.add(child);
+  const exited = new Promise((resolve) => child.once('exit', () => {
+    children.delete(child);
+    resolve();
+  }));
   const deadline = Date.now() + 10_000;
   for (;;) {
-    const probe = new Redis({ ...parseRedisUrl(url), lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
-    probe.on('error', () => {});
     try {
-      await probe.connect();
-      await probe.ping();
-      probe.disconnect();
+      await onNode(chosen, (probe) => probe.ping());
       break;
     } catch {
-      probe.disconnect();
-      if (Date.now() > deadline) {
+      if (Date.now() > deadline || child.exitCode !== null) {
         child.kill('SIGKILL');
-        throw new Error('redis-server did not start');
+        throw new Error(`redis-server ${[conf, ...rest].filter(Boolean).join(' ')} did not start on port ${chosen}`);
       }
       await sleep(50);
     }
   }
+  const stop = async (signal = 'SIGTERM') => {
+    if (child.exitCode === null && child.signalCode === null) child.kill(signal);
+    await exited;
+    fs.rmSync(path.join(os.tmpdir(), `envelope-test-${chosen}.rdb`), { force: true });
+  };
+  return { url: `redis://127.0.0.1:${chosen}/0`, port: chosen, args, password, child, stop, close: () => stop() };
+}
+
+/** Wait until the redis-server on `port` is a replica whose link to its primary is up. */
+async function replicaInSync(port) {
+  await waitFor(async () => {
+    const info = String(await onNode(port, (c) => c.info('replication')).catch(() => ''));
+    return info.includes('role:slave') && info.includes('master_link_status:up');
+  }, { timeoutMs: 20_000, intervalMs: 100, message: `the node on ${port} did not become a replica in sync` });
+}
+
+/** Start `server` again on its port (with `args`, or its own) in place of the stopped one in `nodes`. */
+async function restartIn(nodes, server, args = server.args) {
+  const again = await startRedisServer(server.port, args, { password: server.password });
+  nodes.splice(nodes.indexOf(server), 1, again);
+  return again;
+}
+
+/** A fresh temporary directory, removed by the returned cleanup. */
+function tempDir(name) {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), `envelope-${name}-`));
+  return { dir, remove: () => fs.rmSync(dir, { recursive: true, force: true }) };
+}
+
+/**
+ * A Sentinel group: a primary, two replicas and three sentinels (quorum 2,
+ * down-after-milliseconds 1000, failover-timeout 3000) monitoring it as
+ * `masterName`; the data nodes require `password`, the sentinels
+ * `sentinelPassword`. Resolves once both replicas are in sync and every
+ * sentinel sees them and the other sentinels. Returns { masterName, password,
+ * sentinelPassword, sentinels: [port], nodes: [server], url (redis-sentinel://...
+ * with both passwords), primaryPort(), rejoin(port), close }; rejoin starts a
+ * stopped node again as a replica of the current primary.
+ */
+export async function startSentinelGroup({
+  masterName = 'envelope-test', password = 'data-secret', sentinelPassword = 'sentinel-secret',
+} = {}) {
+  const auth = ['--requirepass', password, '--masterauth', password];
+  const dataNode = (args = []) => startRedisServer(null, [...auth, ...args], { password });
+  const tmp = tempDir('sentinel');
+  const nodes = [];
+  const sentinels = [];
+  const close = async () => {
+    for (const server of [...sentinels, ...nodes]) await server.stop('SIGKILL');
+    tmp.remove();
+  };
+  try {
+    nodes.push(await dataNode());
+    for (let i = 0; i < 2; i += 1) nodes.push(await dataNode(['--replicaof', '127.0.0.1', String(nodes[0].port)]));
+    for (const replica of nodes.slice(1)) await replicaInSync(replica.port);
+    for (let i = 0; i < 3; i += 1) {
+      const conf = path.join(tmp.dir, `sentinel-${i}.conf`);
+      fs.writeFileSync(conf, [
+        `dir ${tmp.dir}`,
+        `requirepass ${sentinelPassword}`,
+        `sentinel sentinel-pass ${sentinelPassword}`,
+        `sentinel monitor ${masterName} 127.0.0.1 ${nodes[0].port} 2`,
+        `sentinel auth-pass ${masterName} ${password}`,
+        `sentinel down-after-milliseconds ${masterName} 1000`,
+        `sentinel failover-timeout ${masterName} 3000`,
+        `sentinel parallel-syncs ${masterName} 2`,
+        '',
+      ].join('\n'));
+      sentinels.push(await startRedisServer(null, [conf, '--sentinel'], { password: sentinelPassword }));
+    }
+    await waitFor(async () => {
+      for (const s of sentinels) {
+        const [replicas, others] = await onNode(s.port, (c) => Promise.all([
+          c.call('SENTINEL', 'REPLICAS', masterName), c.call('SENTINEL', 'SENTINELS', masterName)]));
+        if (replicas.length < 2 || others.length < 2) return false;
+      }
+      return true;
+    }, { timeoutMs: 20_000, intervalMs: 200, message: 'the sentinels did not discover the group' });
+  } catch (err) {
+    await close();
+    throw err;
+  }
+  const hosts = sentinels.map((s) => `127.0.0.1:${s.port}`).join(',');
+  const primaryPort = async () => Number((await onNode(sentinels[0].port,
+    (c) => c.call('SENTINEL', 'GET-MASTER-ADDR-BY-NAME', masterName)))[1]);
   return {
-    url,
-    port: chosen,
-    close: async () => {
-      child.kill('SIGTERM');
-      await new Promise((resolve) => {
-        if (child.exitCode !== null || child.signalCode !== null) resolve();
-        else child.once('exit', resolve);
-      });
+    masterName,
+    password,
+    sentinelPassword,
+    sentinels: sentinels.map((s) => s.port),
+    nodes,
+    url: `redis-sentinel://:${encodeURIComponent(password)}@${hosts}/0?sentinel_password=${encodeURIComponent(sentinelPassword)}#${masterName}`,
+    /** The port of the primary the sentinels announce now. */
+    primaryPort,
+    rejoin: async (port) => {
+      await restartIn(nodes, nodes.find((n) => n.port === port), [...auth, '--replicaof', '127.0.0.1', String(await primaryPort())]);
+      await replicaInSync(port);
     },
+    close,
+  };
+}
+
+const execFileAsync = promisify(execFile);
+
+/** The CLUSTER NODES lines of the node on `port`, as { id, port, flags, master, slots }. */
+export async function clusterNodes(port) {
+  const text = await onNode(port, (c) => c.call('CLUSTER', 'NODES'));
+  return String(text).trim().split('\n').map((line) => {
+    const [id, addr, flags, master, , , , , ...slots] = line.split(' ');
+    return { id, port: Number(addr.split('@')[0].split(':')[1]), flags: flags.split(','), master, slots };
+  });
+}
+
+/**
+ * Move hash slot `slot` from the primary on `fromPort` to the primary on
+ * `toPort` while clients use it, as a resharding does: IMPORTING / MIGRATING,
+ * MIGRATE of its keys in batches, then SETSLOT NODE on both (gossip tells the rest).
+ */
+export async function moveSlot(fromPort, toPort, slot) {
+  const idOf = async (port) => (await clusterNodes(port)).find((n) => n.flags.includes('myself')).id;
+  const [fromId, toId] = [await idOf(fromPort), await idOf(toPort)];
+  await onNode(toPort, (c) => c.call('CLUSTER', 'SETSLOT', slot, 'IMPORTING', fromId));
+  await onNode(fromPort, (c) => c.call('CLUSTER', 'SETSLOT', slot, 'MIGRATING', toId));
+  await onNode(fromPort, async (c) => {
+    for (;;) {
+      const keys = await c.call('CLUSTER', 'GETKEYSINSLOT', slot, 100);
+      if (!keys.length) break;
+      await c.call('MIGRATE', '127.0.0.1', toPort, '', 0, 5000, 'KEYS', ...keys);
+    }
+  });
+  for (const port of [toPort, fromPort]) await onNode(port, (c) => c.call('CLUSTER', 'SETSLOT', slot, 'NODE', toId));
+}
+
+/**
+ * A Redis Cluster of three primaries with one replica each (cluster-node-timeout
+ * 1000 ms), made with `redis-cli --cluster create`. Resolves once every node
+ * answers cluster_state:ok and every replica is in sync. Returns
+ * { ports, nodes: [server], url (redis-cluster://...), byPort(port), rejoin(port), close };
+ * rejoin starts a stopped node again, which comes back as a replica.
+ */
+export async function startCluster() {
+  const tmp = tempDir('cluster');
+  const nodes = [];
+  const close = async () => {
+    for (const server of nodes) await server.stop('SIGKILL');
+    tmp.remove();
+  };
+  try {
+    for (let i = 0; i < 6; i += 1) {
+      const port = await freePort();
+      nodes.push(await startRedisServer(port, ['--cluster-enabled', 'yes', '--cluster-node-timeout', '1000',
+        '--cluster-config-file', path.join(tmp.dir, `nodes-${port}.conf`), '--dir', tmp.dir]));
+    }
+    await execFileAsync('redis-cli', ['--cluster', 'create', ...nodes.map((n) => `127.0.0.1:${n.port}`),
+      '--cluster-replicas', '1', '--cluster-yes'], { timeout: 30_000 });
+    await waitFor(async () => {
+      for (const n of nodes) {
+        const info = String(await onNode(n.port, (c) => c.call('CLUSTER', 'INFO')));
+        if (!info.includes('cluster_state:ok')) return false;
+        const repl = String(await onNode(n.port, (c) => c.info('replication')));
+        if (repl.includes('role:slave') && !repl.includes('master_link_status:up')) return false;
+      }
+      return true;
+    }, { timeoutMs: 30_000, intervalMs: 100, message: 'the cluster did not reach cluster_state:ok' });
+  } catch (err) {
+    await close();
+    throw err;
+  }
+  return {
+    ports: nodes.map((n) => n.port),
+    nodes,
+    url: `redis-cluster://${nodes.slice(0, 3).map((n) => `127.0.0.1:${n.port}`).join(',')}`,
+    byPort: (port) => nodes.find((n) => n.port === port),
+    rejoin: async (port) => {
+      await restartIn(nodes, nodes.find((n) => n.port === port));
+      await replicaInSync(port);
+    },
+    close,
   };
 }
 

@@ -1,0 +1,69 @@
+// The clients the producer, worker, promoter, canceller and dead-letter tools
+// talk through: an ioredis client that was given (a `Redis`, Sentinel-managed
+// when it has `sentinels` and `name`, or a `Cluster`), or one opened here from
+// a URL (src/url.js) or ioredis options.
+
+import { createRedis } from './url.js';
+
+const opened = (connection, connectionName, extra = {}) =>
+  createRedis(connection ?? {}, { connectionName, reconnectOnError: reconnectOnFailover, ...extra });
+
+/** An ioredis client or Cluster (anything with defineCommand and duplicate). */
+export function isRedisClient(value) {
+  return value !== null && typeof value === 'object' && typeof value.defineCommand === 'function' &&
+    typeof value.duplicate === 'function';
+}
+
+/**
+ * A reply error after which a connection must find the primary again: the node
+ * became a replica (READONLY), or a blocked read was released by a role change
+ * (UNBLOCKED). ioredis reconnects (asking the sentinels for the primary) and
+ * sends the command again (2).
+ */
+export function reconnectOnFailover(err) {
+  return /^(READONLY|UNBLOCKED)\b/.test(String(err?.message)) ? 2 : false;
+}
+
+/**
+ * Log the connection errors of `client` as JSON lines, at most one each 5 s
+ * (ioredis reconnects by itself; without a listener it prints them raw).
+ * @param {any} client
+ * @param {any} log
+ * @param {object} [fields]
+ */
+export function logConnectionErrors(client, log, fields = {}) {
+  let lastLogged = 0;
+  client.on('error', (err) => {
+    if (Date.now() - lastLogged < 5000) return;
+    lastLogged = Date.now();
+    log?.warn('redis connection error', { ...fields, err });
+  });
+}
+
+/**
+ * `{ client, owned }`: `connection` itself when it is a client (owned false:
+ * the caller closes it and listens to its errors), else a client opened from a
+ * URL or ioredis options with the given connection name (owned true), whose
+ * connection errors go to `log`.
+ * @param {any} connection
+ * @param {string} connectionName
+ * @param {any} [log]
+ */
+export function openConnection(connection, connectionName, log) {
+  if (isRedisClient(connection)) return { client: connection, owned: false };
+  const client = opened(connection, connectionName);
+  logConnectionErrors(client, log, { connection: connectionName });
+  return { client, owned: true };
+}
+
+/**
+ * A connection of its own for one role of a worker: a duplicate of a given
+ * client (keeping its Sentinel or Cluster setup), else a new client.
+ * @param {any} given
+ * @param {string} connectionName
+ */
+export function roleConnection(given, connectionName) {
+  if (!isRedisClient(given)) return opened(given, connectionName, { lazyConnect: false });
+  if (given.isCluster) return given.duplicate();
+  return given.duplicate({ connectionName, reconnectOnError: given.options?.reconnectOnError ?? reconnectOnFailover });
+}
