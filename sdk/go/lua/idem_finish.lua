@@ -7,13 +7,15 @@
 -- ARGV[3]  for "done": how long the done marker is kept (ms), default 24 h
 -- ARGV[4]  for "done": finish time, RFC 3339
 --
--- Acts only while the claim is still this holder's. Returns 1, or 0 when the
--- claim had been taken over (the task may have run twice: log it). A "done"
--- repeated after its reply was lost finds the task's own done marker and
--- answers 1 again.
+-- Acts while the claim is still this holder's, or gone: a claim that expired or
+-- was lost with a failed-over node holds nobody else, so "done" writes the
+-- marker anyway (the effect happened) and "release" has nothing to delete.
+-- Returns 1, or 0 when another holder had taken the claim over (the task may
+-- have run twice: log it). A "done" repeated after its reply was lost finds the
+-- task's own done marker and answers 1 again.
 
 local value = redis.call('GET', KEYS[1])
-if value ~= 'running ' .. ARGV[1] then
+if value and value ~= 'running ' .. ARGV[1] then
     local task_id = string.match(ARGV[1], '([^ ]*)$') or ''
     if ARGV[2] == 'done' and value and string.sub(value, 1, 6 + #task_id) == 'done ' .. task_id .. ' ' then
         return 1
