@@ -695,3 +695,35 @@ func TestAnAbandonedAttemptKeepsItsIdempotencyClaimUntilItReturns(t *testing.T) 
 		t.Fatalf("dead-lettered: %v", dead)
 	}
 }
+
+func TestShutdownKeepsTheConsumerAliveUntilAnAbandonedAttemptReturns(t *testing.T) {
+	e := newEnv(t)
+	var returned atomic.Bool
+	w := e.worker(nil)
+	w.Handle("jobs.overrun", func(ctx context.Context, task *Task) error {
+		time.Sleep(1200 * time.Millisecond) // ignores its deadline: abandoned at 100 ms
+		returned.Store(true)
+		return nil
+	})
+	zero, timeout := int64(0), int64(100)
+	task := New("jobs.overrun", nil)
+	task.MaxRetries, task.TimeoutMS = &zero, &timeout
+	e.publish(task)
+	ctx := context.Background()
+	stopped := make(chan struct{})
+	go func() { _ = w.Run(ctx); close(stopped) }()
+	e.waitFor("the attempt to be dead-lettered at its deadline", func() bool { return len(e.dead()) == 1 })
+
+	shutdownCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := w.Shutdown(shutdownCtx); err != nil {
+		t.Fatal(err)
+	}
+	<-stopped
+	if !returned.Load() {
+		t.Fatal("Run returned while an abandoned handler still ran")
+	}
+	if n, _ := e.client.Exists(ctx, e.keys.Consumer(w.Consumer())).Result(); n != 0 {
+		t.Fatal("the liveness key outlived the worker")
+	}
+}

@@ -192,6 +192,7 @@ type Worker struct {
 	// is re-entrant for its holder, so this consumer defers their retries itself.
 	overrunMu sync.Mutex
 	overrun   map[string]bool
+	abandoned sync.WaitGroup // abandoned attempts still running: the consumer stays alive
 }
 
 // NewWorker returns a worker for cfg.Queue; register handlers, then Run it.
@@ -309,7 +310,8 @@ func (w *Worker) announce(ctx context.Context, ready <-chan struct{}) {
 
 // Shutdown stops Run as ending its ctx does (SIGTERM in a service): the
 // running tasks finish, entries read but not started are handed back with
-// requeue.lua, the liveness keys are deleted. It waits for that until ctx
+// requeue.lua, handlers abandoned at their timeout return, the liveness keys
+// are deleted. It waits for that until ctx
 // ends (then it returns ctx's error; the worker goes on stopping). A Worker
 // that was shut down does not run again.
 func (w *Worker) Shutdown(ctx context.Context) error {
@@ -398,6 +400,9 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 		}
 	}
 	returned := w.requeueOwnPending(bg)
+	// An abandoned attempt still runs what it read: keep the liveness key (and its
+	// idempotency claim) until it returns (docs/protocol.md section 8).
+	w.abandoned.Wait()
 	stopKeeper()
 	keeper.Wait()
 	if err := w.client.Del(bg, w.keys.Consumer(w.cfg.Consumer)).Err(); err != nil {
@@ -968,9 +973,13 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 			"retry_count", env.RetryCount)
 		return
 	}
-	if holder != "" && late != nil {
+	switch {
+	case holder != "" && late != nil:
 		w.finishIdemWhenReturned(e, holder, late)
-	} else if holder != "" {
+	case late != nil: // no claim to keep, but the consumer stays alive until it returns
+		w.abandoned.Add(1)
+		go func() { defer w.abandoned.Done(); <-late }()
+	case holder != "":
 		w.finishIdem(ctx, e, holder, "release")
 	}
 	w.fail(ctx, e, err, elapsed)
@@ -984,7 +993,9 @@ func (w *Worker) finishIdemWhenReturned(e *entry, holder string, late <-chan han
 	w.overrunMu.Lock()
 	w.overrun[key] = true
 	w.overrunMu.Unlock()
+	w.abandoned.Add(1)
 	go func() {
+		defer w.abandoned.Done()
 		defer func() {
 			w.overrunMu.Lock()
 			delete(w.overrun, key)
