@@ -34,6 +34,7 @@ from redis.sentinel import Sentinel
 
 from kombu_envelope.errors import InvalidTransportOption
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.cluster import EnvelopeCluster
 from kombu_envelope.store.outages import OutageRetry
 
 __all__ = [
@@ -199,9 +200,13 @@ def new_client(endpoint: RedisEndpoint, settings: Settings) -> AnyRedis:
     if endpoint.deployment is Deployment.CLUSTER:
         if endpoint.tls:
             kwargs["ssl"] = True
+        # redis-py refuses a per-node retry on a Cluster: its own tries follow MOVED and
+        # ASK at once, and EnvelopeCluster waits out a failover on the outage clock.
+        kwargs.pop("retry")
         seeds = [ClusterNode(host, port) for host, port in endpoint.nodes]
-        return RedisCluster(startup_nodes=seeds, **{
-            "max_connections": settings.max_connections or 2**31, **kwargs})
+        return EnvelopeCluster(startup_nodes=seeds, tolerance_s=settings.outage_tolerance_s,
+                               **{"max_connections": settings.max_connections or 2**31,
+                                  **kwargs})
     if endpoint.deployment is Deployment.SENTINEL:
         if settings.master_name is None:
             raise InvalidTransportOption({"master_name": (

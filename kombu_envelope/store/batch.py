@@ -1,0 +1,61 @@
+"""Independent steps sent in one round trip per node, on one Redis and on a Cluster.
+
+A :class:`Batch` is a non-transactional pipeline that also carries script calls.
+Nothing in it is atomic with anything else: each step is one command or one
+script call, each on the keys of one queue (or one key without a hash tag), so
+the same batch runs on a Cluster, where redis-py splits it per node.
+
+redis-py's cluster pipelines refuse ``EVALSHA`` (and its scripts, which would
+call it), and its plain pipelines send ``SCRIPT EXISTS`` before every batch that
+carries a script: a second round trip. A batch sends ``EVALSHA`` as a raw
+command instead; a call answered ``NOSCRIPT`` (a node that never saw the script,
+or lost it in a restart or a failover) did nothing, so the script is loaded
+(``SCRIPT LOAD`` reaches every primary of a Cluster) and that call alone is sent
+again, after the others. Callers put a step that must follow a script in a later
+batch, never behind it in the same one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from kombu_envelope.store.scripts import script
+
+__all__ = ["Batch"]
+
+
+class Batch:
+    """Commands and script calls for one round trip; :meth:`execute` answers in order."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._pipe = client.pipeline(transaction=False)
+        self._calls: dict[int, tuple[str, list[Any], list[Any]]] = {}
+        self._size = 0
+
+    def command(self, name: str, *args: Any) -> Batch:
+        """Queue one command (any the pipeline has, e.g. ``"sadd"``)."""
+        getattr(self._pipe, name)(*args)
+        self._size += 1
+        return self
+
+    def script(self, name: str, keys: list[Any], args: list[Any]) -> Batch:
+        """Queue a call of script ``name`` (``kombu_envelope/lua/<name>.lua``)."""
+        sha = script(self.client, name).sha
+        self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        self._calls[self._size] = (name, keys, args)
+        self._size += 1
+        return self
+
+    def execute(self) -> list[Any]:
+        """Send everything; return each reply in order (raises the first error)."""
+        replies = self._pipe.execute(raise_on_error=False)
+        for index, (name, keys, args) in self._calls.items():
+            if isinstance(replies[index], NoScriptError):
+                replies[index] = script(self.client, name)(keys=keys, args=args)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
