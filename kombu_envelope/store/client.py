@@ -203,6 +203,7 @@ def new_client(endpoint: RedisEndpoint, settings: Settings) -> AnyRedis:
         # redis-py refuses a per-node retry on a Cluster: its own tries follow MOVED and
         # ASK at once, and EnvelopeCluster waits out a failover on the outage clock.
         kwargs.pop("retry")
+        kwargs.pop("retry_on_timeout")  # covered: EnvelopeCluster retries timeouts too
         seeds = [ClusterNode(host, port) for host, port in endpoint.nodes]
         return EnvelopeCluster(startup_nodes=seeds, tolerance_s=settings.outage_tolerance_s,
                                **{"max_connections": settings.max_connections or 2**31,
