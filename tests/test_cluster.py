@@ -4,12 +4,12 @@ Celery's defaults, consuming two queues that live on two different shards.
 
 Each queue is its own slot (the hash tag ``{<queue>}``), so the worker keeps one
 blocking read per queue, each on the node that owns the queue's slot. The module
-checks immediate and delayed tasks (the worker's promoter moves them), a dead
-letter, a cancel and a revoke; then, while tasks are published, a resharding of
-a busy queue's slot to the third primary and a SIGKILL of one primary (its
-replica takes over). The worker never exits, and no task with an idempotency key
-has its effect twice; what the SIGKILL lost (writes the replica had not copied
-yet) is counted and reported.
+checks a publish_many spread over the shards, immediate and delayed tasks (the
+worker's promoter moves them), a dead letter, a cancel and a revoke; then, while
+tasks are published, a resharding of a busy queue's slot to the third primary and
+a SIGKILL of one primary (its replica takes over). The worker never exits, and no
+task with an idempotency key has its effect twice; what the SIGKILL lost (writes
+the replica had not copied yet) is counted and reported.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import redis
@@ -25,6 +27,8 @@ from apps.cluster_app import EFFECTS, STARTS, create_app
 from celery import Celery
 from support.workers import CeleryWorker
 
+from kombu_envelope import Envelope, Publisher
+from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.client import AnyRedis, client_for_url, close_client
 from kombu_envelope.store.dead_letters import DeadLetters
@@ -120,6 +124,30 @@ def test_the_two_queues_live_on_two_shards(setup: Setup) -> None:
         keys = setup.settings.keys.queue(queue)
         assert {setup.cluster.keyslot(key) for key in (
             *keys.all_streams, keys.delayed, keys.delayed_data, keys.dead)} == {slot}
+
+
+def test_publish_many_spreads_over_shards_and_loads_scripts_a_node_lost(setup: Setup) -> None:
+    """One pipeline per node carries the scripts: a node that lost them (a failover to a
+    replica that never loaded them, a restart) gets them again and the call is sent again."""
+    cluster = setup.cluster
+    for port in cluster.primaries():
+        with closing(cluster.client(port)) as node:
+            node.script_flush()
+    names = [f"spread-{number}" for number in range(9)]
+    assert len({cluster.owner_of(cluster.keyslot(f"{{{name}}}")) for name in names}) >= 2
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    items = [(name, Envelope.new(task_type="cluster.record", payload={"order_id": name},
+                                 schedule_time=later if number % 3 == 0 else None))
+             for number, name in enumerate(names)]
+    replies = Publisher(setup.client, setup.settings).publish_many(items)
+    assert [reply is None for reply in replies] == [n % 3 == 0 for n in range(len(names))]
+    for (name, envelope), reply in zip(items, replies):
+        keys = setup.settings.keys.queue(name)
+        if reply is None:
+            assert setup.client.zscore(keys.delayed, envelope.task_id) is not None
+            assert setup.client.sismember(setup.settings.keys.queues, name)
+        else:
+            assert setup.client.xlen(keys.stream(bucket_for(envelope.priority))) == 1
 
 
 def test_immediate_and_delayed_tasks_run_once_on_both_shards(setup: Setup) -> None:
