@@ -65,6 +65,7 @@ from kombu.transport import virtual
 from kombu.transport.redis import get_redis_error_classes
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.objects import cached_property
+from redis.exceptions import RedisClusterException
 
 from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
 from kombu_envelope.kombu.adapter import MessageAdapter
@@ -72,6 +73,7 @@ from kombu_envelope.kombu.channel import Channel
 from kombu_envelope.kombu.readers import QueueReader
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.client import AnyRedis, RedisEndpoint, close_client, new_client
+from kombu_envelope.store.cluster import CLUSTER_REDIRECTS
 from kombu_envelope.store.lease import LeaseKeeper, process_keeper
 
 #: Pause before a Cluster reader that lost its node tries again (seconds): a failover
@@ -174,6 +176,9 @@ class Transport(virtual.Transport):
     )
 
     connection_errors, channel_errors = get_redis_error_classes()
+    #: A Cluster between two owners of a slot, or none reachable, is a lost connection
+    #: to Celery and kombu (they reconnect), never a failure of the channel.
+    connection_errors = (*connection_errors, *CLUSTER_REDIRECTS, RedisClusterException)
 
     #: Adapter used when the ``message_adapter`` option is not set.
     default_adapter = MessageAdapter

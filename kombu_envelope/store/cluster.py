@@ -44,6 +44,9 @@ class EnvelopeCluster(RedisCluster):
         self.outage.update_supported_errors([ClusterDownError, SlotNotCoveredError,
                                              TryAgainError])
         super().__init__(*args, **kwargs)
+        # The Cluster answered: its slot map was read from a seed. A client made while a
+        # node fails over (a reconnection) waits the failover out from its first command.
+        self.outage.has_answered = True
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         """Run a command as redis-py does, again while the cluster fails over."""
