@@ -528,12 +528,12 @@ class PeriodicScheduler:
         self._skip_until.pop(entry.name, None)
         keys = self.settings.keys.queue(entry.queue)
         batch = Batch(self.client)
-        batch.command("sadd", self.settings.keys.queues, entry.queue)  # promoters find it
+        batch.first("sadd", self.settings.keys.queues, entry.queue)  # promoters find it
         batch.script("periodic", [keys.periodic, keys.delayed, keys.delayed_data],
                      [entry.name, occurrence_ms, following_ms, task_id,
                       bucket_for(task.envelope.priority).value, enc, body,
                       self.settings.keys.wakeup_channel])
-        claimed = int(batch.execute()[1])
+        claimed = int(batch.execute()[0])
         if claimed:
             signals.after_task_publish.send(sender=entry.task, body=task.body,
                                             headers=task.headers, exchange="",

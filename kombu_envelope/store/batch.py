@@ -13,12 +13,18 @@ or lost it in a restart or a failover) did nothing, so the script is loaded
 (``SCRIPT LOAD`` reaches every primary of a Cluster) and that call alone is sent
 again, after the others. Callers put a step that must follow a script in a later
 batch, never behind it in the same one.
+
+A step that must land before the others (a registry's ``SADD``, docs/protocol.md,
+section 2) is queued with :meth:`first`. One Redis runs a pipeline in order, so it
+goes first in the same round trip; a Cluster pipeline writes to every node before
+reading any reply, in no order across nodes, so there it is sent on its own first.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
 from kombu_envelope.store.scripts import script
@@ -34,9 +40,25 @@ class Batch:
         self._pipe = client.pipeline(transaction=False)
         self._calls: dict[int, tuple[str, list[Any], list[Any]]] = {}
         self._size = 0
+        #: Commands a Cluster gets before the pipeline; on one Redis, how many of the
+        #: pipeline's first commands are first() steps.
+        self._first: list[tuple[str, tuple[Any, ...]]] = []
+        self._first_in_pipe = 0
+
+    def first(self, name: str, *args: Any) -> Batch:
+        """Queue a command that lands before every other step (call it before them);
+        its reply is not among those :meth:`execute` returns."""
+        if self._size > self._first_in_pipe:
+            raise RuntimeError("Batch.first() after other steps")
+        if isinstance(self.client, RedisCluster):
+            self._first.append((name, args))
+        else:
+            self.command(name, *args)
+            self._first_in_pipe += 1
+        return self
 
     def command(self, name: str, *args: Any) -> Batch:
-        """Queue one command (any the pipeline has, e.g. ``"sadd"``)."""
+        """Queue one command (any the pipeline has, e.g. ``"xack"``)."""
         getattr(self._pipe, name)(*args)
         self._size += 1
         return self
@@ -50,7 +72,10 @@ class Batch:
         return self
 
     def execute(self) -> list[Any]:
-        """Send everything; return each reply in order (raises the first error)."""
+        """Send everything; return the reply of each step but :meth:`first`'s, in order
+        (raises the first error)."""
+        for name, args in self._first:
+            getattr(self.client, name)(*args)
         replies = self._pipe.execute(raise_on_error=False)
         for index, (name, keys, args) in self._calls.items():
             if isinstance(replies[index], NoScriptError):
@@ -58,4 +83,4 @@ class Batch:
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return replies
+        return replies[self._first_in_pipe:]

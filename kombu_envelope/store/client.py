@@ -129,6 +129,11 @@ class RedisEndpoint:
     def from_conninfo(cls, conninfo: Any) -> RedisEndpoint:
         """The endpoint of a kombu Connection (its URL, ``;`` alternates and ``ssl``)."""
         scheme = getattr(conninfo, "transport_cls", None)
+        if not isinstance(scheme, str) or scheme not in SCHEMES:
+            # A transport named explicitly (Connection(url, transport=...)): the URLs
+            # kombu keeps in ``alt`` still say which deployment they name.
+            scheme = next((urlsplit(url).scheme for url in getattr(conninfo, "alt", None) or ()
+                           if isinstance(url, str) and "://" in url), None)
         deployment, tls = SCHEMES.get(scheme, (Deployment.SINGLE, False)) \
             if isinstance(scheme, str) else (Deployment.SINGLE, False)
         hosts = [(conninfo.hostname or "localhost", conninfo.port or DEFAULT_PORTS[deployment])]

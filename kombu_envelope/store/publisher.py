@@ -88,12 +88,11 @@ class Publisher:
             return [reply.decode() if isinstance(reply, bytes) else reply]
         batch = Batch(self.client)
         if delayed_queues:
-            # Registered on every delayed publish, in the same round trip and before
-            # schedule.lua wakes the promoters (a SADD of its own: the registry is in
-            # another slot): a registry lost with a Redis restart is rebuilt by the
-            # next publish.
+            # Registered on every delayed publish, before schedule.lua wakes the
+            # promoters (a SADD of its own: the registry is in another slot): a registry
+            # lost with a Redis restart is rebuilt by the next publish.
             for queue in delayed_queues:
-                batch.command("sadd", settings.keys.queues, queue)
+                batch.first("sadd", settings.keys.queues, queue)
         for keys, envelope, enc, body in prepared:
             if envelope.is_due(now):
                 batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
@@ -102,7 +101,7 @@ class Publisher:
                              [envelope.task_id, enc, body, token, dedupe_ms])
             else:
                 schedule_encoded(batch, settings, keys, envelope, enc, body, token=token)
-        replies = batch.execute()[len(delayed_queues):]  # after the SADDs
+        replies = batch.execute()
         # enqueue.lua answers the entry id; schedule.lua answers an integer.
         return [
             reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)

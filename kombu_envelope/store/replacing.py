@@ -98,7 +98,7 @@ def replace_pending(client: Any, settings: Settings, attempt: PendingAttempt,
     delayed = not envelope.is_due()
     batch = Batch(client)
     if delayed:  # its own SADD, before retry.lua wakes promoters
-        batch.command("sadd", settings.keys.queues, attempt.queue)
+        batch.first("sadd", settings.keys.queues, attempt.queue)
     batch.script("retry", [attempt.stream, keys.stream(bucket), keys.delayed, keys.delayed_data],
                  [settings.consumer_group, attempt.entry_id, envelope.task_id,
                   envelope.due_ms() if delayed else 0, bucket.value, enc, body,
