@@ -463,8 +463,11 @@ class Channel(virtual.Channel):
             self._buffer.extend(self._read_queues(self._room()))
             return self.deliver_buffered()
         self._buffer.extend(self.inbox.messages(reply or []))
-        if self._buffer and self.consuming and self._room() > 0:
-            self._buffer.extend(self._read_queues(self._room()))
+        if reply and self.consuming and self._room() > 0:
+            # The queue that answered may hold more: top the buffer up from it alone
+            # (the other queues have their own reads in flight).
+            self._buffer.extend(self.inbox.messages(self._read_now(reader.queue,
+                                                                   self._room())))
         return self.deliver_buffered()
 
     def has_buffered(self) -> bool:
