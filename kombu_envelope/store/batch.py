@@ -66,7 +66,12 @@ class Batch:
     def script(self, name: str, keys: list[Any], args: list[Any]) -> Batch:
         """Queue a call of script ``name`` (``kombu_envelope/lua/<name>.lua``)."""
         sha = script(self.client, name).sha
-        self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        options = {}
+        if isinstance(self.client, RedisCluster) and keys:
+            # Named here, the node is not asked (COMMAND GETKEYS, a round trip per call)
+            # which keys the call has; a MOVED reply routes it again by its keys.
+            options["target_nodes"] = self.client.get_node_from_key(keys[0])
+        self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args, **options)
         self._calls[self._size] = (name, keys, args)
         self._size += 1
         return self
