@@ -8,10 +8,12 @@ the same batch runs on a Cluster, where redis-py splits it per node.
 redis-py's cluster pipelines refuse ``EVALSHA`` (and its scripts, which would
 call it), and its plain pipelines send ``SCRIPT EXISTS`` before every batch that
 carries a script: a second round trip. A batch sends ``EVALSHA`` as a raw
-command instead; a call answered ``NOSCRIPT`` (a node that never saw the script,
-or lost it in a restart or a failover) did nothing, so the script is loaded
-(``SCRIPT LOAD`` reaches every primary of a Cluster) and that call alone is sent
-again, after the others. Callers put a step that must follow a script in a later
+command instead, on a Cluster addressed to the node of its first key (redis-py
+would otherwise ask the node for the keys of every call, ``COMMAND GETKEYS``). A
+call answered ``NOSCRIPT`` (a node that never saw the script, or lost it in a
+restart or a failover) did nothing, so the script is loaded (``SCRIPT LOAD``
+reaches every primary of a Cluster) and that call alone is sent again, after the
+others. Callers put a step that must follow a script in a later
 batch, never behind it in the same one.
 
 A step that must land before the others (a registry's ``SADD``, docs/protocol.md,
