@@ -15,6 +15,7 @@ from typing import Any
 
 from bench.bulk import run_bulk
 from bench.celery_level import run_celery, run_countdown, run_memory, run_recovery
+from bench.cluster import run_cluster
 from bench.core import Context, Scenario, ScenarioResult
 from bench.delayed import run_delayed
 from bench.kombu_level import run_consume, run_latency, run_publish
@@ -65,6 +66,12 @@ SCENARIOS = (
              "Time from SIGKILL of a worker holding unacknowledged tasks to those tasks "
              "running on another worker.",
              run_recovery, {"held": 20, "lease_ms": 2_000}, {"held": 5, "lease_ms": 2_000}),
+    Scenario("cluster", "Redis Cluster (three shards) against one Redis",
+             "N Envelopes spread over queues on every shard: bulk publish, consume+ack by "
+             "one consumer of every queue, and publish-to-start at a fixed rate; the same "
+             "on one Redis, in the same run. Only with --scenarios cluster.",
+             run_cluster, {"n": 20_000, "queues": 6, "rate": 500, "seconds": 4},
+             {"n": 1_000, "queues": 3, "rate": 200, "seconds": 1}, opt_in=True),
 )
 BY_KEY = {s.key: s for s in SCENARIOS}
 
@@ -156,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for scenario in SCENARIOS:
             print(f"{scenario.key:10} {scenario.title}: {sizes[scenario.key]}")
         return 0
-    chosen = [s.strip() for s in args.scenarios.split(",") if s.strip()] or list(BY_KEY)
+    chosen = ([s.strip() for s in args.scenarios.split(",") if s.strip()]
+              or [s.key for s in SCENARIOS if not s.opt_in])
     unknown = [s for s in chosen if s not in BY_KEY]
     if unknown:
         raise SystemExit(f"unknown scenario(s): {', '.join(unknown)}; choose from "

@@ -21,10 +21,11 @@ ACCEPT = ["json", "envelope"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Consume ``--count`` messages of ``--queue`` and report their latencies."""
+    """Consume ``--count`` messages of the ``--queue`` queues and report their latencies."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", required=True)
-    parser.add_argument("--queue", required=True)
+    parser.add_argument("--queue", required=True, action="append",
+                        help="a queue to consume (repeatable)")
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--kind", choices=("envelope", "json"), required=True)
     parser.add_argument("--prefetch", type=int, default=100)
@@ -39,13 +40,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         latencies.append((started - float(payload["sent_at"])) * 1000)
         message.ack()
 
-    exchange = Exchange(args.queue, type="direct", durable=True)
-    queue = Queue(args.queue, exchange, routing_key=args.queue, durable=True)
+    queues = [Queue(name, Exchange(name, type="direct", durable=True), routing_key=name,
+                    durable=True) for name in args.queue]
     plain = "kombu_envelope.kombu.transport:Transport" if args.url.startswith("envelope") else None
     with Connection(args.url, transport=plain) as conn:
         channel = conn.channel()
         channel.basic_qos(0, args.prefetch, False)
-        with Consumer(channel, queues=[queue], callbacks=[on_message], accept=ACCEPT):
+        with Consumer(channel, queues=queues, callbacks=[on_message], accept=ACCEPT):
             print("READY", flush=True)
             while len(latencies) < args.count:
                 try:

@@ -181,3 +181,5 @@ class Scenario:
     run: ScenarioFunc
     sizes: dict[str, float]
     quick_sizes: dict[str, float]
+    #: Run only when named in ``--scenarios`` (it starts servers of its own).
+    opt_in: bool = False

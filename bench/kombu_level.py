@@ -239,21 +239,31 @@ def _round_trips(ctx: Context, variant: Variant, n: int) -> list[float]:
 def _publish_to_start(ctx: Context, variant: Variant, rate: float, seconds: float
                       ) -> list[float]:
     """Publish at ``rate`` msgs/s for ``seconds``; return each message's latency (ms)."""
+    with bench_queue(ctx, variant.transport, "bench.latency") as (_conn, queue):
+        return publish_to_start(ctx.url(variant.transport), [queue], variant.kind, rate,
+                                seconds)
+
+
+def publish_to_start(url: str, queues: list[Queue], kind: str, rate: float, seconds: float
+                     ) -> list[float]:
+    """Publish at ``rate`` msgs/s for ``seconds``, round robin over ``queues`` (declared),
+    to a consumer process of all of them; return each message's latency (ms)."""
     count = max(int(rate * seconds), 1)
-    with bench_queue(ctx, variant.transport, "bench.latency") as (conn, queue):
-        consumer = subprocess.Popen(
-            [sys.executable, "-m", "bench.consumer", "--url", ctx.url(variant.transport),
-             "--queue", queue.name, "--count", str(count), "--kind", variant.kind],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        try:
-            assert consumer.stdout is not None
-            if consumer.stdout.readline().strip() != "READY":
-                raise RuntimeError("latency consumer did not start")
-            time.sleep(0.3)
+    consumer = subprocess.Popen(
+        [sys.executable, "-m", "bench.consumer", "--url", url,
+         *(arg for queue in queues for arg in ("--queue", queue.name)),
+         "--count", str(count), "--kind", kind],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert consumer.stdout is not None
+        if consumer.stdout.readline().strip() != "READY":
+            raise RuntimeError("latency consumer did not start")
+        time.sleep(0.3)
+        with connect(url) as conn:
             producer = conn.Producer()
-            publish = publish_fn(producer, queue, variant.kind, prebuilt=True)
+            publishers = [publish_fn(producer, queue, kind, prebuilt=True) for queue in queues]
             interval = 1.0 / rate
             start = perf_counter()
             for index in range(count):
@@ -261,12 +271,13 @@ def _publish_to_start(ctx: Context, variant: Variant, rate: float, seconds: floa
                 if delay > 0:
                     time.sleep(delay)
                 payload = {**PAYLOAD, "sent_at": time.time()}
-                publish(new_envelope(payload) if variant.kind == "envelope" else payload)
-            out, _ = consumer.communicate(timeout=60)
-        finally:
-            if consumer.poll() is None:
-                consumer.kill()
-                consumer.wait()
+                publishers[index % len(publishers)](
+                    new_envelope(payload) if kind == "envelope" else payload)
+        out, _ = consumer.communicate(timeout=60)
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+            consumer.wait()
     latencies: list[float] = json.loads(out.strip().splitlines()[-1])["latencies_ms"]
     if len(latencies) < count:
         raise RuntimeError(f"consumer saw {len(latencies)} of {count} messages")

@@ -73,9 +73,9 @@ from kombu_envelope.envelope import Envelope, format_rfc3339
 from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.promoter import redis_now_ms
 from kombu_envelope.store.replies import as_text
-from kombu_envelope.store.scripts import script
 
 __all__ = [
     "ENABLED_SETTING",
@@ -413,8 +413,15 @@ class PeriodicScheduler:
 
     def _sync_queue(self, queue: str, ours: list[PeriodicEntry], now_ms: int, add_only: bool,
                     report: SyncReport) -> int | None:
-        """Sync one queue's hash atomically (WATCH); return the earliest occurrence written."""
+        """Sync one queue's hash atomically (WATCH); return the earliest occurrence written.
+
+        The registry is another slot: the queue is listed before its hash is written
+        and unlisted only after its hash lost its last entry (section 2, registries).
+        """
         key = self.settings.keys.queue(queue).periodic
+        registry = self.settings.keys.periodic_queues
+        if ours:
+            self.client.sadd(registry, queue)
         with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -441,13 +448,11 @@ class PeriodicScheduler:
                         pipe.hset(key, mapping=writes)
                     if stale:
                         pipe.hdel(key, *stale)
-                    if ours:
-                        pipe.sadd(self.settings.keys.periodic_queues, queue)
-                    elif not add_only:
-                        pipe.srem(self.settings.keys.periodic_queues, queue)
                     pipe.execute()
                 except WatchError:  # another scheduler synced this queue meanwhile
                     continue
+                if not ours and not add_only:
+                    self.client.srem(registry, queue)
                 report.added += added
                 report.reset += reset
                 report.kept += kept
@@ -522,16 +527,13 @@ class PeriodicScheduler:
             return 0
         self._skip_until.pop(entry.name, None)
         keys = self.settings.keys.queue(entry.queue)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.settings.keys.queues, entry.queue)  # promoters find the queue
-        script(self.client, "periodic")(
-            keys=[keys.periodic, keys.delayed, keys.delayed_data],
-            args=[entry.name, occurrence_ms, following_ms, task_id,
-                  bucket_for(task.envelope.priority).value, enc, body,
-                  self.settings.keys.wakeup_channel],
-            client=pipe,
-        )
-        claimed = int(pipe.execute()[1])
+        batch = Batch(self.client)
+        batch.first("sadd", self.settings.keys.queues, entry.queue)  # promoters find it
+        batch.script("periodic", [keys.periodic, keys.delayed, keys.delayed_data],
+                     [entry.name, occurrence_ms, following_ms, task_id,
+                      bucket_for(task.envelope.priority).value, enc, body,
+                      self.settings.keys.wakeup_channel])
+        claimed = int(batch.execute()[0])
         if claimed:
             signals.after_task_publish.send(sender=entry.task, body=task.body,
                                             headers=task.headers, exchange="",

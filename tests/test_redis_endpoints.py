@@ -53,6 +53,14 @@ def test_a_kombu_connection_keeps_its_sentinel_alternates() -> None:
     assert endpoint.password == "pw"
 
 
+def test_a_transport_named_explicitly_keeps_the_deployment_of_the_url() -> None:
+    conn = kombu.Connection("envelope-cluster://n1:7000;envelope-cluster://n2:7001",
+                            transport="kombu_envelope.kombu.transport:Transport")
+    endpoint = RedisEndpoint.from_conninfo(conn)
+    assert endpoint.deployment is Deployment.CLUSTER
+    assert endpoint.nodes == (("n1", 7000), ("n2", 7001))
+
+
 def test_a_sentinel_url_needs_master_name() -> None:
     with pytest.raises(InvalidTransportOption, match="master_name"):
         new_client(RedisEndpoint.from_url("envelope-sentinel://s1"), Settings())

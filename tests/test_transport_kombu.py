@@ -489,6 +489,45 @@ class EnvelopeTransportBehaviour:
         assert most_pending <= 2  # nothing read from Redis beyond the prefetch limit
         assert total_length(redis_client, streams) == 0
 
+    def test_prefetch_count_bounds_unacked_deliveries_across_queues(
+        self, connection: kombu.Connection, keys: KeySpace, settings: Settings,
+        redis_client: redis.Redis,
+    ) -> None:
+        """One blocking read per queue, each in its own slot: together they never take
+        more than the credit, and every queue is served."""
+        names = ["bounded-a", "bounded-b", "bounded-c"]
+        queues = [Queue(name) for name in names]
+        streams = [s for name in names for s in keys.queue(name).all_streams]
+        producer = connection.Producer()
+        for queue in queues:
+            queue(connection.default_channel).declare()
+        unacked: list[Any] = []
+        most_pending = 0
+        seen: set[str] = set()
+
+        def on_message(body: Any, message: Any) -> None:
+            unacked.append(message)
+            seen.add(message.delivery_info["routing_key"])
+
+        received = 0
+        with connection.Consumer(queues, callbacks=[on_message]) as consumer:
+            consumer.qos(prefetch_count=2)
+            assert_nothing_delivered(connection, 0.2)  # every queue's read is blocked
+            for n in range(12):
+                producer.publish(task(), serializer="envelope", routing_key=names[n % 3])
+            while received < 12:
+                expected = min(2, 12 - received)
+                drain_until(connection, lambda expected=expected: len(unacked) == expected)
+                most_pending = max(most_pending, sum(
+                    pending_count(redis_client, s, settings.consumer_group) for s in streams))
+                received += len(unacked)
+                for message in unacked:
+                    message.ack()
+                unacked.clear()
+        assert most_pending <= 2  # nothing read from Redis beyond the prefetch limit
+        assert seen == set(names)
+        assert total_length(redis_client, streams) == 0
+
     def test_no_ack_consumer_removes_entries_on_delivery(
         self, connection: kombu.Connection, keys: KeySpace, settings: Settings,
         redis_client: redis.Redis,

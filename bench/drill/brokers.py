@@ -34,18 +34,17 @@ class Broker:
     """The broker a drill runs on, behind a Redis at ``host:port``."""
 
     kind: str
-    hostport: str
+    #: The broker URL of the drill's apps.
+    url: str
     prefix: str
+    queues: tuple[str, ...] = (QUEUE,)
 
     @property
     def label(self) -> str:
-        """``envelope://`` or ``redis:// (stock)``."""
-        return "envelope://" if self.kind == ENVELOPE else "redis:// (stock)"
-
-    @property
-    def url(self) -> str:
-        """The broker URL of the drill's apps."""
-        return f"{self.kind}://{self.hostport}/0"
+        """``envelope://``, ``envelope-cluster://`` or ``redis:// (stock)``."""
+        if self.kind != ENVELOPE:
+            return "redis:// (stock)"
+        return self.url.split("//", 1)[0] + "//"
 
     def transport_options(self, config: DrillConfig) -> dict[str, Any]:
         """``broker_transport_options`` of the drill's apps."""
@@ -59,9 +58,10 @@ class Broker:
         """Every task the broker dead-lettered (none on stock redis://: it cannot)."""
         if self.kind != ENVELOPE:
             return []
-        entries = DeadLetters(client, Settings(key_prefix=self.prefix)).iter(QUEUE)
+        letters = DeadLetters(client, Settings(key_prefix=self.prefix))
         return [DeadLetterRecord(entry.task_id, entry.failure_class,
-                                 entry.fields.get("reason", "")) for entry in entries]
+                                 entry.fields.get("reason", ""))
+                for queue in self.queues for entry in letters.iter(queue)]
 
     def leftovers(self, client: Any) -> dict[str, int]:
         """What the broker still holds of the drill's queue: waiting, pending, delayed."""
@@ -72,12 +72,13 @@ class Broker:
             found["unacked"] = int(client.hlen(f"{self.prefix}:unacked"))
             return found
         settings = Settings(key_prefix=self.prefix)
-        keys = settings.keys.queue(QUEUE)
         found = {}
-        for stream in keys.task_streams:
-            found[f"{stream} entries"] = int(client.xlen(stream))
-            if found[f"{stream} entries"]:
-                found[f"{stream} pending"] = int(client.xpending(stream, settings.consumer_group)[
-                    "pending"])
-        found["delayed"] = int(client.zcard(keys.delayed))
+        for queue in self.queues:
+            keys = settings.keys.queue(queue)
+            for stream in keys.task_streams:
+                found[f"{stream} entries"] = int(client.xlen(stream))
+                if found[f"{stream} entries"]:
+                    found[f"{stream} pending"] = int(client.xpending(
+                        stream, settings.consumer_group)["pending"])
+            found[f"{keys.delayed}"] = int(client.zcard(keys.delayed))
         return found

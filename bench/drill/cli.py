@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.drill.config import BROKERS, ENVELOPE, LARGE, SMALL, DrillConfig
+from bench.drill.config import BROKERS, CLUSTER, ENVELOPE, LARGE, SMALL, DrillConfig
 from bench.drill.run import run_drill
 
 
@@ -56,6 +56,8 @@ def configs(args: argparse.Namespace) -> list[DrillConfig]:
                for spec in dataclasses.fields(DrillConfig)
                if (value := getattr(args, spec.name, None)) is not None}
     brokers = [b.strip() for b in args.brokers.split(",") if b.strip()]
+    if changes.get("topology") == CLUSTER:  # stock redis:// does not serve a Cluster
+        brokers = [broker for broker in brokers if broker == ENVELOPE]
     return [base.replace(broker=broker, **changes) for broker in brokers]
 
 

@@ -10,6 +10,11 @@ from typing import Any
 ENVELOPE = "envelope"
 STOCK = "redis"
 BROKERS = (ENVELOPE, STOCK)
+#: Where the broker's data lives: one redis-server, or a Cluster of three primaries with
+#: one replica each (envelope:// only).
+SINGLE = "single"
+CLUSTER = "cluster"
+TOPOLOGIES = (SINGLE, CLUSTER)
 
 
 @dataclass(frozen=True)
@@ -45,15 +50,38 @@ class DrillConfig:
     settle_timeout_s: float = 60.0
     #: Seed of every random choice (delayed tasks, countdowns, work, victims).
     seed: int = 9
+    #: ``single`` or ``cluster``. On a Cluster the faults are the Cluster's: the primary
+    #: of the first queue is SIGKILLed at ``primary_kill_at_s`` (its replica takes
+    #: over), a replica of another primary is promoted with ``CLUSTER FAILOVER`` at
+    #: ``failover_at_s``, and the first queue's slot is moved to another primary at
+    #: ``reshard_at_s``; the single Redis's kill and restart (``redis_*``) do not apply.
+    topology: str = SINGLE
+    #: Queues the tasks are spread over (round robin); on a Cluster, over every shard.
+    queues: int = 1
+    primary_kill_at_s: float = 4.0
+    failover_at_s: float = 8.0
+    reshard_at_s: float = 11.0
 
     def __post_init__(self) -> None:
         if self.broker not in BROKERS:
             raise ValueError(f"broker must be one of {BROKERS}, not {self.broker!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, not {self.topology!r}")
+        if self.topology == CLUSTER and self.broker != ENVELOPE:
+            raise ValueError("a Cluster drill runs on envelope:// only (the stock redis:// "
+                             "transport does not serve a Redis Cluster)")
+        if self.queues < 1:
+            raise ValueError("queues must be at least 1")
+        if self.topology == CLUSTER and not (
+                0 < self.primary_kill_at_s < self.failover_at_s < self.reshard_at_s
+                < self.publish_s):
+            raise ValueError("the Cluster's faults must come in the order primary kill, "
+                             "failover, resharding, all while publishing")
         if self.tasks < 1 or self.workers < 1 or self.concurrency < 1:
             raise ValueError("tasks, workers and concurrency must be at least 1")
         if not 0 <= self.delayed_fraction <= 1:
             raise ValueError("delayed_fraction must be between 0 and 1")
-        if self.redis_kill_at_s + self.redis_down_s >= self.publish_s:
+        if self.topology == SINGLE and self.redis_kill_at_s + self.redis_down_s >= self.publish_s:
             raise ValueError("Redis must be back before publishing ends: the drill restarts "
                              "it while the producer keeps publishing")
         if self.kill_interval_s <= 0 or self.first_kill_s >= self.publish_s:
@@ -82,6 +110,9 @@ class DrillConfig:
 
 #: The suite's drill: small enough for CI (about a minute on two cores).
 SMALL = DrillConfig()
+
+#: The Cluster drill of the suite's size (tests/test_cluster.py has its own, smaller).
+SMALL_CLUSTER = DrillConfig(topology=CLUSTER, queues=3)
 
 #: The drill whose figures docs/operations.md reports.
 LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,

@@ -1,5 +1,6 @@
 """The drill's faults: workers SIGKILLed and replaced, the broker's Redis SIGKILLed and
-restarted from its AOF; and the timeline of what happened when."""
+restarted from its AOF (or, on a Cluster, a primary killed, a replica promoted and a
+slot moved); and the timeline of what happened when."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import redis
 
 from bench.drill.ledger import Ledger
 from bench.drill.workers import DrillWorker
+from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 #: How often the supervisor looks at its workers (seconds).
@@ -206,3 +208,76 @@ class RedisOutage(threading.Thread):
         """Wait for the outage to be over (or cancel it if it has not begun)."""
         self.cancelled.set()
         self.join(timeout=60)
+
+
+class ClusterFaults(threading.Thread):
+    """The faults of a Cluster drill, each at its time, each timed until the Cluster is
+    whole again (``cluster_state:ok``, every slot served):
+
+    * ``primary-kill``: SIGKILL of the primary that serves ``queue``'s slot; its replica
+      is elected (about two ``cluster-node-timeout``) and the killed node stays down;
+    * ``failover``: ``CLUSTER FAILOVER`` on a replica of another primary (a planned,
+      lossless promotion);
+    * ``reshard``: ``queue``'s slot, with its keys, moved to another primary.
+    """
+
+    def __init__(self, cluster: PrivateRedisCluster, timeline: Timeline, *,
+                 queue_keys: dict[str, str], kill_at: float, failover_at: float,
+                 reshard_at: float) -> None:
+        """``queue_keys``: a key of each queue of the drill, the first queue first."""
+        super().__init__(name="drill-cluster-faults", daemon=True)
+        self.cluster = cluster
+        self.timeline = timeline
+        self.queue_keys = queue_keys
+        self.queue_key = next(iter(queue_keys.values()))
+        #: The queues whose slots the killed primary served.
+        self.killed_queues: list[str] = []
+        self.plan = (("primary-kill", kill_at), ("failover", failover_at),
+                     ("reshard", reshard_at))
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None
+        #: Fault kind -> (began, Cluster whole again), epoch seconds.
+        self.spans: dict[str, tuple[float, float]] = {}
+
+    def run(self) -> None:
+        try:
+            for kind, at in self.plan:
+                if self.cancelled.wait(max(at - time.time(), 0)):
+                    return
+                began = time.time()
+                detail = getattr(self, "_" + kind.replace("-", "_"))()
+                self.spans[kind] = (began, time.time())
+                self.timeline.note(kind, f"{detail}; whole again after "
+                                         f"{self.spans[kind][1] - began:.1f} s")
+        except BaseException as exc:
+            self.error = exc
+            self.timeline.note("cluster-error", repr(exc))
+
+    def _slot(self) -> int:
+        return self.cluster.keyslot(self.queue_key)
+
+    def _primary_kill(self) -> str:
+        victim = self.cluster.owner_of(self._slot())
+        self.killed_queues = [queue for queue, key in self.queue_keys.items()
+                              if self.cluster.owner_of(self.cluster.keyslot(key)) == victim]
+        self.cluster.kill(victim)
+        return (f"primary {victim} (slot {self._slot()}) killed; "
+                f"{self.cluster.owner_of(self._slot())} serves it")
+
+    def _failover(self) -> str:
+        owner = self.cluster.owner_of(self._slot())
+        primary = next(port for port in self.cluster.primaries() if port != owner)
+        replica = self.cluster.replicas_of(primary)[0]
+        self.cluster.failover(replica)
+        return f"replica {replica} of {primary} promoted"
+
+    def _reshard(self) -> str:
+        owner = self.cluster.owner_of(self._slot())
+        target = next(port for port in self.cluster.primaries() if port != owner)
+        self.cluster.move_slot(self._slot(), to=target)
+        return f"slot {self._slot()} moved from {owner} to {target}"
+
+    def finish(self) -> None:
+        """Wait for the faults to be over (or cancel those that have not begun)."""
+        self.cancelled.set()
+        self.join(timeout=120)

@@ -19,7 +19,7 @@ from typing import Any
 
 from celery import Celery
 
-from bench.drill.app import TASK
+from bench.drill.app import QUEUE, TASK
 from bench.drill.config import DrillConfig
 
 
@@ -32,6 +32,7 @@ class Planned:
     task_id: str
     countdown: float | None
     work_ms: int
+    queue: str = QUEUE
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,20 @@ class NotPublished:
     error: str
 
 
+def queue_names(config: DrillConfig) -> list[str]:
+    """The drill's queues: ``drill``, then ``drill-1``... (their slots spread over shards)."""
+    return [QUEUE, *(f"{QUEUE}-{number}" for number in range(1, config.queues))]
+
+
 def plan(config: DrillConfig, rng: random.Random) -> list[Planned]:
-    """The tasks of a drill; exactly ``config.delayed`` of them get a countdown."""
+    """The tasks of a drill, round robin over its queues; exactly ``config.delayed`` of
+    them get a countdown."""
     delayed = set(rng.sample(range(config.tasks), config.delayed))
     low, high = config.countdown_s
+    queues = queue_names(config)
     return [Planned(index, f"order-{index:05d}", str(uuid.UUID(int=rng.getrandbits(128))),
                     round(rng.uniform(low, high), 2) if index in delayed else None,
-                    rng.randint(*config.work_ms))
+                    rng.randint(*config.work_ms), queues[index % len(queues)])
             for index in range(config.tasks)]
 
 
@@ -99,6 +107,7 @@ class Producer(threading.Thread):
                     task.apply_async(kwargs={"order_id": planned.order_id,
                                              "work_ms": planned.work_ms},
                                      task_id=planned.task_id, countdown=planned.countdown,
+                                     queue=planned.queue,
                                      retry=True, retry_policy=self.policy)
                 except Exception as exc:
                     self.not_published.append(NotPublished(planned, time.time(),

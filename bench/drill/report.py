@@ -21,6 +21,10 @@ _NOISE = re.compile(r"^\[[^\]]*\]\s*|\b[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{1
 _EXIT_LINE = re.compile(r"Unrecoverable error|CRITICAL")
 #: How many lost or duplicated orders the diagnostics describe one by one.
 DETAILED = 5
+#: Replication lag the loss window allows before a primary's SIGKILL (seconds): Redis
+#: sends every write to its replicas as it applies it, so only the last moments' are
+#: in flight when it dies.
+LOSS_LOOKBACK_S = 1.0
 
 
 def _same(line: str) -> str:
@@ -70,11 +74,44 @@ class DrillReport:
     log_problems: Counter[str]
     harness_errors: list[str] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
+    #: Cluster drills: each fault's (began, Cluster whole again), epoch seconds.
+    fault_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: Cluster drills: the queues whose primary was SIGKILLed.
+    killed_queues: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        """The drill ran as designed, and lost nothing and duplicated no effect."""
-        return not self.harness_errors and self.tally.passed
+        """The drill ran as designed, and lost nothing and duplicated no effect.
+
+        On a Cluster, without ``WAIT``, the writes a SIGKILLed primary had not yet sent
+        to its replica are lost with it: the drill passes when every lost task is one
+        of those (:meth:`lost_outside_window` is empty) and no effect was duplicated.
+        """
+        if not self.fault_spans:
+            return not self.harness_errors and self.tally.passed
+        tally = self.tally
+        return (not self.harness_errors and not self.lost_outside_window()
+                and tally.duplicate_effects == tally.duplicates_after_kill)
+
+    def lost_in_window(self) -> list[str]:
+        """Lost orders of a queue of the SIGKILLed primary, published from
+        :data:`LOSS_LOOKBACK_S` before the kill until the Cluster was whole again."""
+        span = self.fault_spans.get("primary-kill")
+        if span is None:
+            return []
+        by_order = {p.task.order_id: p for p in self.published}
+        return [order for order in self.tally.lost
+                if by_order[order].task.queue in self.killed_queues
+                and span[0] - LOSS_LOOKBACK_S <= by_order[order].at <= span[1]]
+
+    def lost_outside_window(self) -> list[str]:
+        """Lost orders no primary's death explains."""
+        explained = set(self.lost_in_window())
+        return [order for order in self.tally.lost if order not in explained]
+
+    def recovery_s(self) -> dict[str, float]:
+        """Per Cluster fault: seconds from its start to the Cluster whole again."""
+        return {kind: round(end - began, 1) for kind, (began, end) in self.fault_spans.items()}
 
     def _outage(self) -> tuple[float, float] | None:
         down, up = self.timeline.of("redis-kill"), self.timeline.of("redis-start")
@@ -92,6 +129,8 @@ class DrillReport:
             "redis_restarts": len(self.timeline.of("redis-start")),
             "seconds": round(self.seconds, 1),
             "drain_s": None if self.drain_s is None else round(self.drain_s, 1),
+            **({"recovery_s": self.recovery_s(), "lost_with_primary": len(self.lost_in_window()),
+                "lost_otherwise": len(self.lost_outside_window())} if self.fault_spans else {}),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -139,6 +178,10 @@ class DrillReport:
             f"  worker kills {f['worker_kills']}, workers exited on their own "
             f"{f['worker_exits']}, Redis restarts {f['redis_restarts']}; "
             f"{f['seconds']} s in all, last effect {f['drain_s']} s after the last publish",
+            *([f"  Cluster: {f['lost_with_primary']} lost with the SIGKILLed primary (the "
+               f"replication window), {f['lost_otherwise']} lost otherwise; whole again after "
+               + ", ".join(f"{kind} {s} s" for kind, s in f["recovery_s"].items())]
+              if self.fault_spans else []),
             *(f"  duplicate: {n} x {cause}" for cause, n in self.duplicate_causes().most_common()),
             *(f"  exited: {n} x {reason}" for reason, n in self.exit_reasons().most_common()),
         ])

@@ -30,15 +30,17 @@ from celery import Celery
 
 from bench.drill.app import create_app
 from bench.drill.brokers import Broker
-from bench.drill.config import ENVELOPE, DrillConfig
-from bench.drill.faults import Fleet, RedisOutage, Supervisor, Timeline
+from bench.drill.config import CLUSTER, ENVELOPE, DrillConfig
+from bench.drill.faults import ClusterFaults, Fleet, RedisOutage, Supervisor, Timeline
 from bench.drill.ledger import KINDS, Ledger, Record
-from bench.drill.producer import Producer, plan
+from bench.drill.producer import Producer, plan, queue_names
 from bench.drill.report import DrillReport, log_problems
 from bench.drill.tally import tally
 from bench.drill.workers import DrillWorker
 from bench.sysinfo import machine_info
+from kombu_envelope.store.client import client_for_url, close_client
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 #: Longest wait for the first workers to be ready (seconds).
@@ -61,24 +63,27 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     workdir.mkdir(parents=True, exist_ok=True)
     run = uuid.uuid4().hex[:10]
     rng = random.Random(config.seed)
-    with PrivateRedisServer() as ledger_server, \
-            PrivateRedisServer(appendonly=True) as broker_server:
+    with PrivateRedisServer() as ledger_server, _broker_redis(config) as broker_redis:
         ledger = Ledger(redis.Redis.from_url(ledger_server.url), run)
-        broker = Broker(config.broker, f"127.0.0.1:{broker_server.port}", f"drill-{run}")
+        url = (broker_redis.url if isinstance(broker_redis, PrivateRedisCluster)
+               else f"{config.broker}://127.0.0.1:{broker_redis.port}/0")
+        queues = tuple(queue_names(config))
+        broker = Broker(config.broker, url, f"drill-{run}", queues)
         options = broker.transport_options(config)
         timeline = Timeline()
 
         def make_worker(number: int) -> DrillWorker:
             return DrillWorker(f"w{number}.{run}@localhost", broker_url=broker.url,
                                transport_options=options, ledger_url=ledger_server.url,
-                               run=run, concurrency=config.concurrency, log_dir=workdir)
+                               run=run, concurrency=config.concurrency, log_dir=workdir,
+                               queues=queues)
 
         fleet = Fleet(make_worker, config.workers, ledger, timeline)
         app = create_app(broker.url, options)
         try:
             log(f"{broker.label}: starting {config.workers} workers (logs in {workdir})")
             fleet.start(READY_TIMEOUT_S)
-            report = _drill(config, broker, broker_server, ledger, fleet, app, timeline,
+            report = _drill(config, broker, broker_redis, ledger, fleet, app, timeline,
                             rng, log)
         finally:
             fleet.stop()
@@ -90,20 +95,40 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     return report
 
 
-def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServer,
-           ledger: Ledger, fleet: Fleet, app: Celery, timeline: Timeline,
-           rng: random.Random, log: Log) -> DrillReport:
+def _broker_redis(config: DrillConfig) -> PrivateRedisServer | PrivateRedisCluster:
+    """The broker's Redis: one server with AOF, or a Cluster of three primaries with a
+    replica each (no AOF: a primary's data survives it only on its replica)."""
+    if config.topology == CLUSTER:
+        return PrivateRedisCluster()
+    return PrivateRedisServer(appendonly=True)
+
+
+def _drill(config: DrillConfig, broker: Broker,
+           broker_redis: PrivateRedisServer | PrivateRedisCluster, ledger: Ledger,
+           fleet: Fleet, app: Celery, timeline: Timeline, rng: random.Random, log: Log
+           ) -> DrillReport:
     tasks = plan(config, rng)
     t0 = time.time() + 0.2
     producer = Producer(app, tasks, config, t0)
     supervisor = Supervisor(fleet, rng, first_kill_at=t0 + config.first_kill_s,
                             interval_s=config.kill_interval_s,
                             kill_until=t0 + config.publish_s)
-    outage = RedisOutage(broker_server, timeline, kill_at=t0 + config.redis_kill_at_s,
-                         down_s=config.redis_down_s)
-    log(f"publishing {config.tasks} tasks over {config.publish_s:g} s; a worker killed every "
-        f"{config.kill_interval_s:g} s, Redis down at +{config.redis_kill_at_s:g} s for "
-        f"{config.redis_down_s:g} s")
+    outage: RedisOutage | ClusterFaults
+    if isinstance(broker_redis, PrivateRedisCluster):
+        outage = ClusterFaults(
+            broker_redis, timeline,
+            queue_keys={queue: f"{broker.prefix}:{{{queue}}}:normal" for queue in broker.queues},
+            kill_at=t0 + config.primary_kill_at_s, failover_at=t0 + config.failover_at_s,
+            reshard_at=t0 + config.reshard_at_s)
+        faults = (f"a primary SIGKILLed at +{config.primary_kill_at_s:g} s, a CLUSTER FAILOVER "
+                  f"at +{config.failover_at_s:g} s, a resharding at +{config.reshard_at_s:g} s")
+    else:
+        outage = RedisOutage(broker_redis, timeline, kill_at=t0 + config.redis_kill_at_s,
+                             down_s=config.redis_down_s)
+        faults = f"Redis down at +{config.redis_kill_at_s:g} s for {config.redis_down_s:g} s"
+    log(f"publishing {config.tasks} tasks over {config.publish_s:g} s to "
+        f"{len(broker.queues)} queue(s); a worker killed every {config.kill_interval_s:g} s, "
+        f"{faults}")
     timeline.note("publish-start")
     for thread in (producer, supervisor, outage):
         thread.start()
@@ -130,9 +155,12 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
     timeline.note("workers-stopped")
 
     records = {kind: ledger.records(kind) for kind in KINDS}
-    with redis.Redis.from_url(broker_server.url) as client:
+    client = client_for_url(broker.url)
+    try:
         dead = broker.dead_letters(client)
         leftovers = broker.leftovers(client)
+    finally:
+        close_client(client)
     killed_at = {w.hostname: w.killed_at for w in fleet.killed if w.killed_at is not None}
     exited_at = {w.hostname: w.exited_at for w in fleet.exited if w.exited_at is not None}
     counted = tally(producer.published, producer.not_published, records, dead, killed_at,
@@ -146,10 +174,18 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
         log_problems=log_problems(list(fleet.all.values())),
         harness_errors=_harness_errors(config, producer, supervisor, outage, fleet,
                                        timeline, counted.runs_without_key),
-        machine=machine_info(broker_server.url, None),
+        machine=machine_info(f"redis://127.0.0.1:{_a_port(broker_redis)}/0", None),
+        fault_spans=outage.spans if isinstance(outage, ClusterFaults) else {},
+        killed_queues=outage.killed_queues if isinstance(outage, ClusterFaults) else [],
     )
     log(report.summary())
     return report
+
+
+def _a_port(broker_redis: PrivateRedisServer | PrivateRedisCluster) -> int:
+    if isinstance(broker_redis, PrivateRedisCluster):
+        return broker_redis.primaries()[0]
+    return broker_redis.port
 
 
 def _wait_for_effects(ledger: Ledger, orders: set[str], deadline: float) -> bool:
@@ -182,16 +218,27 @@ def _wait_for_quiet(ledger: Ledger, quiet_s: float, deadline: float) -> bool:
 
 
 def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervisor,
-                    outage: RedisOutage, fleet: Fleet, timeline: Timeline,
+                    outage: RedisOutage | ClusterFaults, fleet: Fleet, timeline: Timeline,
                     runs_without_key: int) -> list[str]:
     """What kept the drill from testing what it claims to (then it fails, saying so)."""
     errors = [f"{name} thread failed: {thread.error!r}"
               for name, thread in (("producer", producer), ("supervisor", supervisor),
-                                   ("Redis outage", outage)) if thread.error is not None]
+                                   ("Redis faults", outage)) if thread.error is not None]
     if producer.is_alive():
         errors.append("the producer did not finish")
     if not fleet.killed:
         errors.append("no worker was killed")
+    if config.broker == ENVELOPE and runs_without_key:
+        errors.append(f"{runs_without_key} task runs had no idempotency key: the drill "
+                      "would not test idempotency")
+    if isinstance(outage, ClusterFaults):
+        missing = [kind for kind, _at in outage.plan if kind not in outage.spans]
+        if missing:
+            errors.append(f"Cluster faults not made: {', '.join(missing)}")
+        if fleet.exited:
+            errors.append(f"{len(fleet.exited)} workers exited on their own: a node failing "
+                          "over must never stop a worker")
+        return errors
     starts = timeline.of("redis-start")
     if not timeline.of("redis-kill") or not starts:
         errors.append("the broker's Redis was not killed and restarted")
@@ -201,7 +248,4 @@ def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervi
                           "not loaded")
         if not any(p.at > starts[0].at for p in producer.published):
             errors.append("nothing was published after Redis came back")
-    if config.broker == ENVELOPE and runs_without_key:
-        errors.append(f"{runs_without_key} task runs had no idempotency key: the drill "
-                      "would not test idempotency")
     return errors

@@ -30,8 +30,10 @@ class DrillWorker:
     """One ``celery -A bench.drill.app worker`` process group."""
 
     def __init__(self, hostname: str, *, broker_url: str, transport_options: dict[str, Any],
-                 ledger_url: str, run: str, concurrency: int, log_dir: Path) -> None:
+                 ledger_url: str, run: str, concurrency: int, log_dir: Path,
+                 queues: tuple[str, ...] = (QUEUE,)) -> None:
         self.hostname = hostname
+        self.queues = queues
         self.broker_url = broker_url
         self.transport_options = transport_options
         self.ledger_url = ledger_url
@@ -47,10 +49,11 @@ class DrillWorker:
 
     @property
     def command(self) -> list[str]:
-        """The worker's argv: Celery's defaults but for the pool, its size and the queue."""
+        """The worker's argv: Celery's defaults but for the pool, its size and the queues."""
         return [sys.executable, "-m", "celery", "-A", "bench.drill.app", "worker",
                 "--pool=prefork", f"--concurrency={self.concurrency}",
-                f"--hostname={self.hostname}", "--loglevel=INFO", f"--queues={QUEUE}"]
+                f"--hostname={self.hostname}", "--loglevel=INFO",
+                f"--queues={','.join(self.queues)}"]
 
     def environ(self) -> dict[str, str]:
         """The worker's environment."""

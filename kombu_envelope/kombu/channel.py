@@ -30,6 +30,8 @@ from collections import deque
 from typing import Any
 
 from kombu.transport import virtual
+from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from kombu_envelope.kombu.adapter import MessageAdapter
@@ -43,8 +45,10 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_STREAM,
 )
 from kombu_envelope.kombu.inbox import F_KOMBU, Inbox
+from kombu_envelope.kombu.readers import QueueReader
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.cluster import CLUSTER_REDIRECTS, forget_slot_owner
 from kombu_envelope.store.outages import retries_seen
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
@@ -133,12 +137,14 @@ class Channel(virtual.Channel):
         self.settings: Settings = transport.settings
         self.keys = self.settings.keys
         self.client = transport.new_redis_client()
+        self._on_cluster = isinstance(self.client, RedisCluster)
         try:
             # Fail here when Redis is unreachable, so that Connection.ensure_connection
             # retries (kombu's redis transport does the same).
             self.client.ping()
         except Exception:
-            self.client.close()
+            if not isinstance(self.client, RedisCluster):
+                self.client.close()
             raise
         self.adapter: MessageAdapter = transport.adapter
         self.publisher = Publisher(self.client, self.settings)
@@ -146,11 +152,12 @@ class Channel(virtual.Channel):
         self.keeps_running = transport.keeps_running
         self.consumer_name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._no_ack_queues: set[str] = set()
-        self._reader: Any = None
-        self._reading = False
+        #: The blocking read of each consumed queue.
+        self._readers: dict[str, QueueReader] = {}
+        #: Set when a Cluster reader lost its node: the poller comes back soon.
+        self.retry_reads_soon = False
         #: Messages read by the last blocking read and not delivered yet (see deliver_buffered).
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
-        self._wait_only = False
         self._registered_liveness = False
         self.queues = Queues(self.client, self.settings)
         self.bindings = Bindings(self.client, self.settings)
@@ -279,23 +286,23 @@ class Channel(virtual.Channel):
         """True when this channel has queues to read and prefetch credit left."""
         return bool(self._active_queues) and self.qos.can_consume()
 
-    def _credit(self) -> int:
-        return max(self._room(), 1)
-
     def _room(self) -> int:
-        """How many more entries the prefetch limit lets this channel read now."""
+        """How many more entries the prefetch limit lets this channel read now: the
+        credit left, less what waits in the buffer and what reads in flight may take."""
         estimate = self.qos.can_consume_max_estimate()
         room = self.settings.max_batch if estimate is None else int(estimate)
-        return room - len(self._buffer)
+        reserved = sum(reader.reserved for reader in self._readers.values())
+        return room - len(self._buffer) - reserved
 
-    def _consumed_streams(self) -> list[str]:
-        return [s for q in self._active_queues for s in self.keys.queue(q).all_streams]
+    def _consumed_queues(self) -> list[str]:
+        """The queues consumed, in consume order (Celery's ``-Q`` order), once each."""
+        return list(dict.fromkeys(self._active_queues))
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         """basic_get: take one entry of ``queue`` without blocking."""
         self._register_liveness_for_get()
         while True:
-            reply = self._read_now(list(self.keys.queue(queue).all_streams), 1)
+            reply = self._read_now(queue, 1)
             if not reply:
                 raise virtual.base.Empty()
             messages = self.inbox.messages(reply)
@@ -307,8 +314,21 @@ class Channel(virtual.Channel):
             self.lease_keeper.register(self.consumer_name, self._active_queues)
             self._registered_liveness = True
 
-    def _read_now(self, streams: list[str], count: int) -> list[Any]:
-        """Non-blocking read of up to ``count`` entries, most urgent stream first."""
+    def _read_queues(self, credit: int) -> list[tuple[str, dict[str, Any]]]:
+        """Take up to ``credit`` entries without blocking: one read.lua per queue, in
+        consume order, each with the credit the earlier queues left."""
+        messages: list[tuple[str, dict[str, Any]]] = []
+        for queue in self._consumed_queues():
+            if credit <= 0:
+                break
+            reply = self._read_now(queue, credit)
+            credit -= sum(len(entries) for _stream, entries in reply)
+            messages.extend(self.inbox.messages(reply))
+        return messages
+
+    def _read_now(self, queue: str, count: int) -> list[Any]:
+        """Non-blocking read of up to ``count`` entries of ``queue``, most urgent first."""
+        streams = list(self.keys.queue(queue).all_streams)
         read = script(self.client, "read")
         args: list[str | int] = [self.settings.consumer_group, self.consumer_name, count]
         retried = retries_seen()
@@ -350,78 +370,104 @@ class Channel(virtual.Channel):
         for queue in set(self._active_queues):
             self._new_queue(queue)
 
-    # Blocking reads, driven by the transport's poller.
+    # Blocking reads, one per queue (kombu_envelope.kombu.readers), driven by the
+    # transport's poller.
 
-    @property
-    def reader(self) -> Any:
-        """Dedicated connection for blocking reads; its socket goes to the event loop."""
-        if self._reader is None:
-            self._reader = self.client.connection_pool.make_connection()
-            self._reader.connect()
-        return self._reader
+    def start_blocking_reads(self) -> list[tuple[int, QueueReader]]:
+        """Send a blocking read on every consumed queue that has none in flight; return
+        (fd, reader) for every read in flight.
 
-    def start_blocking_read(self) -> int | None:
-        """Send a blocking read unless one is in flight; return the socket's fd.
-
-        XREADGROUP takes up to COUNT entries from *each* stream. When the
-        prefetch credit is smaller than the number of streams, exactly
-        ``credit`` entries are first taken, most urgent first, by read.lua;
-        only when there are none is a blocking XREAD sent, from the group's
-        last-delivered ids: it waits for unread entries without taking any.
+        XREADGROUP takes up to COUNT entries from *each* stream, so the credit left
+        is shared among the queues that start a read, each taking at most its share.
+        A queue whose share is smaller than its number of streams waits with a
+        blocking XREAD from the group's last-delivered ids instead, which takes
+        nothing; its reply makes the channel take exactly the credit with read.lua.
         """
-        if not self._reading:
-            if not self.consuming or self._buffer:
-                return None
-            streams = self._consumed_streams()
-            credit = self._credit()
-            self._wait_only = credit < len(streams)
-            if self._wait_only:
-                self._buffer.extend(self.inbox.messages(self._read_now(streams, credit)))
-                if self._buffer:
-                    return None  # delivered from the buffer, without waiting
-                self.reader.send_command(
-                    "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
-                    "STREAMS", *streams, *self._last_delivered_ids(streams),
-                )
-            else:
-                self.reader.send_command(
-                    "XREADGROUP", "GROUP", self.settings.consumer_group, self.consumer_name,
-                    "COUNT", credit // len(streams), "BLOCK", self.settings.block_ms,
-                    "STREAMS", *streams, *([">"] * len(streams)),
-                )
-            self._reading = True
-        sock = self._reader._sock if self._reader is not None else None
-        return sock.fileno() if sock is not None else None
+        queues = self._consumed_queues()
+        for gone in set(self._readers) - set(queues):
+            self._readers.pop(gone).drop()
+        if self.consuming and not self._buffer:
+            idle = [queue for queue in queues
+                    if queue not in self._readers or not self._readers[queue].reading]
+            room = self._room()
+            share = room // len(idle) if idle else 0
+            # Too little credit for every queue: one entry each for the first ones.
+            for queue in idle if share else idle[:max(room, 0)]:
+                self._start_read(queue, max(share, 1))
+        return [(fd, reader) for reader in self._readers.values()
+                if (fd := reader.fileno()) is not None]
 
-    def finish_blocking_read(self) -> int:
-        """Read the reply of the blocking read and deliver its first message (the others
-        wait in the buffer); return messages delivered."""
-        self._reading = False
+    def _start_read(self, queue: str, share: int) -> None:
+        streams = self.keys.queue(queue).all_streams
+        reader = self._readers.get(queue)
+        if reader is None:
+            reader = self._readers[queue] = QueueReader(queue, streams)
+        count = share // len(streams)
         try:
-            reply = self.reader.read_response()
+            if count < 1:
+                reader.send(self.client, "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
+                            "STREAMS", *streams, *self._last_delivered_ids(list(streams)),
+                            reserved=0, wait_only=True)
+            else:
+                reader.send(self.client, "XREADGROUP", "GROUP", self.settings.consumer_group,
+                            self.consumer_name, "COUNT", count, "BLOCK", self.settings.block_ms,
+                            "STREAMS", *streams, *([">"] * len(streams)),
+                            reserved=count * len(streams), wait_only=False)
+        except (RedisConnectionError, *CLUSTER_REDIRECTS) as exc:
+            if not self._on_cluster:
+                raise
+            self._lost_slot_owner(reader, exc)
+
+    def _lost_slot_owner(self, reader: QueueReader, exc: Exception) -> None:
+        """A Cluster node stopped serving ``reader``'s queue (it failed over, the slot
+        moved, or it is unreachable): read the slot map again; the read is sent again
+        to the slot's owner on the next turn."""
+        logger.warning("blocking read of %s lost its node (%s); reading again from the "
+                       "node that serves its slot", reader.queue, exc)
+        reader.drop()
+        forget_slot_owner(self.client)
+        self.retry_reads_soon = True
+
+    def finish_blocking_read(self, reader: QueueReader) -> int:
+        """Read the reply of ``reader``'s blocking read and deliver its first message (the
+        others wait in the buffer); return messages delivered."""
+        wait_only = reader.wait_only
+        try:
+            reply = reader.reply()
         except ResponseError as exc:
             if str(exc).startswith("UNBLOCKED"):
                 # A stream read was deleted (a transient reply queue) or the server
                 # changed role: nothing was taken, so read again.
                 logger.info("blocking read ended by Redis (%s); reading again", exc)
                 return 0
+            if isinstance(exc, CLUSTER_REDIRECTS) and self._on_cluster:
+                self._lost_slot_owner(reader, exc)
+                return 0
             if not str(exc).startswith("NOGROUP"):
+                reader.drop()
                 raise
             self._recreate_groups()
             return 0
+        except RedisConnectionError as exc:
+            if not self._on_cluster:
+                reader.drop()
+                raise
+            self._lost_slot_owner(reader, exc)
+            return 0
         except BaseException:
-            self._drop_reader()
+            reader.drop()
             raise
-        if self._wait_only:  # the reply only says that unread entries exist
+        if wait_only:  # the reply only says that unread entries exist
             if not self.consuming:
                 return 0
-            self._buffer.extend(self.inbox.messages(
-                self._read_now(self._consumed_streams(), self._credit())))
+            self._buffer.extend(self._read_queues(self._room()))
             return self.deliver_buffered()
         self._buffer.extend(self.inbox.messages(reply or []))
-        if self._buffer and self.consuming and self._room() > 0:
-            self._buffer.extend(self.inbox.messages(
-                self._read_now(self._consumed_streams(), self._room())))
+        if reply and self.consuming and self._room() > 0:
+            # The queue that answered may hold more: top the buffer up from it alone
+            # (the other queues have their own reads in flight).
+            self._buffer.extend(self.inbox.messages(self._read_now(reader.queue,
+                                                                   self._room())))
         return self.deliver_buffered()
 
     def has_buffered(self) -> bool:
@@ -458,11 +504,10 @@ class Channel(virtual.Channel):
             ids.append(last)
         return ids
 
-    def _drop_reader(self) -> None:
-        if self._reader is not None:
-            self._reader.disconnect()
-            self._reader = None
-        self._reading = False
+    def _drop_readers(self) -> None:
+        for reader in self._readers.values():
+            reader.drop()
+        self._readers.clear()
 
     def _deliver_message(self, queue: str, message: dict[str, Any]) -> None:
         self.connection._deliver(message, queue)
@@ -479,7 +524,7 @@ class Channel(virtual.Channel):
         self.settler.flush_acks()
         super().close()  # cancels consumers and restores what QoS tracked
         self._buffer.clear()  # given back when their consumers were cancelled above
-        self._drop_reader()
+        self._drop_readers()
         transport.poller.discard(self)
         if not self.qos.kept:
             self.release_kept()
@@ -499,4 +544,5 @@ class Channel(virtual.Channel):
             # liveness key expires and other consumers take back what it still holds.
             if self._registered_liveness:
                 self.lease_keeper.unregister(self.consumer_name)
-            self.client.close()
+            if not self._on_cluster:  # a Cluster client is the transport's, shared
+                self.client.close()

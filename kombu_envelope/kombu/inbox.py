@@ -27,6 +27,7 @@ from kombu_envelope.kombu.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.kombu.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.publisher import schedule_encoded
 from kombu_envelope.store.replies import as_text
 
@@ -134,10 +135,7 @@ class Inbox:
             logger.info("task %s (%s) was %s; delivered to be recorded as not run",
                         envelope.task_id, envelope.task_type, why.value)
             return self._located(message, queue, stream, entry_id, fields)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(stream, self.settings.consumer_group, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.execute()
+        self.settler.ack_now(stream, [entry_id])
         logger.info("task %s (%s) was %s; acknowledged without running it",
                     envelope.task_id, envelope.task_type, why.value)
         return None
@@ -180,18 +178,18 @@ class Inbox:
                     envelope: Envelope, fields: dict[Any, Any]) -> None:
         """An entry added to a stream before it is due goes to the delayed set instead.
 
-        Not a transaction: a crash after scheduling leaves the entry pending, and
-        scheduling it again once taken over replaces the same task_id.
+        Three steps, each in one slot: the registry's SADD, schedule.lua, then the
+        acknowledgement (one MULTI on the stream). A crash between them leaves the
+        entry pending, and scheduling it again once it is taken over is absorbed by
+        the publish token ``entry:<entry id>``.
         """
-        pipe = self.client.pipeline(transaction=False)
-        pipe.sadd(self.keys.queues, queue)
-        schedule_encoded(pipe, self.client, self.settings, keys, envelope,
+        batch = Batch(self.client).first("sadd", self.keys.queues, queue)
+        schedule_encoded(batch, self.settings, keys, envelope,
                          fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
                          fields.get(F_BODY.encode(), fields.get(F_BODY)),
                          token=f"entry:{entry_id}")
-        pipe.xack(stream, self.settings.consumer_group, entry_id)
-        pipe.xdel(stream, entry_id)
-        pipe.execute()
+        batch.execute()
+        self.settler.ack_now(stream, [entry_id])
 
 
 def _kombu_message(fields: dict[Any, Any]) -> dict[str, Any]:

@@ -57,13 +57,26 @@ class Settler:
             self.flush_acks()
 
     def flush_acks(self) -> None:
-        """XACK and XDEL every acknowledged entry not yet settled, in one transaction."""
+        """XACK and XDEL every acknowledged entry not yet settled: one MULTI per queue.
+
+        The entries of one queue share its slot; those of several queues are
+        acknowledged in separate transactions (docs/protocol.md, section 5).
+        """
         if not self._pending_acks:
             return
-        by_stream: dict[str, list[str]] = {}
+        by_queue: dict[str, dict[str, list[str]]] = {}
         for stream, entry_id in self._pending_acks:
-            by_stream.setdefault(stream, []).append(entry_id)
+            by_queue.setdefault(self.queue_of_stream(stream), {}).setdefault(
+                stream, []).append(entry_id)
         self._pending_acks = []
+        for by_stream in by_queue.values():
+            self._ack_in_one_slot(by_stream)
+
+    def ack_now(self, stream: str, ids: list[str]) -> None:
+        """XACK and XDEL entries of one stream at once, in one MULTI."""
+        self._ack_in_one_slot({stream: ids})
+
+    def _ack_in_one_slot(self, by_stream: dict[str, list[str]]) -> None:
         pipe = self.client.pipeline(transaction=True)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.settings.consumer_group, *ids)

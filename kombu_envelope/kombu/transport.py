@@ -14,7 +14,9 @@ Connection String
 =================
 ``envelope://[USER:PASSWORD@]HOST[:PORT][/DB]``, ``envelopes://...`` for TLS.
 A Sentinel group: ``envelope-sentinel://[USER:PASSWORD@]HOST[:26379][/DB];envelope-sentinel://HOST2...``
-with the ``master_name`` option (``envelopes-sentinel://`` for TLS). See
+with the ``master_name`` option (``envelopes-sentinel://`` for TLS). A Redis Cluster:
+``envelope-cluster://[USER:PASSWORD@]HOST[:PORT];envelope-cluster://HOST2...`` (seed
+nodes; ``envelopes-cluster://`` for TLS). See
 :mod:`kombu_envelope.store.client` for every form.
 
 Transport Options
@@ -54,6 +56,7 @@ from __future__ import annotations
 import select
 import socket
 import sys
+import time
 from time import monotonic
 from typing import Any
 
@@ -62,13 +65,20 @@ from kombu.transport import virtual
 from kombu.transport.redis import get_redis_error_classes
 from kombu.utils.imports import symbol_by_name
 from kombu.utils.objects import cached_property
+from redis.exceptions import RedisClusterException
 
-from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing, InvalidTransportOption
+from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
 from kombu_envelope.kombu.adapter import MessageAdapter
 from kombu_envelope.kombu.channel import Channel
+from kombu_envelope.kombu.readers import QueueReader
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.client import RedisEndpoint, new_client
+from kombu_envelope.store.client import AnyRedis, RedisEndpoint, close_client, new_client
+from kombu_envelope.store.cluster import CLUSTER_REDIRECTS
 from kombu_envelope.store.lease import LeaseKeeper, process_keeper
+
+#: Pause before a Cluster reader that lost its node tries again (seconds): a failover
+#: takes seconds, and the event loop must not spin meanwhile.
+RETRY_READ_S = 0.1
 
 
 class Poller:
@@ -81,7 +91,7 @@ class Poller:
 
     def __init__(self) -> None:
         self.channels: list[Channel] = []
-        self._fd_to_channel: dict[int, Channel] = {}
+        self._fd_to_reader: dict[int, tuple[Channel, QueueReader]] = {}
         self._always_readable: tuple[socket.socket, socket.socket] | None = None
         #: Whether channels batch their acks until the next arm().
         self.defer_acks = False
@@ -101,24 +111,27 @@ class Poller:
         """Stop polling ``channel``."""
         if channel in self.channels:
             self.channels.remove(channel)
-        for fd, known in list(self._fd_to_channel.items()):
+        for fd, (known, _reader) in list(self._fd_to_reader.items()):
             if known is channel:
-                del self._fd_to_channel[fd]
+                del self._fd_to_reader[fd]
 
     def arm(self) -> list[int]:
-        """Settle pending acks, then start a blocking read on every channel that can
-        consume; return the fds to wait on."""
-        self._fd_to_channel = {}
-        buffered = False
+        """Settle pending acks, then start a blocking read on every queue of every
+        channel that can consume (one per queue); return the fds to wait on."""
+        self._fd_to_reader = {}
+        come_back = False
         for channel in list(self.channels):
             channel.settler.flush_acks()
             if not channel.has_buffered():
-                fd = channel.start_blocking_read()
-                if fd is not None:
-                    self._fd_to_channel[fd] = channel
-            buffered = buffered or channel.has_buffered()
-        fds = list(self._fd_to_channel)
-        if buffered:
+                for fd, reader in channel.start_blocking_reads():
+                    self._fd_to_reader[fd] = (channel, reader)
+            if channel.retry_reads_soon:  # a Cluster reader lost its node: try again soon
+                channel.retry_reads_soon = False
+                time.sleep(RETRY_READ_S)
+                come_back = True
+            come_back = come_back or channel.has_buffered()
+        fds = list(self._fd_to_reader)
+        if come_back:
             fds.append(self._ready_fd())
         return fds
 
@@ -139,10 +152,11 @@ class Poller:
         """A read reply arrived on ``fd``: deliver it; return messages delivered."""
         if self._always_readable is not None and fd == self._always_readable[0].fileno():
             return sum(channel.deliver_buffered() for channel in list(self.channels))
-        channel = self._fd_to_channel.get(fd)
-        if channel is None or not channel._reading:
+        found = self._fd_to_reader.get(fd)
+        if found is None or not found[1].reading:
             return 0
-        return channel.finish_blocking_read()
+        channel, reader = found
+        return channel.finish_blocking_read(reader)
 
 
 class Transport(virtual.Transport):
@@ -162,6 +176,9 @@ class Transport(virtual.Transport):
     )
 
     connection_errors, channel_errors = get_redis_error_classes()
+    #: A Cluster between two owners of a slot, or none reachable, is a lost connection
+    #: to Celery and kombu (they reconnect), never a failure of the channel.
+    connection_errors = (*connection_errors, *CLUSTER_REDIRECTS, RedisClusterException)
 
     #: Adapter used when the ``message_adapter`` option is not set.
     default_adapter = MessageAdapter
@@ -205,18 +222,18 @@ class Transport(virtual.Transport):
         return RedisEndpoint.from_conninfo(self.client)
 
     @cached_property
-    def shared_client(self) -> redis.Redis:
-        """The client whose connection pool this connection's channels share."""
-        client = new_client(self.endpoint, self.settings)
-        if not isinstance(client, redis.Redis):
-            raise InvalidTransportOption({"url": (
-                "Redis Cluster is not served by the envelope:// transport yet; use one "
-                "Redis or a Sentinel group")})
-        return client
+    def shared_client(self) -> AnyRedis:
+        """The client whose connection pool (a Cluster: whose node pools) this
+        connection's channels share."""
+        return new_client(self.endpoint, self.settings)
 
-    def new_redis_client(self) -> redis.Redis:
-        """A client on the shared pool."""
-        return redis.Redis(connection_pool=self.shared_client.connection_pool)
+    def new_redis_client(self) -> AnyRedis:
+        """A client on the shared pool; on a Cluster, the shared client itself (it holds
+        one pool per node and is closed with the connection)."""
+        shared = self.shared_client
+        if isinstance(shared, redis.Redis):
+            return redis.Redis(connection_pool=shared.connection_pool)
+        return shared
 
     @cached_property
     def lease_keeper(self) -> LeaseKeeper:
@@ -289,4 +306,4 @@ class Transport(virtual.Transport):
         finally:  # also when a channel could not reach Redis while closing
             self.poller.close()
             if "shared_client" in self.__dict__:
-                self.shared_client.connection_pool.disconnect()
+                close_client(self.shared_client)

@@ -1,5 +1,6 @@
-"""The Redis store every front end calls: clients, scripts, publishing, delayed tasks,
-settling helpers, leases, idempotency, retry slots and dead letters.
+"""The Redis store every front end calls: clients (one Redis, Sentinel, a Cluster),
+scripts and batches of them, publishing, delayed tasks, settling helpers, leases,
+idempotency, retry slots and dead letters.
 
 Each step that touches several keys is one Lua script of ``kombu_envelope/lua/`` on the
 keys of one queue (docs/protocol.md, section 2); other languages call the same scripts.

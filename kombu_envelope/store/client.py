@@ -34,6 +34,7 @@ from redis.sentinel import Sentinel
 
 from kombu_envelope.errors import InvalidTransportOption
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.cluster import EnvelopeCluster
 from kombu_envelope.store.outages import OutageRetry
 
 __all__ = [
@@ -128,6 +129,11 @@ class RedisEndpoint:
     def from_conninfo(cls, conninfo: Any) -> RedisEndpoint:
         """The endpoint of a kombu Connection (its URL, ``;`` alternates and ``ssl``)."""
         scheme = getattr(conninfo, "transport_cls", None)
+        if not isinstance(scheme, str) or scheme not in SCHEMES:
+            # A transport named explicitly (Connection(url, transport=...)): the URLs
+            # kombu keeps in ``alt`` still say which deployment they name.
+            scheme = next((urlsplit(url).scheme for url in getattr(conninfo, "alt", None) or ()
+                           if isinstance(url, str) and "://" in url), None)
         deployment, tls = SCHEMES.get(scheme, (Deployment.SINGLE, False)) \
             if isinstance(scheme, str) else (Deployment.SINGLE, False)
         hosts = [(conninfo.hostname or "localhost", conninfo.port or DEFAULT_PORTS[deployment])]
@@ -199,9 +205,14 @@ def new_client(endpoint: RedisEndpoint, settings: Settings) -> AnyRedis:
     if endpoint.deployment is Deployment.CLUSTER:
         if endpoint.tls:
             kwargs["ssl"] = True
+        # redis-py refuses a per-node retry on a Cluster: its own tries follow MOVED and
+        # ASK at once, and EnvelopeCluster waits out a failover on the outage clock.
+        kwargs.pop("retry")
+        kwargs.pop("retry_on_timeout")  # covered: EnvelopeCluster retries timeouts too
         seeds = [ClusterNode(host, port) for host, port in endpoint.nodes]
-        return RedisCluster(startup_nodes=seeds, **{
-            "max_connections": settings.max_connections or 2**31, **kwargs})
+        return EnvelopeCluster(startup_nodes=seeds, tolerance_s=settings.outage_tolerance_s,
+                               **{"max_connections": settings.max_connections or 2**31,
+                                  **kwargs})
     if endpoint.deployment is Deployment.SENTINEL:
         if settings.master_name is None:
             raise InvalidTransportOption({"master_name": (

@@ -47,11 +47,10 @@ def dead_letter_pending(
     args: list[Any] = [settings.consumer_group, entry_id]
     for name, value in fields.items():
         args += [name, value]
+    client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
     reply = script(client, "dead_letter")(
         keys=[stream, settings.keys.queue(queue).dead], args=args
     )
-    if reply:
-        client.sadd(settings.keys.dead_queues, queue)
     return as_text(reply) if reply else None
 
 
@@ -73,10 +72,8 @@ def dead_letter_envelope(
     for name, value in encode_entry(envelope, settings.gzip_min_bytes,
                                     limits=settings.limits).items():
         fields["raw." + name] = value
-    pipe = client.pipeline(transaction=True)
-    pipe.xadd(settings.keys.queue(queue).dead, fields)
-    pipe.sadd(settings.keys.dead_queues, queue)
-    return as_text(pipe.execute()[0])
+    client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
+    return as_text(client.xadd(settings.keys.queue(queue).dead, fields))
 
 
 

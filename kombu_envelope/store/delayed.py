@@ -21,8 +21,8 @@ from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.errors import InvalidQueueName, MalformedEntry
 from kombu_envelope.keys import QueueKeys
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replies import as_text
-from kombu_envelope.store.scripts import script
 
 #: How long a cancel mark is kept (ms): 7 days.
 CANCEL_MARK_RETENTION_MS = 7 * 24 * 3600 * 1000
@@ -144,11 +144,10 @@ class DelayedTasks:
         mark.zadd(cancelled, {task_id: now_ms}, nx=True)
         newly_marked = mark.execute()[1]
         if queues:
-            pipe = self.client.pipeline(transaction=False)
-            cancel = script(self.client, "cancel")
+            batch = Batch(self.client)  # one cancel.lua per queue, each in its slot
             for keys in queues:
-                cancel(keys=[keys.delayed, keys.delayed_data], args=[task_id], client=pipe)
-            for keys, reply in zip(queues, pipe.execute()):
+                batch.script("cancel", [keys.delayed, keys.delayed_data], [task_id])
+            for keys, reply in zip(queues, batch.execute()):
                 if as_text(reply) == CancelOutcome.REMOVED.value:
                     return Cancellation(CancelOutcome.REMOVED, keys.queue)
         return Cancellation(CancelOutcome.MARKED if newly_marked else CancelOutcome.ALREADY)

@@ -82,6 +82,9 @@ def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
         Failure(FailureClass.REDELIVERY_LIMIT, "its consumer kept dying while holding it"),
         queue=queue, consumer=owner,
     )
+    if pending:
+        # Listed before the takeover, which may dead-letter (section 2, registries).
+        client.sadd(settings.keys.dead_queues, queue)
     moved = 0
     for item in pending:
         reply = requeue(
@@ -92,8 +95,6 @@ def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
         )
         if reply:
             moved += 1
-            if as_text(reply).startswith("dead:"):
-                client.sadd(settings.keys.dead_queues, queue)
     if moved:
         logger.warning("took over %d entries of dead consumer %s on %s", moved, owner, stream)
     return moved

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.cluster import forget_slot_owner
 from kombu_envelope.store.scripts import script
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ class Promoter:
                 self._run_subscribed()
             except (RedisConnectionError, RedisTimeoutError):
                 logger.warning("promoter lost Redis; retrying in 1 s", exc_info=True)
+                # On a Cluster the wake-up subscription follows the slot map, which only
+                # a failed command refreshes: the node it lost may have failed over.
+                forget_slot_owner(self.client)
                 self._stop.wait(1.0)
             except Exception:  # a thread that dies would silently stop promotion
                 logger.exception("promoter failed; retrying in 1 s")

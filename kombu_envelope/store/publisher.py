@@ -20,6 +20,7 @@ from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, check_publishable, utcnow
 from kombu_envelope.keys import QueueKeys, bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
 from kombu_envelope.store.scripts import script
 
@@ -50,7 +51,12 @@ class Publisher:
     def publish_many(
         self, items: Iterable[tuple[str, Envelope]], now: datetime | None = None
     ) -> list[str | None]:
-        """Publish many Envelopes in one pipelined round trip.
+        """Publish many Envelopes in one pipelined round trip (one per node on a Cluster).
+
+        Each Envelope is its own step: its queue's script, never a MULTI across
+        queues (docs/protocol.md, section 2), so the Envelopes of queues on other
+        Cluster shards go out together, one pipeline per node (see
+        :class:`~kombu_envelope.store.batch.Batch` for how scripts travel in it).
 
         Every Envelope is validated first; if any is invalid nothing is sent.
         Returns, in order, each stream entry id (None for delayed ones).
@@ -80,23 +86,22 @@ class Publisher:
                                   keys.delayed_data, keys.published(envelope.task_id)],
                             args=[envelope.task_id, enc, body, token, dedupe_ms])
             return [reply.decode() if isinstance(reply, bytes) else reply]
-        pipe = self.client.pipeline(transaction=False)
+        batch = Batch(self.client)
         if delayed_queues:
-            # Registered on every delayed publish, in the same round trip and before
-            # schedule.lua wakes the promoters: a registry lost with a Redis restart
-            # is rebuilt by the next publish.
-            pipe.sadd(settings.keys.queues, *delayed_queues)
+            # Registered on every delayed publish, before schedule.lua wakes the
+            # promoters (a SADD of its own: the registry is in another slot): a registry
+            # lost with a Redis restart is rebuilt by the next publish.
+            for queue in delayed_queues:
+                batch.first("sadd", settings.keys.queues, queue)
         for keys, envelope, enc, body in prepared:
             if envelope.is_due(now):
-                enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
-                              keys.delayed_data, keys.published(envelope.task_id)],
-                        args=[envelope.task_id, enc, body, token, dedupe_ms], client=pipe)
+                batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
+                                         keys.delayed, keys.delayed_data,
+                                         keys.published(envelope.task_id)],
+                             [envelope.task_id, enc, body, token, dedupe_ms])
             else:
-                schedule_encoded(pipe, self.client, settings, keys, envelope, enc, body,
-                                 token=token)
-        replies = pipe.execute()
-        if delayed_queues:
-            replies = replies[1:]  # the SADD
+                schedule_encoded(batch, settings, keys, envelope, enc, body, token=token)
+        replies = batch.execute()
         # enqueue.lua answers the entry id; schedule.lua answers an integer.
         return [
             reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)
@@ -105,16 +110,13 @@ class Publisher:
         ]
 
 
-def schedule_encoded(pipe: Any, client: Any, settings: Settings, keys: QueueKeys,
+def schedule_encoded(batch: Batch, settings: Settings, keys: QueueKeys,
                      envelope: Envelope, enc: Any, body: Any, *, token: str) -> None:
-    """Queue schedule.lua on ``pipe`` for an Envelope already encoded as ``enc``/``body``.
+    """Queue schedule.lua on ``batch`` for an Envelope already encoded as ``enc``/``body``.
 
     ``token`` is the publish token (the same for every try of one publish). The
-    caller adds the queue to the registry (``SADD <prefix>:queues``) in the same pipe.
+    caller adds the queue to the registry (``SADD <prefix>:queues``) first.
     """
-    script(client, "schedule")(
-        keys=[keys.delayed, keys.delayed_data, keys.published(envelope.task_id)],
-        args=[envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value, enc,
-              body, settings.keys.wakeup_channel, token, settings.publish_dedupe_ms],
-        client=pipe,
-    )
+    batch.script("schedule", [keys.delayed, keys.delayed_data, keys.published(envelope.task_id)],
+                 [envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value, enc,
+                  body, settings.keys.wakeup_channel, token, settings.publish_dedupe_ms])

@@ -32,7 +32,7 @@ from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.scripts import script
+from kombu_envelope.store.batch import Batch
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +96,14 @@ def replace_pending(client: Any, settings: Settings, attempt: PendingAttempt,
     bucket = bucket_for(envelope.priority)
     enc, body = encode_body(envelope, settings.gzip_min_bytes, limits=settings.limits)
     delayed = not envelope.is_due()
-    pipe = client.pipeline(transaction=False)
-    if delayed:
-        pipe.sadd(settings.keys.queues, attempt.queue)  # before retry.lua wakes promoters
-    script(client, "retry")(
-        keys=[attempt.stream, keys.stream(bucket), keys.delayed, keys.delayed_data],
-        args=[settings.consumer_group, attempt.entry_id, envelope.task_id,
-              envelope.due_ms() if delayed else 0, bucket.value, enc, body,
-              settings.keys.wakeup_channel],
-        client=pipe)
-    replies = pipe.execute()
+    batch = Batch(client)
+    if delayed:  # its own SADD, before retry.lua wakes promoters
+        batch.first("sadd", settings.keys.queues, attempt.queue)
+    batch.script("retry", [attempt.stream, keys.stream(bucket), keys.delayed, keys.delayed_data],
+                 [settings.consumer_group, attempt.entry_id, envelope.task_id,
+                  envelope.due_ms() if delayed else 0, bucket.value, enc, body,
+                  settings.keys.wakeup_channel])
+    replies = batch.execute()
     attempt.outcome = Replaced.REPLACED if replies[-1] else Replaced.NOT_PENDING
     if attempt.outcome is Replaced.NOT_PENDING and not attempt.publish_if_gone:
         logger.warning("task %s (%s): entry %s of %s is no longer pending (taken over); "

@@ -1,1 +1,2 @@
-"""A private, throw-away ``redis-server`` for tests, benchmarks and the demo."""
+"""Private, throw-away ``redis-server`` processes (one, or a Redis Cluster) for tests,
+benchmarks and the demo."""
