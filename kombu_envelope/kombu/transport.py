@@ -230,7 +230,7 @@ class Transport(virtual.Transport):
     def new_redis_client(self) -> AnyRedis:
         """A client on the shared pool; on a Cluster, the shared client itself (it holds
         one pool per node and is closed with the connection)."""
-        shared = self.shared_client
+        shared: AnyRedis = self.shared_client
         if isinstance(shared, redis.Redis):
             return redis.Redis(connection_pool=shared.connection_pool)
         return shared

@@ -81,9 +81,9 @@ class Batch:
     def execute(self) -> list[Any]:
         """Send everything; return the reply of each step but :meth:`first`'s, in order
         (raises the first error)."""
-        for name, args in self._first:
-            getattr(self.client, name)(*args)
-        replies = self._pipe.execute(raise_on_error=False)
+        for name, first_args in self._first:
+            getattr(self.client, name)(*first_args)
+        replies: list[Any] = list(self._pipe.execute(raise_on_error=False))
         for index, (name, keys, args) in self._calls.items():
             if isinstance(replies[index], NoScriptError):
                 replies[index] = script(self.client, name)(keys=keys, args=args)

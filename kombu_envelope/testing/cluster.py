@@ -23,6 +23,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 import redis
 
@@ -211,7 +212,8 @@ class PrivateRedisCluster:
 
     def keyslot(self, key: str) -> int:
         """``CLUSTER KEYSLOT key``."""
-        return int(self._command(self._any_live_port(), "CLUSTER", "KEYSLOT", key))  # type: ignore[arg-type]
+        reply: Any = self._command(self._any_live_port(), "CLUSTER", "KEYSLOT", key)
+        return int(reply)
 
     def owner_of(self, slot: int) -> int:
         """Port of the primary that serves ``slot``."""
