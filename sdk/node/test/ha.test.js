@@ -14,6 +14,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
 import { DeadLetters, KeySpace, Producer, Promoter, Worker, createLogger, createRedis } from '../src/index.js';
+import { closeClient, disconnectClient } from '../src/connection.js';
 import {
   clusterNodes, moveSlot, onNode, startCluster, startRedisServer, startSentinelGroup, waitFor,
 } from '../support/helpers.js';
@@ -286,6 +287,25 @@ describe('Cluster', { concurrency: false }, () => {
     const prefix = await roundTrip(given, cluster.url, queuesOn().slice(0, 2));
     assert.deepEqual((await client.smembers(new KeySpace(prefix).queues)).sort(), queuesOn().slice(0, 2).sort());
     given.disconnect();
+  });
+
+  test('a Cluster client closed while it connects ends and fails the commands it queued', async () => {
+    const settled = (promise) => Promise.race([
+      promise.then(() => 'resolved', (err) => `rejected: ${err.message}`), sleep(5000).then(() => 'still pending after 5 s')]);
+    // The worker's reading connection, disconnected at shutdown while it (re)connects.
+    const reader = createRedis(cluster.url);
+    reader.on('error', () => {});
+    const read = reader.xread('BLOCK', 200, 'STREAMS', 'ha.closing', '$');
+    disconnectClient(reader);
+    assert.match(await settled(read), /^rejected: Connection is closed/);
+    assert.equal(reader.status, 'end');
+    // A producer's, promoter's or worker's other connections, closed with QUIT while they (re)connect.
+    const other = createRedis(cluster.url);
+    other.on('error', () => {});
+    const queued = other.get('ha.closing');
+    await closeClient(other);
+    assert.match(await settled(queued), /^rejected: Connection is closed/);
+    assert.equal(other.status, 'end');
   });
 
   test('a standalone promoter from a redis-cluster:// URL promotes the delayed tasks of every shard', async () => {
