@@ -67,3 +67,36 @@ export function roleConnection(given, connectionName) {
   if (given.isCluster) return given.duplicate();
   return given.duplicate({ connectionName, reconnectOnError: given.options?.reconnectOnError ?? reconnectOnFailover });
 }
+
+/**
+ * ioredis leaves a Cluster closed while it (re)connects with no node in its
+ * pool waiting for a 'drain' that never comes: it stays 'disconnecting' and
+ * the commands it queued meanwhile never settle. End such a one as ioredis
+ * ends a Cluster that never connected, failing those commands.
+ * @param {any} client
+ */
+function endIfStranded(client) {
+  if (client.isCluster && client.status === 'disconnecting' && client.nodes().length === 0) {
+    client.setStatus('end');
+    client.flushQueue(new Error('Connection is closed.'));
+  }
+}
+
+/**
+ * Close `client` at once, failing its pending commands (a blocked read).
+ * @param {any} client
+ */
+export function disconnectClient(client) {
+  client.disconnect();
+  endIfStranded(client);
+}
+
+/**
+ * Close `client` after its pending replies (QUIT), at once when that fails.
+ * @param {any} client
+ * @returns {Promise<void>}
+ */
+export async function closeClient(client) {
+  await client.quit().catch(() => client.disconnect());
+  endIfStranded(client);
+}

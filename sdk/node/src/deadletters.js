@@ -11,7 +11,7 @@ import { parseJson } from './json.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { Scripts } from './scripts.js';
 import { Timestamp } from './time.js';
-import { isRedisClient, openConnection } from './connection.js';
+import { closeClient, isRedisClient, openConnection } from './connection.js';
 import { createLogger } from './log.js';
 const text = (value) => (Buffer.isBuffer(value) ? value.toString('utf8') : String(value));
 
@@ -177,7 +177,7 @@ export class DeadLetters {
 
   /** Close the connection when it was opened here. */
   async close() {
-    if (this.owned) await this.client.quit().catch(() => this.client.disconnect());
+    if (this.owned) await closeClient(this.client);
   }
 
   entry(queue, id, flat) {

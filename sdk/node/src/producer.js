@@ -11,7 +11,7 @@ import crypto from 'node:crypto';
 import { cancelTask } from './cancel.js';
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isDue, newEnvelope } from './envelope.js';
-import { isRedisClient, openConnection } from './connection.js';
+import { closeClient, isRedisClient, openConnection } from './connection.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, retryWhileAway } from './outage.js';
@@ -136,7 +136,7 @@ export class Producer {
 
   /** Close the connection when the producer opened it. */
   async close() {
-    if (this.owned) await this.client.quit().catch(() => this.client.disconnect());
+    if (this.owned) await closeClient(this.client);
   }
 
   /**

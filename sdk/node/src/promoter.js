@@ -9,7 +9,7 @@
 // and promote the same tasks again.
 
 import { setTimeout as sleep } from 'node:timers/promises';
-import { logConnectionErrors, openConnection, roleConnection } from './connection.js';
+import { closeClient, logConnectionErrors, openConnection, roleConnection } from './connection.js';
 import { KeySpace } from './keys.js';
 import { ReplicaWait } from './replicas.js';
 import { Scripts } from './scripts.js';
@@ -131,6 +131,6 @@ export class Promoter {
     this.running = false;
     if (this.wake) this.wake();
     await this.done;
-    for (const client of this.owned.splice(0)) await client.quit().catch(() => client.disconnect());
+    for (const client of this.owned.splice(0)) await closeClient(client);
   }
 }

@@ -38,7 +38,7 @@ import { EventEmitter } from 'node:events';
 import os from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { AbandonedClaims } from './abandoned.js';
-import { isRedisClient, logConnectionErrors, roleConnection } from './connection.js';
+import { closeClient, disconnectClient, isRedisClient, logConnectionErrors, roleConnection } from './connection.js';
 import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js';
 import { readDeadLetter } from './deadletters.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isExpired } from './envelope.js';
@@ -1079,7 +1079,7 @@ export class Worker extends EventEmitter {
     await this.starting?.catch(() => {});
     this.log.info('worker stopping', { running: this.inflight.size, prefetched: this.waiting.length });
     this.running = false;
-    this.reader?.disconnect();
+    if (this.reader) disconnectClient(this.reader);
     await this.loopDone?.catch(() => {});
     for (const entry of this.waiting.splice(0)) {
       await this.requeueOwn(entry, 'prefetched but not started before shutdown').catch((err) => this.log.error('requeue failed', { err }));
@@ -1119,7 +1119,7 @@ export class Worker extends EventEmitter {
       this.log.warn('could not delete the liveness key; it expires after the lease', { err });
     }
     for (const client of [this.cmd, this.leaseClient, this.subscriber, this.resultClient]) {
-      await client?.quit().catch(() => client.disconnect());
+      if (client) await closeClient(client);
     }
     this.log.info('worker stopped', { stats: this.stats });
     this.notify('closed', this.stats);

@@ -1,8 +1,11 @@
 // The claims of abandoned attempts (docs/protocol.md section 8), as pure logic: renewed every
 // third of the claim time until the handler's promise settles, then done or released.
+// setInterval is mocked (the clock only moves by tick()), so the renewals counted do not
+// depend on the machine's load; a settlement is a chain of promises, drained by one
+// macrotask turn.
 
 import assert from 'node:assert/strict';
-import { setTimeout as sleep } from 'node:timers/promises';
+import { setImmediate as settle } from 'node:timers/promises';
 import { describe, test } from 'node:test';
 import { AbandonedClaims } from '../src/abandoned.js';
 
@@ -27,28 +30,35 @@ function deferred() {
 }
 
 describe('abandoned claims', () => {
-  test('renewed every third of the claim time, done when the handler resolves, held until that is written', async () => {
+  test('renewed every third of the claim time, done when the handler resolves, held until that is written', async (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] });
     const { claims, calls, slowFinish } = tracker();
+    const renewals = () => calls.filter(([what]) => what === 'renew').length;
     const late = deferred();
     const written = deferred();
     slowFinish(written.promise);
     claims.keep({ key: 'k1', holder: 'c t', claimMs: 90 }, late.promise, silent);
     assert.ok(claims.holds('k1'));
-    await sleep(100);
-    assert.ok(calls.filter(([what]) => what === 'renew').length >= 2, JSON.stringify(calls));
+    t.mock.timers.tick(29);
+    assert.equal(renewals(), 0, 'not renewed before a third of the claim time');
+    t.mock.timers.tick(1);
+    assert.equal(renewals(), 1, 'renewed at a third of the claim time');
+    t.mock.timers.tick(60);
+    assert.equal(renewals(), 3, 'renewed at every third');
     late.resolve('value');
-    await sleep(10);
+    await settle();
     assert.deepEqual(calls.at(-1), ['done', 'k1']);
     assert.ok(claims.holds('k1'), 'held until done is written');
     written.resolve();
     await claims.all();
     assert.equal(claims.holds('k1'), false);
-    const renewals = calls.length;
-    await sleep(60);
-    assert.equal(calls.length, renewals, 'no renewal after it settled');
+    const settled = calls.length;
+    t.mock.timers.tick(300);
+    assert.equal(calls.length, settled, 'no renewal after it settled');
   });
 
-  test('released when the handler rejects; a claim given up at shutdown is neither renewed nor settled', async () => {
+  test('released when the handler rejects; a claim given up at shutdown is neither renewed nor settled', async (t) => {
+    t.mock.timers.enable({ apis: ['setInterval'] });
     const { claims, calls } = tracker();
     const failing = deferred();
     claims.keep({ key: 'k2', holder: 'c t', claimMs: 30_000 }, failing.promise, silent);
@@ -61,7 +71,8 @@ describe('abandoned claims', () => {
     claims.giveUp(silent);
     assert.equal(claims.holds('k3'), false);
     running.resolve();
-    await sleep(40);
+    t.mock.timers.tick(300);
+    await settle();
     assert.deepEqual(calls, [['release', 'k2']]);
   });
 });

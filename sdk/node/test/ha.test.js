@@ -11,9 +11,10 @@ import crypto from 'node:crypto';
 import { once } from 'node:events';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { after, before, describe, test } from 'node:test';
+import { after, afterEach, before, describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
 import { DeadLetters, KeySpace, Producer, Promoter, Worker, createLogger, createRedis } from '../src/index.js';
+import { closeClient, disconnectClient } from '../src/connection.js';
 import {
   clusterNodes, moveSlot, onNode, startCluster, startRedisServer, startSentinelGroup, waitFor,
 } from '../support/helpers.js';
@@ -21,6 +22,23 @@ import {
 const FAST = { leaseMs: 3000, blockMs: 200, promoterMaxIdleMs: 200 };
 const prefixFor = () => `ha-${crypto.randomBytes(4).toString('hex')}`;
 const soon = (ms) => new Date(Date.now() + ms).toISOString();
+
+/**
+ * What a test opened (workers, producers, promoters, tools, clients), closed
+ * after it even when it failed: a Sentinel or Cluster client left open
+ * reconnects for ever to the servers stopped after the suite, and keeps the
+ * test process alive after its last test.
+ */
+const opened = [];
+const keep = (thing) => { opened.push(thing); return thing; };
+async function closeOpened() {
+  for (const thing of opened.splice(0).reverse()) {
+    if (thing instanceof Worker) await thing.close({ graceMs: 0 });
+    else if (thing instanceof Promoter) await thing.stop();
+    else if (thing instanceof Producer || thing instanceof DeadLetters) await thing.close();
+    else thing.disconnect();
+  }
+}
 
 /** A logger that keeps its lines (JSON objects), for diagnostics. */
 function sink() {
@@ -36,7 +54,7 @@ function sink() {
 
 /** Start one worker per queue and wait until each reads its queue. */
 async function startWorkers(queues, handlers, options) {
-  const workers = queues.map((queue) => new Worker(queue, handlers, { ...FAST, ...options }));
+  const workers = queues.map((queue) => keep(new Worker(queue, handlers, { ...FAST, ...options })));
   await Promise.all(workers.map((w) => w.waitUntilReady()));
   return workers;
 }
@@ -48,7 +66,7 @@ async function roundTrip(producerConnection, workerConnection, queues) {
   const { logger } = sink();
   const workers = await startWorkers(queues, { 'ha.echo': (payload) => { ran.push(payload.id); } },
     { connection: workerConnection, prefix, logger });
-  const producer = new Producer({ connection: producerConnection, prefix });
+  const producer = keep(new Producer({ connection: producerConnection, prefix }));
   const expected = [];
   for (const queue of queues) {
     for (const delayed of [false, true]) {
@@ -84,7 +102,7 @@ async function drill(t, { name, connection, queues, waitReplicas, ledger, kill, 
   const workers = await startWorkers(queues, handlers, { connection, prefix, logger, waitReplicas, waitTimeoutMs: 200, concurrency: 4 });
   const errors = [];
   for (const w of workers) w.on('error', (err) => errors.push(err));
-  const producer = new Producer({ connection, prefix, logger, waitReplicas, waitTimeoutMs: 200 });
+  const producer = keep(new Producer({ connection, prefix, logger, waitReplicas, waitTimeoutMs: 200 }));
   const published = [];
   const publishFailed = [];
   let publishing = true;
@@ -163,6 +181,8 @@ describe('Sentinel', { concurrency: false }, () => {
     ledger = new Redis(ledgerServer.url);
   });
 
+  afterEach(closeOpened);
+
   after(async () => {
     ledger?.disconnect();
     await ledgerServer?.close();
@@ -171,10 +191,10 @@ describe('Sentinel', { concurrency: false }, () => {
 
   test('round trips through a redis-sentinel:// URL and an ioredis Sentinel client, with data and sentinel passwords', async () => {
     await roundTrip(group.url, group.url, ['ha.sentinel']);
-    const client = new Redis({
+    const client = keep(new Redis({
       sentinels: group.sentinels.map((port) => ({ host: '127.0.0.1', port })), name: group.masterName,
       password: group.password, sentinelPassword: group.sentinelPassword,
-    });
+    }));
     client.on('error', () => {});
     const prefix = await roundTrip(client, client, ['ha.sentinel']);
     assert.equal(await client.sismember(new KeySpace(prefix).queues, 'ha.sentinel'), 1, 'the delayed publish registered its queue');
@@ -215,12 +235,16 @@ describe('Sentinel', { concurrency: false }, () => {
     // A long block, so that the read waits on the old primary when it changes role.
     const [worker] = await startWorkers(['ha.manual'], { 'ha.echo': (payload) => { ran.push(payload.id); } },
       { connection: group.url, prefix, logger, blockMs: 5000 });
-    const producer = new Producer({ connection: group.url, prefix, logger });
+    const producer = keep(new Producer({ connection: group.url, prefix, logger }));
     await producer.publish('ha.manual', { task_type: 'ha.echo', payload: { id: 'before' } });
     await waitFor(() => ran.includes('before'));
     await sleep(200); // the reader blocks again
     const old = await group.primaryPort();
-    await onNode(group.sentinels[0], (c) => c.call('SENTINEL', 'FAILOVER', group.masterName));
+    // The sentinels refuse (INPROG) while they still finish the drills' failovers.
+    await waitFor(() => onNode(group.sentinels[0], (c) => c.call('SENTINEL', 'FAILOVER', group.masterName)).then(() => true, (err) => {
+      if (/^INPROG/.test(err.message)) return false;
+      throw err;
+    }), { timeoutMs: 20_000, intervalMs: 200, message: 'the sentinels kept a failover in progress' });
     await waitFor(async () => (await group.primaryPort()) !== old, { timeoutMs: 20_000, intervalMs: 100, message: 'no manual failover' });
     // Sentinel demotes the old primary after its next periodic check (seconds later): do it now, as it would.
     const now = await group.primaryPort();
@@ -271,6 +295,8 @@ describe('Cluster', { concurrency: false }, () => {
     assert.equal(shardQueues.size, 3, 'one queue per shard');
   });
 
+  afterEach(closeOpened);
+
   after(async () => {
     client?.disconnect();
     ledger?.disconnect();
@@ -281,19 +307,38 @@ describe('Cluster', { concurrency: false }, () => {
   const queuesOn = () => [...shardQueues.values()];
 
   test('round trips on queues of two shards, through a redis-cluster:// URL and an ioredis Cluster', async () => {
-    const given = new Cluster(cluster.ports.slice(0, 1).map((port) => ({ host: '127.0.0.1', port })));
+    const given = keep(new Cluster(cluster.ports.slice(0, 1).map((port) => ({ host: '127.0.0.1', port }))));
     given.on('error', () => {});
     const prefix = await roundTrip(given, cluster.url, queuesOn().slice(0, 2));
     assert.deepEqual((await client.smembers(new KeySpace(prefix).queues)).sort(), queuesOn().slice(0, 2).sort());
     given.disconnect();
   });
 
+  test('a Cluster client closed while it connects ends and fails the commands it queued', async () => {
+    const settled = (promise) => Promise.race([
+      promise.then(() => 'resolved', (err) => `rejected: ${err.message}`), sleep(5000).then(() => 'still pending after 5 s')]);
+    // The worker's reading connection, disconnected at shutdown while it (re)connects.
+    const reader = keep(createRedis(cluster.url));
+    reader.on('error', () => {});
+    const read = reader.xread('BLOCK', 200, 'STREAMS', 'ha.closing', '$');
+    disconnectClient(reader);
+    assert.match(await settled(read), /^rejected: Connection is closed/);
+    assert.equal(reader.status, 'end');
+    // A producer's, promoter's or worker's other connections, closed with QUIT while they (re)connect.
+    const other = keep(createRedis(cluster.url));
+    other.on('error', () => {});
+    const queued = other.get('ha.closing');
+    await closeClient(other);
+    assert.match(await settled(queued), /^rejected: Connection is closed/);
+    assert.equal(other.status, 'end');
+  });
+
   test('a standalone promoter from a redis-cluster:// URL promotes the delayed tasks of every shard', async () => {
     const prefix = prefixFor();
     const queues = queuesOn();
-    const producer = new Producer({ connection: client, prefix });
+    const producer = keep(new Producer({ connection: client, prefix }));
     for (const queue of queues) await producer.publish(queue, { task_type: 'ha.echo', payload: {}, schedule_time: soon(200) });
-    const promoter = new Promoter({ connection: cluster.url, prefix, maxIdleMs: 100, log: sink().logger });
+    const promoter = keep(new Promoter({ connection: cluster.url, prefix, maxIdleMs: 100, log: sink().logger }));
     await promoter.start();
     const keys = new KeySpace(prefix);
     await waitFor(async () => {
@@ -311,12 +356,12 @@ describe('Cluster', { concurrency: false }, () => {
     const ran = [];
     const workers = await startWorkers([deadQueue, cancelQueue], { 'ha.echo': (payload) => { ran.push(payload.id); } },
       { connection: cluster.url, prefix, logger });
-    const producer = new Producer({ connection: client, prefix });
+    const producer = keep(new Producer({ connection: client, prefix }));
     const dead = once(workers[0], 'dead');
     await producer.publish(deadQueue, { task_type: 'ha.unknown', payload: {} });
     const [, failure] = await dead;
     assert.equal(failure.failure_class, 'unknown_task_type');
-    const tools = new DeadLetters({ connection: cluster.url, prefix });
+    const tools = keep(new DeadLetters({ connection: cluster.url, prefix }));
     assert.deepEqual(await tools.queues(), [deadQueue]);
     const [entry] = await tools.list(deadQueue);
     assert.equal(entry.taskType, 'ha.unknown');
@@ -345,7 +390,7 @@ describe('Cluster', { concurrency: false }, () => {
     const [worker] = await startWorkers([queue], {
       'ha.effect': async (payload) => { await ledger.incr(`${prefix}:effect:${payload.n}`); },
     }, { connection: cluster.url, prefix, logger, concurrency: 4 });
-    const producer = new Producer({ connection: cluster.url, prefix, logger });
+    const producer = keep(new Producer({ connection: cluster.url, prefix, logger }));
     const published = [];
     let publishing = true;
     const publisher = async (p) => {
