@@ -24,9 +24,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery import current_app
-
 from celery_ext.arguments import bind
+from celery_ext.registry import published_task
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ def derive_idempotency_key(sender: Any = None, body: Any = None,
     """
     if headers is None or headers.get(KEY_HEADER) or not isinstance(sender, str):
         return
-    task = current_app._get_current_object()._tasks.get(sender)
+    task = published_task(sender)
     if task is None or not isinstance(body, (list, tuple)) or len(body) < 2:
         return
     try:

@@ -44,7 +44,8 @@ On delivery, a value kept in ``ext.celery`` is used while it still agrees
 with the Envelope field it maps to (see :mod:`celery_ext.headers`).
 
 Positional arguments are named with the signature of the registered task
-(``celery.current_app``) so other languages see named payload fields; the
+(``celery.current_app``, finalized first: :mod:`celery_ext.registry`) so other
+languages see named payload fields; the
 names go to ``ext.celery.argnames``. Arguments that cannot be named stay in
 ``ext.celery.args`` and other languages do not see them: ``*args`` extras,
 all arguments of a task this process does not know, and calls that do not
@@ -92,6 +93,7 @@ from celery_ext.priority import (
     to_celery_priority,
     to_envelope_priority,
 )
+from celery_ext.registry import published_task
 from celery_ext.results import RESULT_EXT_KEY, record_undeliverable, result_ext
 from celery_ext.tracing import remember_delivery
 from kombu_envelope.envelope import MAX_RETRIES_DEFAULT, Envelope, Limits
@@ -114,15 +116,6 @@ _FIELD_HEADERS = ("task", "id", "retries", "trace_id", "expires")
 _TRANSPORT_PROPERTIES = frozenset({"delivery_info", "delivery_tag", "body_encoding",
                                    "priority", UNSET_PRIORITY_PROPERTY})
 _EMPTY_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-
-
-def _app_tasks(app: Any) -> Mapping[str, Any]:
-    """Task registry of ``app``, read without finalizing it.
-
-    ``send_task`` reads it the same way: publishing must not finalize an app.
-    """
-    tasks: Mapping[str, Any] = app._tasks
-    return tasks
 
 
 # The app of the Celery worker running in this process, if any.
@@ -222,8 +215,8 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     _require_json(message, headers)
     args, kwargs, embed = _parse_body(body)
     name = headers["task"]
+    task = published_task(name)
     app = current_app._get_current_object()
-    task = _app_tasks(app).get(name) if isinstance(name, str) else None
     bound = bind(getattr(task, "run", None), args, kwargs)
 
     kept = {k: v for k, v in headers.items()

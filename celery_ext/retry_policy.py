@@ -26,6 +26,7 @@ from typing import Any
 
 from celery import current_app
 
+from celery_ext.registry import published_task
 from kombu_envelope.retrying import RETRY_POLICY_HEADER, TIERED, RetryPolicy
 
 #: Celery setting, and task option, asking for the tiered policy.
@@ -84,7 +85,7 @@ def mark_tiered_tasks(sender: Any = None, headers: dict[str, Any] | None = None,
     if sender.startswith("celery."):
         return  # canvas helpers: the execution shell leaves them alone
     app = current_app._get_current_object()
-    task = app._tasks.get(sender)
+    task = published_task(sender)
     try:
         asks = asks_for_tiered_retries(app.conf.get(RETRY_POLICY_SETTING),
                                        getattr(task, RETRY_POLICY_SETTING, None))

@@ -85,6 +85,21 @@ def test_the_producer_marks_the_tasks_that_ask(app: Celery) -> None:
     assert marked("policy.plain") == {}
 
 
+def test_a_producer_that_publishes_by_name_before_finalizing_sees_the_task_options() -> None:
+    # send_task() from a web process: nothing touched the app's tasks yet.
+    app = Celery("by-name", broker="memory://", set_as_current=True)
+    app.conf.envelope_retry_policy = True
+
+    @app.task(name="by-name.off", shared=False, envelope_retry_policy=False)
+    def off() -> None:
+        return None
+
+    assert not app.finalized
+    assert marked("by-name.off") == {}
+    assert app.finalized
+    app.close()
+
+
 def test_the_header_and_the_decisions_without_retries() -> None:
     assert asks_for_tiered({RETRY_POLICY_HEADER: TIERED})
     assert not asks_for_tiered({RETRY_POLICY_HEADER: "other"}) and not asks_for_tiered(None)
