@@ -3,6 +3,7 @@
 //	envelope-peer produce --redis URL --queue Q --task-type T --payload JSON [...]
 //	envelope-peer produce-malformed --redis URL --queue Q --kind badjson|missingbody|badversion|badgzip|invalid
 //	envelope-peer worker --redis URL --queue Q [--lease-ms N --backoff-ms N ...]
+//	envelope-peer matrix --redis URL --prefix P [--work Q1,Q2,...]   (see matrix.go)
 //
 // Run a sub-command with -h for its flags.
 package main
@@ -32,6 +33,7 @@ commands:
   produce            publish tasks (prints one task_id per line)
   produce-malformed  add a broken entry to a task stream (prints its entry id)
   worker             consume a queue with the built-in handlers
+  matrix             work queues with the matrix handler; JSON-line commands on stdin
 
 Run "envelope-peer <command> -h" for the flags of a command.
 `
@@ -49,6 +51,8 @@ func main() {
 		err = produceMalformed(args)
 	case "worker":
 		err = worker(args)
+	case "matrix":
+		err = matrix(args)
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return
