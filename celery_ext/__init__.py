@@ -20,7 +20,8 @@ Workers also run every task through the reliable-execution shell
 that ask for them (:mod:`celery_ext.retry_policy`), time limits, dead
 letters; otherwise tasks behave as Celery documents), run the app's
 ``beat_schedule`` in the shared scheduler (:mod:`celery_ext.periodic`), and a
-revoke cancels still-delayed tasks (:mod:`celery_ext.revoke`).
+revoke cancels tasks in Redis (:mod:`celery_ext.revoke`), and a ready worker
+logs the queues and task types it serves (:mod:`celery_ext.readiness`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from celery_ext.execution import RECEIVERS as EXECUTION_RECEIVERS
 from celery_ext.failures import InvalidPayload
 from celery_ext.priority import mark_unset_priority
 from celery_ext.protocol import CeleryAdapter, serve_worker_app
+from celery_ext.readiness import announce_ready
 from celery_ext.tracing import (
     TraceIdFilter,
     add_log_filter,
@@ -66,6 +68,7 @@ _RECEIVERS = (
     (signals.after_setup_task_logger, add_log_filter),
     (signals.worker_init, serve_worker_app),
     (signals.worker_init, install_worker_steps),
+    (signals.worker_ready, announce_ready),
     *EXECUTION_RECEIVERS,
 )
 

@@ -19,7 +19,7 @@ import click
 from celery_ext.broker import broker_redis, broker_settings
 from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.deadletter import DeadLetterFilter, DeadLetters, ReplayEdit
-from kombu_envelope.delayed import CancelOutcome, DelayedTasks
+from kombu_envelope.delayed import Cancellation, CancelOutcome, DelayedTasks
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import EnvelopeError
 from kombu_envelope.scheduler import Promoter
@@ -168,25 +168,30 @@ def delayed_show(ctx: click.Context, task_id: str, queue: str | None) -> None:
 
 @envelope.command()
 @click.argument("task_id")
-@click.option("--queue", "-Q", default="celery", show_default=True, help="Queue name.")
+@click.option("--queue", "-Q", default=None,
+              help="Look for the delayed task in this queue only (default: every queue).")
 @click.pass_context
-def cancel(ctx: click.Context, task_id: str, queue: str) -> None:
-    """Cancel a task: remove it if still delayed, else mark it to be skipped.
+def cancel(ctx: click.Context, task_id: str, queue: str | None) -> None:
+    """Cancel a task, whatever its queue: mark it so that no worker runs it, and
+    remove it if still delayed.
 
     Prints the outcome (removed, marked or already) and what it means.
     """
-    outcome = _delayed(ctx).cancel(task_id, queue)
-    click.echo(f"{outcome.value}: {_CANCEL_MEANING[outcome].format(task_id=task_id, queue=queue)}")
+    tasks = _delayed(ctx)
+    found = (Cancellation(tasks.cancel(task_id, queue), queue) if queue
+             else tasks.cancel_everywhere(task_id))
+    meaning = _CANCEL_MEANING[found.outcome].format(task_id=task_id, queue=found.queue)
+    click.echo(f"{found.outcome.value}: {meaning}")
 
 
 _CANCEL_MEANING = {
     CancelOutcome.REMOVED: "task {task_id} was delayed in queue {queue}; it will never run",
     CancelOutcome.MARKED: (
-        "task {task_id} is not delayed in queue {queue}; if it is in (or reaches) that "
-        "queue's stream, a worker acknowledges it without running it (mark kept 7 days); "
-        "a task that already ran, or an unknown id, is not affected"
+        "task {task_id} is not delayed; if it is in (or reaches) a stream, a worker "
+        "acknowledges it without running it (mark kept 7 days); a task that already ran, "
+        "or an unknown id, is not affected"
     ),
-    CancelOutcome.ALREADY: "task {task_id} was already marked cancelled in queue {queue}",
+    CancelOutcome.ALREADY: "task {task_id} was already marked cancelled",
 }
 
 

@@ -1,4 +1,4 @@
-"""Celery message headers <-> Envelope fields: eta, time limits and string headers.
+"""Celery message headers <-> Envelope fields: eta, expires, time limits and string headers.
 
 Time limits: ``timeout_ms`` is the soft limit (Celery raises
 ``SoftTimeLimitExceeded`` inside the task, a ``timeout`` failure that follows
@@ -46,31 +46,32 @@ def celery_headers_of(envelope_headers: dict[str, str]) -> dict[str, str]:
             if name not in CELERY_HEADERS}
 
 
-def schedule_time_of(eta: Any) -> Any:
-    """The ``schedule_time`` value of a Celery ``eta`` header.
+def time_of(header: Any) -> Any:
+    """The Envelope time field of a Celery time header (``eta`` or ``expires``).
 
     An ISO 8601 string with an offset becomes an aware datetime (Envelope
     validation normalises odd offsets such as ``+05:53:28``); anything else is
-    returned as it is so Envelope validation names the problem, e.g. an eta
+    returned as it is so Envelope validation names the problem, e.g. a time
     without offset.
     """
-    if isinstance(eta, str):
+    if isinstance(header, str):
         try:
-            parsed = datetime.fromisoformat(eta)
+            parsed = datetime.fromisoformat(header)
         except ValueError:
-            return eta
+            return header
         if parsed.utcoffset() is not None:
             return parsed
-    return eta
+    return header
 
 
-def eta_header(original: Any, schedule_time: datetime | None) -> str | None:
-    """The ``eta`` header for ``schedule_time``: the original text when it still agrees."""
-    if schedule_time is None:
+def time_header(original: Any, value: datetime | None) -> str | None:
+    """The Celery header (``eta``, ``expires``) for a time field: the original text
+    while it still agrees, else the field in ISO 8601."""
+    if value is None:
         return None
-    if schedule_time_of(original) == schedule_time:
+    if time_of(original) == value:
         return str(original)
-    return schedule_time.isoformat()
+    return value.isoformat()
 
 
 #: Seconds between the soft time limit (``timeout_ms``) and the hard one.

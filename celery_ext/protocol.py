@@ -23,7 +23,9 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * ``timelimit`` ``[hard, soft]`` (seconds) -> ``timeout_ms``: the soft limit,
   else the hard one; delivered as ``[soft + grace, soft]`` (see
   :mod:`celery_ext.headers`).
-* ``eta`` -> ``schedule_time``; an eta without offset is refused.
+* ``eta`` -> ``schedule_time`` and ``expires`` -> ``expires``; a time without
+  offset is refused. On delivery both headers are rebuilt from the fields, so
+  the worker's own eta and expiry apply (an expired task is marked ``REVOKED``).
 * priority 0..9 (0 most urgent) or none -> ``priority`` 255..0 or 100, see
   :mod:`celery_ext.priority`.
 * ``trace_id`` header -> ``trace_id`` (a new one when missing).
@@ -35,6 +37,8 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * everything else -> ``ext.celery``: ``headers`` (every other header, eta and
   timelimit included), ``properties`` (correlation_id, reply_to...),
   ``priority`` (Celery's own) and ``embed`` (callbacks, errbacks, chain, chord).
+* where the task's result goes, for a task that wants one from a Redis result
+  backend -> ``ext.celery.result`` (see :mod:`celery_ext.results`).
 
 On delivery, a value kept in ``ext.celery`` is used while it still agrees
 with the Envelope field it maps to (see :mod:`celery_ext.headers`).
@@ -49,6 +53,11 @@ bind (too many arguments, or a name also passed as a keyword).
 An Envelope without ``ext.celery`` (written by another language) is
 delivered as a plain Celery task: no positional arguments, the payload as
 keyword arguments, and headers built from its fields.
+
+A task that must not run (cancelled, or expired) is delivered to a Celery
+worker that has it, which records it as ``REVOKED`` with Celery's own revoke
+(the task id joins the worker's revoked ids) or expiry; other processes let the
+transport acknowledge it without delivering it.
 
 On delivery in a Celery worker (see :func:`serve_worker_app`), a task whose
 ``task_type`` the worker's app does not know is dead-lettered as
@@ -66,14 +75,15 @@ from typing import Any
 
 from celery import Celery, current_app
 from celery.utils.saferepr import saferepr
+from celery.worker import state as worker_state
 from kombu.serialization import registry
 
 from celery_ext.arguments import bind, unbind
 from celery_ext.headers import (
     celery_headers_of,
-    eta_header,
     is_envelope_header,
-    schedule_time_of,
+    time_header,
+    time_of,
     timelimit_header,
     timeout_ms_of,
 )
@@ -82,8 +92,9 @@ from celery_ext.priority import (
     to_celery_priority,
     to_envelope_priority,
 )
+from celery_ext.results import RESULT_EXT_KEY, result_ext
 from celery_ext.tracing import remember_delivery
-from kombu_envelope.adapter import MessageAdapter, Undeliverable
+from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.deadletter import FailureClass
 from kombu_envelope.envelope import MAX_RETRIES_DEFAULT, Envelope, Limits
 from kombu_envelope.errors import UnsupportedMessage
@@ -98,19 +109,19 @@ DEFAULT_PAYLOAD_VERSIONS = (1,)
 MAX_RETRIES_HEADER = "max_retries"
 
 # Headers that become Envelope fields and are not kept in ext.celery.headers.
-_FIELD_HEADERS = ("task", "id", "retries", "trace_id")
+_FIELD_HEADERS = ("task", "id", "retries", "trace_id", "expires")
 # Properties the transport sets on every message: not part of the task.
 _TRANSPORT_PROPERTIES = frozenset({"delivery_info", "delivery_tag", "body_encoding",
                                    "priority", UNSET_PRIORITY_PROPERTY})
 _EMPTY_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
-def _app_tasks() -> Mapping[str, Any]:
-    """Task registry of ``celery.current_app``, read without finalizing the app.
+def _app_tasks(app: Any) -> Mapping[str, Any]:
+    """Task registry of ``app``, read without finalizing it.
 
     ``send_task`` reads it the same way: publishing must not finalize an app.
     """
-    tasks: Mapping[str, Any] = current_app._get_current_object()._tasks
+    tasks: Mapping[str, Any] = app._tasks
     return tasks
 
 
@@ -175,6 +186,24 @@ class CeleryAdapter(MessageAdapter):
                            "body_encoding": None, "delivery_info": {}},
         }
 
+    def to_not_run_message(self, envelope: Envelope, queue: str,
+                           why: NotRun) -> dict[str, Any] | None:
+        """The message of a task that must not run, for the Celery worker that has it.
+
+        The worker records it ``REVOKED`` (its result too): a cancelled id is
+        added to the worker's revoked ids, an expired task carries its ``expires``.
+        """
+        tasks = _worker_tasks()
+        if tasks is None or envelope.task_type not in tasks:
+            return None
+        try:
+            message = self.to_message(envelope, queue)
+        except Undeliverable:  # a payload version it refuses: nothing to record
+            return None
+        if why is NotRun.REVOKED:
+            worker_state.revoked.add(envelope.task_id)
+        return message
+
 
 # ------------------------------------------------------------------ publish
 
@@ -184,7 +213,8 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     _require_json(message, headers)
     args, kwargs, embed = _parse_body(body)
     name = headers["task"]
-    task = _app_tasks().get(name) if isinstance(name, str) else None
+    app = current_app._get_current_object()
+    task = _app_tasks(app).get(name) if isinstance(name, str) else None
     bound = bind(getattr(task, "run", None), args, kwargs)
 
     kept = {k: v for k, v in headers.items()
@@ -202,6 +232,10 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         ext["argnames"] = bound.argnames
     if bound.rest:
         ext["args"] = bound.rest
+    if isinstance(headers["id"], str):
+        result = result_ext(app, headers["id"], headers)
+        if result is not None:
+            ext[RESULT_EXT_KEY] = result
 
     retries = headers.get("retries", 0)
     max_retries = (headers[MAX_RETRIES_HEADER] if MAX_RETRIES_HEADER in headers
@@ -215,7 +249,8 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         "task_type": name,
         "payload": bound.payload,
         "payload_version": headers.get("payload_version", 1),
-        "schedule_time": schedule_time_of(headers.get("eta")),
+        "schedule_time": time_of(headers.get("eta")),
+        "expires": time_of(headers.get("expires")),
         "timeout_ms": timeout_ms_of(headers.get("timelimit")),
         "max_retries": max_retries,
         "retry_count": retries,
@@ -288,7 +323,7 @@ def _check_deliverable(envelope: Envelope) -> None:
             FailureClass.UNKNOWN_TASK_TYPE.value,
             f"no task named {envelope.task_type!r} is registered in this worker",
         )
-    versions = _payload_versions(task)
+    versions = payload_versions(task)
     if envelope.payload_version not in versions:
         raise Undeliverable(
             FailureClass.UNSUPPORTED_PAYLOAD_VERSION.value,
@@ -297,7 +332,8 @@ def _check_deliverable(envelope: Envelope) -> None:
         )
 
 
-def _payload_versions(task: Any) -> frozenset[int]:
+def payload_versions(task: Any) -> frozenset[int]:
+    """The payload versions ``task`` accepts (its ``payload_versions`` option)."""
     versions = getattr(task, "payload_versions", DEFAULT_PAYLOAD_VERSIONS)
     if isinstance(versions, int):
         return frozenset({versions})
@@ -323,7 +359,8 @@ def _delivered_headers(envelope: Envelope, celery: dict[str, Any] | None) -> dic
     if celery is None or celery.get("max_retries", envelope.max_retries) != envelope.max_retries:
         headers[MAX_RETRIES_HEADER] = envelope.max_retries  # the Envelope's cap, not the task's
     if envelope.schedule_time is not None or "eta" in headers:
-        headers["eta"] = eta_header(headers.get("eta"), envelope.schedule_time)
+        headers["eta"] = time_header(headers.get("eta"), envelope.schedule_time)
+    headers["expires"] = envelope.expires.isoformat() if envelope.expires else None
     if "timelimit" in headers or envelope.timeout_ms is not None:
         headers["timelimit"] = timelimit_header(headers.get("timelimit"), envelope.timeout_ms)
     if envelope.payload_version != 1 or "payload_version" in headers:

@@ -1,27 +1,29 @@
-"""Celery's revoke also cancels tasks that are still delayed.
+"""Celery's revoke also cancels tasks in Redis, for every worker of every language.
 
 ``AsyncResult.revoke()``, ``GroupResult.revoke()``, ``app.control.revoke()``
 and ``celery control revoke`` all broadcast a remote-control message: method
 ``revoke`` on the fanout exchange ``<control_exchange>.pidbox``. Workers keep
-the ids in memory and skip those tasks when they receive them. A task whose
-``countdown`` or ``eta`` is ahead waits in Redis instead, where no worker sees
-it until it is due; a worker started (or restarted) meanwhile never heard of
-the revoke.
+the ids in memory and skip those tasks when they receive them; a worker
+started (or restarted) later never heard of the revoke, a worker of another
+language never hears of it, and a task whose ``countdown`` or ``eta`` is ahead
+waits in Redis where no worker sees it.
 
 :class:`RevokingChannel` is the ``envelope://`` channel that recognises that
 broadcast as it is published and cancels each revoked id with
-:meth:`~kombu_envelope.delayed.DelayedTasks.cancel_everywhere`: removed from
-the delayed set it waits in, or, when it is delayed nowhere, marked in every
-queue that has delayed tasks so a consumer acknowledges it without running it.
-Tasks already in a stream are also skipped by Celery's own revoke in the
-workers that receive the broadcast.
+:meth:`~kombu_envelope.delayed.DelayedTasks.cancel_everywhere`
+(docs/protocol.md, section 10): the id is marked in ``<prefix>:cancelled``,
+which every consumer looks up before running a task whatever its queue, and
+removed from the delayed set it waits in. A Celery worker that receives a
+marked task records it ``REVOKED``; other consumers acknowledge it without
+running it. The mark is kept 7 days, so the same id published again meanwhile
+does not run either, as with Celery's own revoke.
 
 Why the channel: Celery sends no signal for remote-control messages, and the
 channel is the one place every revoke passes through exactly once, whichever
 API sent it and whether or not any worker is listening, using the app's own
 broker connection and key prefix. The cancellation happens before the
 broadcast is sent, in the caller's thread, so once ``revoke()`` returns the
-task is out of the delayed set. Only revokes addressed to every worker (no
+task is marked and out of the delayed set. Only revokes addressed to every worker (no
 ``destination``, which is what ``AsyncResult.revoke()`` sends) cancel in
 Redis; a revoke sent to chosen workers stays a message to those workers.
 Broadcasts are read only when JSON (Celery's default ``task_serializer``,
@@ -38,7 +40,7 @@ from typing import Any
 from kombu.compression import decompress
 
 from kombu_envelope.channel import Channel
-from kombu_envelope.delayed import CancelOutcome, DelayedTasks
+from kombu_envelope.delayed import Cancellation, CancelOutcome, DelayedTasks
 
 __all__ = ["RevokingChannel", "cancel_revoked", "revoked_task_ids"]
 
@@ -85,17 +87,14 @@ def revoked_task_ids(exchange: Any, message: Mapping[str, Any]) -> list[str]:
     return [task_id for task_id in task_ids if isinstance(task_id, str) and task_id]
 
 
-def cancel_revoked(delayed: DelayedTasks,
-                   task_ids: Iterable[str]) -> dict[str, dict[str, CancelOutcome]]:
-    """Cancel each revoked id wherever it is delayed; return the outcomes per id and queue."""
-    outcomes: dict[str, dict[str, CancelOutcome]] = {}
+def cancel_revoked(delayed: DelayedTasks, task_ids: Iterable[str]) -> dict[str, Cancellation]:
+    """Cancel each revoked id, whatever its queue; return the outcome per id."""
+    outcomes: dict[str, Cancellation] = {}
     for task_id in task_ids:
-        found = delayed.cancel_everywhere(task_id)
-        outcomes[task_id] = found
-        removed = [queue for queue, outcome in found.items() if outcome is CancelOutcome.REMOVED]
-        if removed:
+        outcome = outcomes[task_id] = delayed.cancel_everywhere(task_id)
+        if outcome.outcome is CancelOutcome.REMOVED:
             logger.info("revoked task %s removed from the delayed set of %s", task_id,
-                        ", ".join(removed))
+                        outcome.queue)
     return outcomes
 
 

@@ -17,6 +17,7 @@ them where no other language reads them.
 from __future__ import annotations
 
 import json
+from enum import Enum
 from typing import Any
 
 from kombu.serialization import register
@@ -41,6 +42,15 @@ class Undeliverable(EnvelopeError):
         self.failure_class = failure_class
         self.reason = reason
         super().__init__(f"{failure_class}: {reason}")
+
+
+class NotRun(str, Enum):
+    """Why a delivered task must not run (docs/protocol.md, section 5.1 step 3)."""
+
+    #: Its task id is marked cancelled.
+    REVOKED = "revoked"
+    #: Its ``expires`` has passed.
+    EXPIRED = "expired"
 
 
 class MessageAdapter:
@@ -84,6 +94,14 @@ class MessageAdapter:
             "properties": {"priority": envelope.priority, "body_encoding": None,
                            "delivery_info": {}},
         }
+
+
+    def to_not_run_message(self, envelope: Envelope, queue: str,
+                           why: NotRun) -> dict[str, Any] | None:
+        """The message delivering a task that must not run to a consumer that records
+        it as not run (a Celery worker marks it ``REVOKED``), or None: the transport
+        acknowledges it without delivering it. The default: None."""
+        return None
 
 
 def _dumps(value: Any) -> str:

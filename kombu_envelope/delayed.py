@@ -1,7 +1,10 @@
-"""Inspect and cancel delayed tasks.
+"""Inspect delayed tasks, and cancel tasks (docs/protocol.md, section 10).
 
 Delayed tasks wait in ``<prefix>:{<queue>}:delayed`` (task ids scored by due
 time) with their stored entries in ``<prefix>:{<queue>}:delayed:data``.
+Cancelling marks the task id in ``<prefix>:cancelled``, one sorted set for
+every queue, and then removes the task from the delayed set it may wait in:
+consumers skip a marked task wherever it arrives.
 """
 
 from __future__ import annotations
@@ -16,23 +19,32 @@ from typing import Any
 from kombu_envelope.codec import decode_body
 from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.errors import InvalidQueueName, MalformedEntry
+from kombu_envelope.keys import QueueKeys
 from kombu_envelope.replies import as_text
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
-#: How long a cancel mark waits for its task to reach a consumer (ms): 7 days.
+#: How long a cancel mark is kept (ms): 7 days.
 CANCEL_MARK_RETENTION_MS = 7 * 24 * 3600 * 1000
 
 
 class CancelOutcome(str, Enum):
-    """What :meth:`DelayedTasks.cancel` did."""
+    """What cancelling a task did. Every outcome leaves the task marked cancelled."""
 
-    #: The task was still delayed and is gone.
+    #: The task was still delayed and is gone from its delayed set.
     REMOVED = "removed"
-    #: The task may already be in a stream; consumers will skip it.
+    #: The task was not delayed; it may be in a stream, where consumers skip it.
     MARKED = "marked"
-    #: It had been marked before.
+    #: It had been marked before (and was not delayed).
     ALREADY = "already"
+
+
+@dataclass(frozen=True)
+class Cancellation:
+    """The outcome of cancelling a task, and the queue it was removed from (if any)."""
+
+    outcome: CancelOutcome
+    queue: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +56,6 @@ class DelayedTask:
     due: datetime
     envelope: Envelope | None
     error: str | None = None
-
 
 
 def _decode_stored(stored: bytes, settings: Settings) -> tuple[Envelope | None, str | None]:
@@ -59,7 +70,7 @@ def _decode_stored(stored: bytes, settings: Settings) -> tuple[Envelope | None, 
 
 
 class DelayedTasks:
-    """Read-only views of the delayed sets, and cancellation."""
+    """Read-only views of the delayed sets, and cancelling tasks."""
 
     def __init__(self, client: Any, settings: Settings | None = None) -> None:
         self.client = client
@@ -110,37 +121,37 @@ class DelayedTasks:
         return None
 
     def cancel(self, task_id: str, queue: str) -> CancelOutcome:
-        """Cancel ``task_id`` of ``queue`` (see :class:`CancelOutcome`)."""
-        keys = self.settings.keys.queue(queue)
-        now_ms = int(utcnow().timestamp() * 1000)
-        reply = script(self.client, "cancel")(
-            keys=[keys.delayed, keys.delayed_data, keys.cancelled],
-            args=[task_id, now_ms, CANCEL_MARK_RETENTION_MS],
-        )
-        return CancelOutcome(as_text(reply))
+        """Cancel ``task_id``, looking for it in the delayed set of ``queue`` only."""
+        return self._cancel(task_id, [self.settings.keys.queue(queue)]).outcome
 
-    def cancel_everywhere(self, task_id: str) -> dict[str, CancelOutcome]:
-        """Cancel ``task_id`` without knowing its queue; return the outcome per queue.
-
-        Where the task is still delayed, it is cancelled there only. Otherwise it
-        is marked in every queue that has delayed tasks, since it may be in (or
-        on its way to) any of their streams.
-        """
-        queues = []
+    def cancel_everywhere(self, task_id: str) -> Cancellation:
+        """Cancel ``task_id`` without knowing its queue: removed from whichever
+        delayed set holds it (every queue in ``<prefix>:queues`` is looked at)."""
+        keys = []
         for queue in self.queues():
             try:
-                queues.append((queue, self.settings.keys.queue(queue)))
+                keys.append(self.settings.keys.queue(queue))
             except InvalidQueueName:  # written by some other client
                 continue
-        if not queues:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for _queue, keys in queues:
-            pipe.zscore(keys.delayed, task_id)
-        delayed_in = [queue for (queue, _), score in zip(queues, pipe.execute())
-                      if score is not None]
-        targets = delayed_in or [queue for queue, _ in queues]
-        return {queue: self.cancel(task_id, queue) for queue in targets}
+        return self._cancel(task_id, keys)
+
+    def _cancel(self, task_id: str, queues: list[QueueKeys]) -> Cancellation:
+        """Mark ``task_id`` first and always, then remove it from the delayed sets."""
+        cancelled = self.settings.keys.cancelled
+        now_ms = int(utcnow().timestamp() * 1000)
+        mark = self.client.pipeline(transaction=True)
+        mark.zremrangebyscore(cancelled, "-inf", now_ms - CANCEL_MARK_RETENTION_MS)
+        mark.zadd(cancelled, {task_id: now_ms}, nx=True)
+        newly_marked = mark.execute()[1]
+        if queues:
+            pipe = self.client.pipeline(transaction=False)
+            cancel = script(self.client, "cancel")
+            for keys in queues:
+                cancel(keys=[keys.delayed, keys.delayed_data], args=[task_id], client=pipe)
+            for keys, reply in zip(queues, pipe.execute()):
+                if as_text(reply) == CancelOutcome.REMOVED.value:
+                    return Cancellation(CancelOutcome.REMOVED, keys.queue)
+        return Cancellation(CancelOutcome.MARKED if newly_marked else CancelOutcome.ALREADY)
 
     def _with_envelopes(self, queue: str, scored: list[tuple[Any, float]]) -> list[DelayedTask]:
         if not scored:

@@ -287,6 +287,7 @@ class Envelope(BaseModel):
     payload: dict[str, Any] = Field(default_factory=dict)
     schedule_time: Timestamp | None = None
     timeout_ms: Annotated[StrictInt, Field(ge=1, le=MAX_SAFE_INTEGER)] | None = None
+    expires: Timestamp | None = None
     max_retries: Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INTEGER)] | None = MAX_RETRIES_DEFAULT
     retry_count: Annotated[StrictInt, Field(ge=0, le=MAX_SAFE_INTEGER)] = 0
     priority: Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = PRIORITY_DEFAULT
@@ -379,6 +380,10 @@ class Envelope(BaseModel):
     def is_due(self, now: datetime | None = None) -> bool:
         """True when the task may run now (no ``schedule_time`` or one in the past)."""
         return self.schedule_time is None or self.schedule_time <= (now or utcnow())
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        """True when ``expires`` is at or before now: the task must not start."""
+        return self.expires is not None and self.expires <= (now or utcnow())
 
     def due_ms(self) -> int:
         """Due time in milliseconds since the Unix epoch (now when unscheduled)."""

@@ -2,8 +2,10 @@
 
 Malformed entries, and tasks the message adapter cannot deliver, are
 dead-lettered; tasks added before they are due go to their delayed set; tasks
-marked cancelled are acknowledged without running. Every other entry becomes
-a kombu message whose delivery_info locates the entry.
+marked cancelled (in ``<prefix>:cancelled``) or expired are not run: the
+adapter either delivers them to a consumer that records them as revoked
+(Celery) or they are acknowledged here. Every other entry becomes a kombu
+message whose delivery_info locates the entry.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from collections.abc import Callable
 from time import monotonic
 from typing import Any
 
-from kombu_envelope.adapter import MessageAdapter, Undeliverable
+from redis.exceptions import RedisError
+
+from kombu_envelope.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.codec import F_BODY, F_ENCODING, F_REDELIVERIES, F_REQUEUES, decode_entry
 from kombu_envelope.deadletter import Failure, FailureClass
 from kombu_envelope.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
-from kombu_envelope.envelope import Envelope
+from kombu_envelope.envelope import Envelope, utcnow
 from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.keys import QueueKeys
 from kombu_envelope.publisher import schedule_encoded
@@ -49,8 +53,8 @@ class Inbox:
         self.consumer_name = consumer_name
         self.queue_of_stream = queue_of_stream
         self.settler = settler
-        #: queue -> time until which it is known to have no cancel marks.
-        self._no_cancel_marks_until: dict[str, float] = {}
+        #: Time until which ``<prefix>:cancelled`` is known not to exist.
+        self._no_cancel_marks_until = 0.0
 
     def messages(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
         """(queue, kombu message) for each entry of a read reply that is to be delivered."""
@@ -64,12 +68,17 @@ class Inbox:
                     if item is not None:
                         decoded.append(item)
         cancelled = self._cancelled_among(decoded)
+        now = utcnow()
         messages = []
         for queue, stream, entry_id, fields, envelope in decoded:
-            if envelope is not None and envelope.task_id in cancelled.get(queue, ()):
-                self._skip_cancelled(queue, stream, entry_id, envelope)
-                continue
-            message = self._message_for(queue, stream, entry_id, fields, envelope)
+            if envelope is not None and envelope.task_id in cancelled:
+                message = self._not_run(queue, stream, entry_id, fields, envelope,
+                                        NotRun.REVOKED)
+            elif envelope is not None and envelope.is_expired(now):
+                message = self._not_run(queue, stream, entry_id, fields, envelope,
+                                        NotRun.EXPIRED)
+            else:
+                message = self._message_for(queue, stream, entry_id, fields, envelope)
             if message is not None:
                 messages.append((queue, message))
         return messages
@@ -93,41 +102,45 @@ class Inbox:
             return None
         return queue, stream, entry_id, fields, envelope
 
-    def _cancelled_among(self, decoded: list[Decoded]) -> dict[str, set[str]]:
-        """Task ids of ``decoded`` marked cancelled, per queue (one round trip).
+    def _cancelled_among(self, decoded: list[Decoded]) -> set[str]:
+        """Task ids of ``decoded`` marked cancelled (one round trip; marks stay).
 
-        A queue found without marks is trusted to have none for ``cancel_check_ms``.
+        While ``<prefix>:cancelled`` does not exist it is trusted not to for
+        ``cancel_check_ms``. A failed lookup runs the tasks: cancelling is best
+        effort once a task is in a stream.
         """
-        by_queue: dict[str, list[str]] = {}
         now = monotonic()
-        for queue, _stream, _id, _fields, envelope in decoded:
-            if envelope is not None and self._no_cancel_marks_until.get(queue, 0) <= now:
-                by_queue.setdefault(queue, []).append(envelope.task_id)
-        if not by_queue:
-            return {}
+        task_ids = [envelope.task_id for *_, envelope in decoded if envelope is not None]
+        if not task_ids or self._no_cancel_marks_until > now:
+            return set()
         pipe = self.client.pipeline(transaction=False)
-        for queue, task_ids in by_queue.items():
-            pipe.exists(self.keys.queue(queue).cancelled)
-            pipe.zmscore(self.keys.queue(queue).cancelled, task_ids)
-        replies = pipe.execute()
-        cancelled = {}
-        for (queue, task_ids), has_marks, marks in zip(by_queue.items(), replies[::2],
-                                                       replies[1::2]):
-            if not has_marks:
-                self._no_cancel_marks_until[queue] = now + self.settings.cancel_check_ms / 1000
-            cancelled[queue] = {tid for tid, mark in zip(task_ids, marks) if mark is not None}
-        return cancelled
+        pipe.exists(self.keys.cancelled)
+        pipe.zmscore(self.keys.cancelled, task_ids)
+        try:
+            has_marks, marks = pipe.execute()
+        except RedisError as exc:
+            logger.warning("looking up cancel marks failed (%r); running %d tasks unchecked",
+                           exc, len(task_ids))
+            return set()
+        if not has_marks:
+            self._no_cancel_marks_until = now + self.settings.cancel_check_ms / 1000
+        return {task_id for task_id, mark in zip(task_ids, marks) if mark is not None}
 
-    def _skip_cancelled(self, queue: str, stream: str, entry_id: str,
-                        envelope: Envelope) -> None:
-        """Acknowledge a cancelled task without running it, and clear its mark."""
+    def _not_run(self, queue: str, stream: str, entry_id: str, fields: dict[Any, Any],
+                 envelope: Envelope, why: NotRun) -> dict[str, Any] | None:
+        """A task that must not run: delivered to be recorded so, or acknowledged here."""
+        message = self.adapter.to_not_run_message(envelope, queue, why)
+        if message is not None:
+            logger.info("task %s (%s) was %s; delivered to be recorded as not run",
+                        envelope.task_id, envelope.task_type, why.value)
+            return self._located(message, queue, stream, entry_id, fields)
         pipe = self.client.pipeline(transaction=True)
         pipe.xack(stream, self.settings.consumer_group, entry_id)
         pipe.xdel(stream, entry_id)
-        pipe.zrem(self.keys.queue(queue).cancelled, envelope.task_id)
         pipe.execute()
-        logger.info("task %s (%s) was cancelled; acknowledged without running it",
-                    envelope.task_id, envelope.task_type)
+        logger.info("task %s (%s) was %s; acknowledged without running it",
+                    envelope.task_id, envelope.task_type, why.value)
+        return None
 
     def _message_for(self, queue: str, stream: str, entry_id: str, fields: dict[Any, Any],
                      envelope: Envelope | None) -> dict[str, Any] | None:
@@ -148,6 +161,11 @@ class Inbox:
                 Failure(FailureClass(exc.failure_class), exc.reason,
                         task_id=envelope.task_id, task_type=envelope.task_type))
             return None
+        return self._located(message, queue, stream, entry_id, fields)
+
+    def _located(self, message: dict[str, Any], queue: str, stream: str, entry_id: str,
+                 fields: dict[Any, Any]) -> dict[str, Any]:
+        """``message`` with the delivery_info that locates its entry."""
         properties = message.setdefault("properties", {})
         properties["delivery_tag"] = f"{stream} {entry_id}"
         info = properties.setdefault("delivery_info", {})

@@ -15,12 +15,12 @@ Layout for prefix ``envelope`` and queue ``celery``::
     envelope:{celery}:delayed:data  HASH task_id -> stored entry
     envelope:{celery}:dead          dead-letter stream
     envelope:{celery}:replayed      records of replayed dead-letter entries
-    envelope:{celery}:cancelled     ZSET task_id -> cancel time in ms (cancelled after promotion)
     envelope:{celery}:meta          HASH queue settings
     envelope:{celery}:periodic      HASH periodic entry name -> next occurrence (ms)
     envelope:queues                 SET of queue names that have delayed tasks
     envelope:dead-queues            SET of queue names that have dead-letter entries
     envelope:periodic-queues        SET of queue names that have periodic entries
+    envelope:cancelled              ZSET task_id -> cancel time in ms, whatever the queue
     envelope:binding:<exchange>     SET of bindings of an exchange
     envelope:consumer:<name>        liveness of a consumer (expires after the lease)
     envelope:idem:<task_type>:<key> idempotency claim / done marker
@@ -134,11 +134,6 @@ class QueueKeys:
         return f"{self.base}:replayed"
 
     @property
-    def cancelled(self) -> str:
-        """ZSET of task ids cancelled after they reached a stream, scored by cancel time (ms)."""
-        return f"{self.base}:cancelled"
-
-    @property
     def periodic(self) -> str:
         """HASH of periodic entry name to its next occurrence (ms), plus fingerprints."""
         return f"{self.base}:periodic"
@@ -173,6 +168,11 @@ class KeySpace:
     def periodic_queues(self) -> str:
         """SET of names of queues that have periodic entries."""
         return f"{self.prefix}:periodic-queues"
+
+    @property
+    def cancelled(self) -> str:
+        """ZSET of cancelled task ids, whatever their queue, scored by cancel time (ms)."""
+        return f"{self.prefix}:cancelled"
 
     def binding(self, exchange: str) -> str:
         """SET of bindings of ``exchange``."""

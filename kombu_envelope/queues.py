@@ -1,10 +1,10 @@
 """The Redis keys of a queue: declared, counted, purged and deleted.
 
 A queue is its priority streams and its ``kombu`` stream, each read by the
-shared consumer group, plus its delayed set, its cancel marks and a meta
-HASH. The meta HASH says whether the queue is transient (``auto_delete``, or
-declared with an expiry): the kombu messages of a transient queue are capped
-at ``transient_maxlen``.
+shared consumer group, plus its delayed set and a meta HASH. The meta HASH
+says whether the queue is transient (``auto_delete``, or declared with an
+expiry): the kombu messages of a transient queue are capped at
+``transient_maxlen``.
 """
 
 from __future__ import annotations
@@ -102,6 +102,5 @@ class Queues:
     def delete(self, queue: str) -> None:
         """Delete every key of ``queue``."""
         keys = self.keys.queue(queue)
-        self.client.delete(*keys.all_streams, keys.delayed, keys.delayed_data, keys.meta,
-                           keys.cancelled)
+        self.client.delete(*keys.all_streams, keys.delayed, keys.delayed_data, keys.meta)
         self._transient.pop(queue, None)

@@ -267,11 +267,43 @@ def test_naive_eta_is_refused_naming_schedule_time(app: Celery, published: list)
     assert raised.value.rules == ["timezone_required"]
 
 
-def test_expires_is_kept(app: Celery, published: list) -> None:
+def test_expires_is_the_envelope_field(app: Celery, published: list) -> None:
+    before = datetime.now(timezone.utc)
     app.tasks["proto.add"].apply_async((1, 2), expires=60)
     envelope, delivered = assert_lossless(published[0])
-    assert envelope.ext["celery"]["headers"]["expires"] == published[0]["headers"]["expires"]
+    assert envelope.expires is not None
+    assert before + timedelta(seconds=59) < envelope.expires < before + timedelta(minutes=2)
+    assert "expires" not in envelope.ext["celery"]["headers"]
     assert delivered["properties"]["expiration"] == "60000"
+    assert celery_request(app, delivered).expires == envelope.expires
+
+
+def test_expires_with_offset_round_trips(app: Celery, published: list) -> None:
+    expires = datetime(2030, 6, 1, 12, 30, 0, 123456, tzinfo=AMSTERDAM_SUMMER)
+    app.tasks["proto.add"].apply_async((1, 2), expires=expires)
+    envelope, delivered = assert_lossless(published[0])
+    assert envelope.expires == expires
+    assert b'"expires":"2030-06-01T12:30:00.123456+02:00"' in envelope.to_json()
+    assert delivered["headers"]["expires"] == "2030-06-01T12:30:00.123456+02:00"
+
+
+def test_naive_expires_is_refused_naming_expires(app: Celery, published: list) -> None:
+    app.tasks["proto.add"].apply_async((1, 2), expires=datetime(2030, 1, 1, 9, 0))
+    message = published[0]
+    assert message["headers"]["expires"] == "2030-01-01T09:00:00"
+    with pytest.raises(InvalidEnvelope) as raised:
+        ADAPTER.to_envelope(message, body_of(message), DEFAULT_LIMITS)
+    assert raised.value.fields == ["expires"]
+    assert raised.value.rules == ["timezone_required"]
+
+
+def test_expires_of_another_language_is_celerys_expires(app: Celery) -> None:
+    envelope = Envelope.new(task_type="proto.add", payload={"x": 1, "y": 2},
+                            expires="2020-01-01T08:00:00+08:00")
+    delivered = ADAPTER.to_message(envelope, "celery")
+    assert delivered["headers"]["expires"] == "2020-01-01T08:00:00+08:00"
+    request = celery_request(app, delivered)
+    assert request.expires == datetime(2020, 1, 1, tzinfo=timezone.utc)
 
 
 @pytest.mark.parametrize(("limits", "timeout_ms"), [

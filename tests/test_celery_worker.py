@@ -106,14 +106,28 @@ def test_an_unchanged_app_runs_on_both_urls(redis_url: str, key_prefix: str, sch
                                             redis_client: redis.Redis) -> None:
     app = client_app(redis_url, key_prefix, scheme)
     try:
-        with CeleryWorker(APP, env=worker_env(redis_url, key_prefix, scheme)):
+        with CeleryWorker(APP, env=worker_env(redis_url, key_prefix, scheme)) as started:
             result = chain(app.tasks["envelope_app.add"].s(1, 2),
                            app.tasks["envelope_app.add"].s(3)).apply_async()
             assert result.get(timeout=RESULT_TIMEOUT) == 6
+            assert ("envelope worker ready" in started.log_text()) == (scheme == "envelope")
     finally:
         app.close()
     streams = redis_client.keys(f"{KeySpace(key_prefix).queue('celery').base}:*")
     assert bool(streams) == (scheme == "envelope")
+
+
+def test_a_ready_worker_says_what_it_serves(redis_url: str, key_prefix: str) -> None:
+    with CeleryWorker(APP, env=worker_env(redis_url, key_prefix),
+                      extra_args=["-Q", "orders,celery"]) as started:
+        line = re.search(r"envelope worker ready: queues (.*); task types (.*)",
+                         started.log_text())
+        assert line is not None, started.log_tail()
+    assert line.group(1) == "celery, orders"
+    served = line.group(2)
+    assert "envelope_app.add (payload versions 1)" in served
+    assert "envelope_app.v2_only (payload versions 2)" in served
+    assert "celery." not in served
 
 
 def test_positional_args_are_stored_as_named_fields(app: Celery, worker: CeleryWorker,

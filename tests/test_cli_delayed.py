@@ -96,13 +96,19 @@ def test_cancel_command_says_what_it_did(
     app: Celery, env: dict[str, str], redis_client: redis.Redis, keys: QueueKeys,
 ) -> None:
     task = app.tasks["envelope_app.add"].apply_async((1, 2), countdown=3600)
-    outputs = [run(env, "cancel", task.id, "-Q", "celery").stdout for _ in range(3)]
-    assert [text.split(":")[0] for text in outputs] == ["removed", "marked", "already"]
-    assert "will never run" in outputs[0]
-    assert "acknowledges it without running it" in outputs[1]
+    elsewhere = app.tasks["envelope_app.add"].apply_async((1, 2), countdown=3600,
+                                                          queue="elsewhere")
+    outputs = [run(env, "cancel", task.id, "-Q", "celery").stdout for _ in range(2)]
+    assert [text.split(":")[0] for text in outputs] == ["removed", "already"]
+    assert "was delayed in queue celery; it will never run" in outputs[0]
     assert redis_client.zcard(keys.delayed) == 0
-    unknown = run(env, "cancel", "no-such-task").stdout
-    assert unknown.startswith("marked: task no-such-task is not delayed in queue celery")
+    # Without a queue, every queue's delayed set is looked at.
+    found = run(env, "cancel", elsewhere.id).stdout
+    assert found.startswith(f"removed: task {elsewhere.id} was delayed in queue elsewhere")
+    unknown = [run(env, "cancel", "no-such-task").stdout for _ in range(2)]
+    assert unknown[0].startswith("marked: task no-such-task is not delayed")
+    assert "acknowledges it without running it" in unknown[0]
+    assert unknown[1].startswith("already: task no-such-task was already marked cancelled")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
