@@ -62,6 +62,7 @@ type Envelope struct {
 	Payload        []byte     // a JSON object
 	ScheduleTime   *Timestamp // nil: run now
 	TimeoutMS      *int64     // nil: no limit
+	Expires        *Timestamp // nil: never; after it the task must not start
 	MaxRetries     *int64     // nil: unlimited
 	RetryCount     int64
 	Priority       int
@@ -164,6 +165,12 @@ func (e *Envelope) IsDue(now time.Time) bool {
 	return e.ScheduleTime == nil || !e.ScheduleTime.After(now)
 }
 
+// IsExpired reports whether the task must not start at now: its expires is
+// at or before now (docs/protocol.md section 5.1, step 3).
+func (e *Envelope) IsExpired(now time.Time) bool {
+	return e.Expires != nil && !e.Expires.After(now)
+}
+
 // DueMS is the due time in milliseconds since the Unix epoch (now when unscheduled).
 func (e *Envelope) DueMS(now time.Time) int64 {
 	if e.ScheduleTime == nil {
@@ -197,6 +204,10 @@ func (e *Envelope) Clone() *Envelope {
 	if e.TimeoutMS != nil {
 		v := *e.TimeoutMS
 		c.TimeoutMS = &v
+	}
+	if e.Expires != nil {
+		t := *e.Expires
+		c.Expires = &t
 	}
 	if e.MaxRetries != nil {
 		v := *e.MaxRetries
@@ -238,6 +249,10 @@ func (e *Envelope) JSON() []byte {
 	}
 	if e.TimeoutMS != nil {
 		b = fmt.Appendf(b, `,"timeout_ms":%d`, *e.TimeoutMS)
+	}
+	if e.Expires != nil {
+		b = append(b, `,"expires":`...)
+		b = AppendString(b, e.Expires.String())
 	}
 	if e.MaxRetries != nil {
 		b = fmt.Appendf(b, `,"max_retries":%d`, *e.MaxRetries)
@@ -341,6 +356,11 @@ func FromValue(root *Value, limits Limits) (*Envelope, error) {
 			e.TimeoutMS = &n
 		}
 	}
+	if v := root.Get("expires"); v != nil && v.Kind != Null {
+		if t, ok := c.timestamp(v, "expires"); ok {
+			e.Expires = &t
+		}
+	}
 	maxRetriesOK := true
 	if v := root.Get("max_retries"); v != nil {
 		if v.Kind == Null {
@@ -426,7 +446,7 @@ func FromValue(root *Value, limits Limits) (*Envelope, error) {
 
 var knownFields = map[string]bool{
 	"task_id": true, "task_type": true, "payload_version": true, "payload": true,
-	"schedule_time": true, "timeout_ms": true, "max_retries": true, "retry_count": true,
+	"schedule_time": true, "timeout_ms": true, "expires": true, "max_retries": true, "retry_count": true,
 	"priority": true, "trace_id": true, "created_at": true, "idempotency_key": true,
 	"headers": true, "ext": true,
 }

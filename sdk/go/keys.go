@@ -65,6 +65,10 @@ func (k KeySpace) Queues() string { return k.Prefix + ":queues" }
 // DeadQueues is the set of queues that have dead-letter entries (the tools list it).
 func (k KeySpace) DeadQueues() string { return k.Prefix + ":dead-queues" }
 
+// Cancelled is the sorted set of cancelled task ids of every queue, scored by
+// cancel time in ms (docs/protocol.md section 10).
+func (k KeySpace) Cancelled() string { return k.Prefix + ":cancelled" }
+
 // Consumer is the liveness key of a consumer.
 func (k KeySpace) Consumer(name string) string { return k.Prefix + ":consumer:" + name }
 
@@ -105,10 +109,6 @@ func (q QueueKeys) Dead() string { return q.Base() + ":dead" }
 
 // Replayed is the stream of replay records (replay.lua).
 func (q QueueKeys) Replayed() string { return q.Base() + ":replayed" }
-
-// Cancelled is the sorted set of task ids cancelled after they left the
-// delayed set, scored by cancel time (ms).
-func (q QueueKeys) Cancelled() string { return q.Base() + ":cancelled" }
 
 // BucketOfStream returns the bucket of one of this queue's task streams.
 func (q QueueKeys) BucketOfStream(stream string) (Bucket, bool) {

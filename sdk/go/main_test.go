@@ -37,16 +37,29 @@ func TestMain(m *testing.M) {
 
 // startRedis runs redis-server on a free loopback port, without persistence.
 func startRedis() (string, func(), error) {
+	port, err := freePort()
+	if err != nil {
+		return "", nil, err
+	}
+	return startRedisAt(port)
+}
+
+// freePort is a loopback port nothing listens on (never 6379).
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// startRedisAt runs redis-server on port, without persistence.
+func startRedisAt(port int) (string, func(), error) {
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		return "", nil, err
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", nil, err
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
 	dir, err := os.MkdirTemp("", "envelope-go-redis-")
 	if err != nil {
 		return "", nil, err

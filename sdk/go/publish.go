@@ -39,6 +39,19 @@ func WithScheduleTime(t time.Time) PublishOption {
 // WithDelay runs the task d from now.
 func WithDelay(d time.Duration) PublishOption { return WithScheduleTime(time.Now().Add(d)) }
 
+// WithExpires sets expires: a worker that receives the task at t or later
+// acknowledges it without running it. t's offset is kept.
+func WithExpires(t time.Time) PublishOption {
+	return func(e *Envelope) error {
+		ts := NewTimestamp(t)
+		e.Expires = &ts
+		return nil
+	}
+}
+
+// WithExpiresIn sets expires d from now.
+func WithExpiresIn(d time.Duration) PublishOption { return WithExpires(time.Now().Add(d)) }
+
 // WithIdempotencyKey sets idempotency_key: tasks of one task_type with one key have one effect.
 func WithIdempotencyKey(key string) PublishOption {
 	return func(e *Envelope) error { e.IdempotencyKey = &key; return nil }

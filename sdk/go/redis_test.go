@@ -448,7 +448,7 @@ func TestCancelledTasksAreSkippedBeforeTheirTypeIsChecked(t *testing.T) {
 	ctx := context.Background()
 	w := e.worker(nil)
 	unknown := New("nobody.handles", nil)
-	e.client.ZAdd(ctx, e.q.Cancelled(), redis.Z{Score: float64(time.Now().UnixMilli()), Member: unknown.TaskID})
+	e.client.ZAdd(ctx, e.keys.Cancelled(), redis.Z{Score: float64(time.Now().UnixMilli()), Member: unknown.TaskID})
 	e.publish(unknown)
 	other := New("nobody.handles", nil)
 	other.RetryCount = 1
@@ -460,8 +460,8 @@ func TestCancelledTasksAreSkippedBeforeTheirTypeIsChecked(t *testing.T) {
 	if d["task_id"] != other.TaskID || d["failure_class"] != ClassUnknownTaskType || d["attempts"] != "2" {
 		t.Fatalf("dead-letter entry %v", d)
 	}
-	if n, _ := e.client.ZCard(ctx, e.q.Cancelled()).Result(); n != 0 {
-		t.Fatal("the cancel mark was kept")
+	if n, _ := e.client.ZCard(ctx, e.keys.Cancelled()).Result(); n != 1 {
+		t.Fatal("the cancel mark was removed: the same id published again would run")
 	}
 	if ok, _ := e.client.SIsMember(ctx, e.keys.DeadQueues(), e.queue).Result(); !ok {
 		t.Fatal("the queue is not listed in dead-queues")
@@ -571,11 +571,9 @@ func TestCancelledAndNotYetDueEntries(t *testing.T) {
 	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
 	ctx := context.Background()
 	cancelled := New("jobs.run", nil)
-	cancel := e.scripts.Get("cancel").Run(ctx, e.client,
-		[]string{e.q.Delayed(), e.q.DelayedData(), e.q.Cancelled()},
-		cancelled.TaskID, time.Now().UnixMilli(), (7 * 24 * time.Hour).Milliseconds())
-	if got, err := cancel.Text(); err != nil || got != "marked" {
-		t.Fatalf("cancel.lua: %q %v", got, err)
+	if got, err := NewProducer(e.client, e.prefix, e.scripts).Cancel(ctx, cancelled.TaskID); err != nil ||
+		got != (CancelResult{Status: CancelMarked}) {
+		t.Fatalf("Cancel: %+v %v", got, err)
 	}
 	e.publish(cancelled)
 	later := New("jobs.run", nil)
@@ -592,14 +590,17 @@ func TestCancelledAndNotYetDueEntries(t *testing.T) {
 	})
 	e.waitFor("the cancelled entry to be acknowledged", func() bool {
 		n, _ := e.client.XLen(ctx, e.q.Stream(Normal)).Result()
-		_, err := e.client.ZScore(ctx, e.q.Cancelled(), cancelled.TaskID).Result()
-		return n == 0 && errors.Is(err, redis.Nil)
+		p, _ := e.client.XPending(ctx, e.q.Stream(Normal), DefaultGroup).Result()
+		return n == 0 && p != nil && p.Count == 0
 	})
 	if due, _ := e.client.ZScore(ctx, e.q.Delayed(), later.TaskID).Result(); int64(due) != at.UnixMilli() {
 		t.Fatalf("due %v, want %d", due, at.UnixMilli())
 	}
 	if member, _ := e.client.SIsMember(ctx, e.keys.Queues(), e.queue).Result(); !member {
 		t.Fatal("queue not registered for promotion")
+	}
+	if _, err := e.client.ZScore(ctx, e.keys.Cancelled(), cancelled.TaskID).Result(); err != nil {
+		t.Fatalf("the cancel mark was not kept: %v", err)
 	}
 	if runs.Load() != 0 {
 		t.Fatal("ran a cancelled or early task")

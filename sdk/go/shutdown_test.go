@@ -80,7 +80,8 @@ func TestConcurrencyRunsTasksAtOnceAndShutdownHandsPrefetchedEntriesBack(t *test
 			t.Fatalf("liveness key of %s still there", name)
 		}
 	}
-	if !strings.Contains(e.logs.String(), `"serves":["jobs.wait@1,2"]`) {
+	if strings.Count(e.logs.String(), `"msg":"worker started","queue":"`+e.queue+`"`) != 1 ||
+		!strings.Contains(e.logs.String(), `"serves":{"jobs.wait":[1,2]}`) {
 		t.Fatalf("the start log does not say what the worker serves:\n%s", e.logs.String())
 	}
 }

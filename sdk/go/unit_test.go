@@ -153,11 +153,11 @@ func TestKeyLayout(t *testing.T) {
 	k := KeySpace{"envelope"}
 	q := k.Queue("orders")
 	got := []string{q.Stream(High), q.Stream(Normal), q.Stream(Low), q.Delayed(), q.DelayedData(),
-		q.Dead(), q.Cancelled(), k.Queues(), k.Consumer("c1"), k.Idempotency("order.close_timeout", "42"),
+		q.Dead(), k.Cancelled(), k.Queues(), k.Consumer("c1"), k.Idempotency("order.close_timeout", "42"),
 		k.Retrying("order.close_timeout"), k.Wakeup()}
 	want := []string{"envelope:{orders}:high", "envelope:{orders}:normal", "envelope:{orders}:low",
 		"envelope:{orders}:delayed", "envelope:{orders}:delayed:data", "envelope:{orders}:dead",
-		"envelope:{orders}:cancelled", "envelope:queues", "envelope:consumer:c1",
+		"envelope:cancelled", "envelope:queues", "envelope:consumer:c1",
 		"envelope:idem:order.close_timeout:42", "envelope:retrying:order.close_timeout", "envelope:wakeup"}
 	for i := range want {
 		if got[i] != want[i] {

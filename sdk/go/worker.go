@@ -27,7 +27,8 @@ const Language = "go"
 // tiered); then wrap it with Transient to retry it on the fast tier, with
 // InvalidPayload or Reject to dead-letter it at once. ctx ends when timeout_ms
 // passes, and carries the task's trace id (TraceIDFromContext), which
-// PublishTask stamps on the tasks the handler publishes.
+// PublishTask stamps on the tasks the handler publishes. A task that asks for
+// a result (ext.celery.result) gets null; ResultHandlerFunc returns one.
 type HandlerFunc func(ctx context.Context, t *Task) error
 
 // Task is what a handler receives.
@@ -44,7 +45,7 @@ type Task struct {
 func (t *Task) DecodePayload(v any) error { return json.Unmarshal(t.Payload, v) }
 
 type handler struct {
-	run      HandlerFunc
+	run      ResultHandlerFunc
 	versions []int64
 }
 
@@ -78,6 +79,11 @@ type Config struct {
 	// many consumers, "<Consumer>-<i>", each with its own liveness key and
 	// Prefetch, sharing the handlers.
 	Concurrency int
+
+	// ResultBackend is the Redis of Celery's result backend, where the results
+	// Celery callers ask for (ext.celery.result) are written. nil: they are not
+	// written, which is logged once per task type.
+	ResultBackend redis.UniversalClient
 
 	Logger *slog.Logger
 	// OnDuplicate is called when a task is acknowledged without running because
@@ -172,6 +178,7 @@ type Worker struct {
 	keys     KeySpace
 	queue    QueueKeys
 	handlers map[string]handler
+	results  *results // shared by the consumers of one Worker
 	log      *slog.Logger
 	host     string
 	pid      string
@@ -190,30 +197,27 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
 	}
 	cfg.defaults()
-	return newWorker(client, scripts, cfg, map[string]handler{}), nil
+	return newWorker(client, scripts, cfg, map[string]handler{}, &results{backend: cfg.ResultBackend}), nil
 }
 
-func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handlers map[string]handler) *Worker {
+func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handlers map[string]handler,
+	res *results) *Worker {
 	keys := KeySpace{cfg.Prefix}
 	return &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, queue: keys.Queue(cfg.Queue),
-		handlers: handlers, stop: make(chan struct{}),
+		handlers: handlers, results: res, stop: make(chan struct{}),
 		log:  cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
 		host: hostname(), pid: strconv.Itoa(os.Getpid()),
 	}
 }
 
-// serves lists the task types and payload versions this worker runs, for its start log.
-func (w *Worker) serves() []string {
-	out := make([]string, 0, len(w.handlers))
+// serves maps the task types this worker runs to the payload versions each
+// accepts, for its start log.
+func (w *Worker) serves() map[string][]int64 {
+	out := make(map[string][]int64, len(w.handlers))
 	for taskType, h := range w.handlers {
-		versions := make([]string, len(h.versions))
-		for i, v := range h.versions {
-			versions[i] = strconv.FormatInt(v, 10)
-		}
-		out = append(out, taskType+"@"+strings.Join(versions, ","))
+		out[taskType] = slices.Sorted(slices.Values(h.versions))
 	}
-	slices.Sort(out)
 	return out
 }
 
@@ -223,6 +227,14 @@ func (w *Worker) Consumer() string { return w.cfg.Consumer }
 // Handle registers fn for taskType. versions lists the payload_version values
 // it accepts (default: 1 only).
 func (w *Worker) Handle(taskType string, fn HandlerFunc, versions ...int64) {
+	w.HandleResult(taskType, func(ctx context.Context, t *Task) (any, error) { return nil, fn(ctx, t) },
+		versions...)
+}
+
+// HandleResult registers fn for taskType, as Handle does; what fn returns is
+// the result written for a Celery caller that asks for one (ext.celery.result,
+// with Config.ResultBackend set).
+func (w *Worker) HandleResult(taskType string, fn ResultHandlerFunc, versions ...int64) {
 	if len(versions) == 0 {
 		versions = []int64{1}
 	}
@@ -245,22 +257,27 @@ func (w *Worker) Run(ctx context.Context) error {
 		case <-ctx.Done():
 		}
 	}()
-	if w.cfg.Concurrency <= 1 {
-		return w.consume(ctx)
-	}
-	errs := make(chan error, w.cfg.Concurrency)
+	n := max(w.cfg.Concurrency, 1)
+	ready := make(chan struct{}, n)
 	var wg sync.WaitGroup
-	for i := range w.cfg.Concurrency {
+	wg.Go(func() { w.announce(ctx, ready) })
+	if n == 1 {
+		err := w.consume(ctx, ready)
+		cancel()
+		wg.Wait()
+		return err
+	}
+	errs := make(chan error, n)
+	var consumers sync.WaitGroup
+	for i := range n {
 		cfg := w.cfg
 		cfg.Concurrency = 1
 		cfg.Consumer = fmt.Sprintf("%s-%d", w.cfg.Consumer, i)
-		child := newWorker(w.client, w.scripts, cfg, w.handlers)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs <- child.consume(ctx)
-		}()
+		child := newWorker(w.client, w.scripts, cfg, w.handlers, w.results)
+		consumers.Go(func() { errs <- child.consume(ctx, ready) })
 	}
+	consumers.Wait()
+	cancel()
 	wg.Wait()
 	close(errs)
 	var all []error
@@ -268,6 +285,17 @@ func (w *Worker) Run(ctx context.Context) error {
 		all = append(all, err)
 	}
 	return errors.Join(all...)
+}
+
+// announce writes the start log, one line per Run, once the first consumer
+// is ready: the queue, and each task type with its payload versions.
+func (w *Worker) announce(ctx context.Context, ready <-chan struct{}) {
+	select {
+	case <-ready:
+		w.cfg.Logger.Info("worker started", "queue", w.cfg.Queue, "consumer", w.cfg.Consumer,
+			"concurrency", max(w.cfg.Concurrency, 1), "language", Language, "serves", w.serves())
+	case <-ctx.Done():
+	}
 }
 
 // Shutdown stops Run as ending its ctx does (SIGTERM in a service): the
@@ -287,8 +315,8 @@ func (w *Worker) Shutdown(ctx context.Context) error {
 	}
 }
 
-// consume is one consumer's loop.
-func (w *Worker) consume(ctx context.Context) error {
+// consume is one consumer's loop; it signals ready once it consumes.
+func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	bg := context.Background()
 	if err := w.scripts.Load(bg, w.client); err != nil {
 		return err
@@ -306,8 +334,8 @@ func (w *Worker) consume(ctx context.Context) error {
 		defer keeper.Done()
 		w.keepAlive(keeperCtx)
 	}()
-	w.log.Info("worker started", "lease_ms", w.cfg.Lease.Milliseconds(), "language", Language,
-		"serves", w.serves())
+	w.log.Info("consumer started", "lease_ms", w.cfg.Lease.Milliseconds())
+	ready <- struct{}{} // buffered for every consumer
 
 	lastWork := time.Now()
 	for ctx.Err() == nil {
@@ -562,15 +590,41 @@ func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error
 			if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
 				return moved, err
 			}
+			deadID := strings.TrimPrefix(res, "dead:")
 			w.log.Error("entry of a dead consumer dead-lettered: redelivery limit reached",
 				"outcome", "dead", "failure_class", ClassRedeliveryLimit, "owner", owner,
-				"stream", stream, "entry_id", p.ID, "dead_id", strings.TrimPrefix(res, "dead:"))
+				"stream", stream, "entry_id", p.ID, "dead_id", deadID)
+			w.failRedelivered(ctx, deadID)
 			continue
 		}
 		w.log.Warn("took over entry of dead consumer", "owner", owner, "stream", stream,
 			"entry_id", p.ID, "new_id", res)
 	}
 	return moved, nil
+}
+
+// failRedelivered writes the FAILURE result of a task requeue.lua dead-lettered
+// as redelivery_limit, reading the task back from its dead-letter entry (the
+// script moved it atomically, so the result follows the move).
+func (w *Worker) failRedelivered(ctx context.Context, deadID string) {
+	msgs, err := w.client.XRange(ctx, w.queue.Dead(), deadID, deadID).Result()
+	if err != nil || len(msgs) != 1 {
+		w.log.Warn("reading a dead-letter entry back for its result failed", "dead_id", deadID, "error", fmt.Sprint(err))
+		return
+	}
+	fields := textFields(msgs[0].Values)
+	raw := map[string]string{}
+	for k, v := range fields {
+		if name, ok := strings.CutPrefix(k, "raw."); ok {
+			raw[name] = v
+		}
+	}
+	env, err := DecodeEntry(raw, w.cfg.Limits)
+	if err != nil {
+		return // malformed: no task to write a result for
+	}
+	log := w.log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType)
+	w.results.write(ctx, log, env, failed(failure{class: ClassRedeliveryLimit, reason: fields["reason"]}))
 }
 
 // forgetDeadConsumers removes from the group, with forget_consumer.lua (which
@@ -678,7 +732,8 @@ func (w *Worker) safely(entryID string, step func()) {
 // processBatch applies docs/protocol.md section 5.1 to the entries of one read:
 // decode and validate (malformed entries are dead-lettered), move entries not
 // due yet to the delayed set, look the task ids up in the cancel marks in one
-// ZMSCORE, then handle each remaining entry in turn. It stops when ctx ends;
+// ZMSCORE, then handle each remaining entry in turn: a cancelled or expired
+// one is acknowledged without running. It stops when ctx ends;
 // entries not started stay pending.
 func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
 	bg := context.Background()
@@ -701,11 +756,14 @@ func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
 			return
 		}
 		w.safely(e.id, func() {
-			if cancelled[e.env.TaskID] {
-				w.skipCancelled(bg, e)
-				return
+			switch {
+			case cancelled[e.env.TaskID]:
+				w.revoke(bg, e, revokedCancelled)
+			case e.env.IsExpired(time.Now().UTC()):
+				w.revoke(bg, e, revokedExpired)
+			default:
+				w.handle(bg, e)
 			}
-			w.handle(bg, e)
 		})
 	}
 }
@@ -731,19 +789,19 @@ func (w *Worker) admit(ctx context.Context, stream string, m redis.XMessage) *en
 	return e
 }
 
-// cancelledAmong looks the task ids of entries up in the queue's cancel marks
-// with one ZMSCORE (section 10). On an error nothing counts as cancelled.
+// cancelledAmong looks the task ids of entries up in the cancel marks of every
+// queue with one ZMSCORE (section 10). On an error nothing counts as cancelled.
 func (w *Worker) cancelledAmong(ctx context.Context, entries []*entry) map[string]bool {
 	if len(entries) == 0 {
 		return nil
 	}
-	args := []any{"ZMSCORE", w.queue.Cancelled()}
+	args := []any{"ZMSCORE", w.keys.Cancelled()}
 	for _, e := range entries {
 		args = append(args, e.env.TaskID)
 	}
 	res, err := w.client.Do(ctx, args...).Slice()
 	if err != nil {
-		w.log.Warn("cancel check failed; going on", "error", err.Error())
+		w.log.Warn("cancel check failed; running the tasks", "error", err.Error())
 		return nil
 	}
 	marked := map[string]bool{}
@@ -755,17 +813,17 @@ func (w *Worker) cancelledAmong(ctx context.Context, entries []*entry) map[strin
 	return marked
 }
 
-// skipCancelled acknowledges a cancelled task without running it and removes its mark.
-func (w *Worker) skipCancelled(ctx context.Context, e *entry) {
-	w.settle(e, "acknowledge cancelled", func() error {
-		_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
-			p.XAck(ctx, e.stream, w.cfg.Group, e.id)
-			p.XDel(ctx, e.stream, e.id)
-			p.ZRem(ctx, w.queue.Cancelled(), e.env.TaskID)
-			return nil
-		})
-		return err
-	})
+// revoke acknowledges a cancelled or expired task without running it (section
+// 5.1, step 3), after writing its REVOKED result when one is asked for. The
+// cancel mark stays: the same id published again is not run either.
+func (w *Worker) revoke(ctx context.Context, e *entry, why string) {
+	w.results.write(ctx, e.log, e.env, revoked(why))
+	w.ack(ctx, e)
+	if why == revokedExpired {
+		e.log.Info("expired task acknowledged without running it", "outcome", "expired",
+			"expires", e.env.Expires.String())
+		return
+	}
 	e.log.Info("cancelled task acknowledged without running it", "outcome", "cancelled")
 }
 
@@ -827,12 +885,17 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 
 	e.log.Info("task started", "retry_count", env.RetryCount, "redelivered", task.Redelivered)
 	started := time.Now()
-	err := w.run(h.run, task)
+	value, err := w.run(h.run, task)
 	elapsed := time.Since(started)
+	var result json.RawMessage
+	if err == nil && asksForResult(env) {
+		result, err = encodeResult(value)
+	}
 	if err == nil {
 		if holder != "" {
 			w.finishIdem(ctx, e, holder, "done")
 		}
+		w.results.write(ctx, e.log, env, succeeded(result))
 		w.ack(ctx, e)
 		e.log.Info("task succeeded", "outcome", "success", "duration_ms", elapsed.Milliseconds(),
 			"retry_count", env.RetryCount)
@@ -882,6 +945,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 		case "acquired":
 			return holder, true
 		case "done":
+			w.results.write(ctx, e.log, env, succeeded(nil))
 			w.ack(ctx, e)
 			e.log.Info("duplicate: the effect already happened; acknowledged without running",
 				"outcome", "duplicate", "idempotency_key", *env.IdempotencyKey, "marker", res[1])
@@ -926,30 +990,35 @@ func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
 
 // run calls the handler with the attempt's deadline; a handler that outlives
 // its deadline is abandoned (it should honour ctx) and the attempt times out.
-func (w *Worker) run(fn HandlerFunc, task *Task) error {
+func (w *Worker) run(fn ResultHandlerFunc, task *Task) (any, error) {
 	ctx, cancel := ContextWithTraceID(context.Background(), task.TraceID), context.CancelFunc(func() {})
 	if task.TimeoutMS != nil {
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
 	}
 	defer cancel()
-	done := make(chan error, 1)
+	type attempt struct {
+		value any
+		err   error
+	}
+	done := make(chan attempt, 1)
 	go func() {
 		defer func() {
 			if r := recover(); r != nil {
-				done <- &PanicError{Value: r, Stack: string(debug.Stack())}
+				done <- attempt{err: &PanicError{Value: r, Stack: string(debug.Stack())}}
 			}
 		}()
-		done <- fn(ctx, task)
+		value, err := fn(ctx, task)
+		done <- attempt{value, err}
 	}()
 	select {
-	case err := <-done:
-		if err != nil && task.TimeoutMS != nil && isTimeout(ctx, err) {
-			return &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: err}
+	case a := <-done:
+		if a.err != nil && task.TimeoutMS != nil && isTimeout(ctx, a.err) {
+			return nil, &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: a.err}
 		}
-		return err
+		return a.value, a.err
 	case <-ctx.Done():
 		task.Log.Warn("attempt exceeded timeout_ms; abandoned", "timeout_ms", *task.TimeoutMS)
-		return &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: ctx.Err()}
+		return nil, &TimeoutError{TimeoutMS: *task.TimeoutMS, Err: ctx.Err()}
 	}
 }
 
@@ -994,7 +1063,7 @@ func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Dur
 	env := e.env
 	now := time.Now()
 	first := firstFailure(env, now)
-	f := failure{reason: err.Error(), exceptionType: ExceptionType(err),
+	f := failure{reason: err.Error(), message: err.Error(), exceptionType: ExceptionType(err),
 		attempts: env.RetryCount + 1, firstFailure: first, lastFailure: now}
 	var panicErr *PanicError
 	if errors.As(err, &panicErr) {
@@ -1111,11 +1180,12 @@ func (w *Worker) ack(ctx context.Context, e *entry) {
 	})
 }
 
-// failure describes a dead-letter entry (docs/protocol.md section 7).
+// failure describes a dead-letter entry (docs/protocol.md section 7); message
+// is the handler error's message when one caused it.
 type failure struct {
-	class, reason, exceptionType, traceback string
-	attempts                                int64
-	firstFailure, lastFailure               time.Time
+	class, reason, message, exceptionType, traceback string
+	attempts                                         int64
+	firstFailure, lastFailure                        time.Time
 }
 
 // deadLetterFields are the failure fields of a dead-letter entry, in order;
@@ -1156,7 +1226,12 @@ func (w *Worker) deadLetterFields(e *entry, f failure) []any {
 	return fields
 }
 
+// deadLetter moves the entry to the dead-letter stream with dead_letter.lua,
+// after writing the FAILURE result of a decoded task that asks for one.
 func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
+	if e.env != nil {
+		w.results.write(ctx, e.log, e.env, failed(f))
+	}
 	args := append([]any{w.cfg.Group, e.id}, w.deadLetterFields(e, f)...)
 	var deadID string
 	w.settle(e, "dead_letter.lua", func() error {
@@ -1180,17 +1255,21 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 // a while: an entry is never dropped, at worst it stays pending until this
 // consumer stops and it is put back.
 func (w *Worker) settle(e *entry, what string, step func() error) {
+	if err := retryOutage(e.log, what, step); err != nil {
+		e.log.Error("giving up on a step; the entry stays pending", "step", what, "error", err.Error())
+	}
+}
+
+// retryOutage runs step, retrying its errors for about 15 s (Redis away or
+// loading); it returns the last error.
+func retryOutage(log *slog.Logger, what string, step func() error) error {
 	delay := 100 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		err := step()
-		if err == nil {
-			return
+		if err == nil || attempt == 10 {
+			return err
 		}
-		if attempt == 10 {
-			e.log.Error("giving up on a step; the entry stays pending", "step", what, "error", err.Error())
-			return
-		}
-		e.log.Warn("step failed; retrying", "step", what, "error", err.Error())
+		log.Warn("step failed; retrying", "step", what, "error", err.Error())
 		time.Sleep(delay)
 		delay = min(2*delay, 3*time.Second)
 	}
