@@ -188,27 +188,37 @@ export class DeadLetters {
   }
 
   entry(queue, id, flat) {
-    const fields = {};
-    const raw = {};
-    for (let i = 0; i + 1 < flat.length; i += 2) {
-      const name = text(flat[i]);
-      if (name.startsWith('raw.')) raw[name.slice(4)] = flat[i + 1];
-      else fields[name] = text(flat[i + 1]);
-    }
-    let envelope = null;
-    let decodeError = null;
-    try {
-      envelope = decodeEntry(raw, { limits: this.limits });
-    } catch (err) {
-      if (!(err instanceof MalformedEntry)) throw err;
-      decodeError = err.reason ?? err.message;
-    }
-    return {
-      queue, id, fields, raw, envelope, decodeError,
-      failureClass: fields.failure_class ?? '',
-      taskType: envelope ? envelope.task_type : fields.task_type ?? null,
-      taskId: envelope ? envelope.task_id : fields.task_id ?? null,
-      deadAt: new Date(Number(id.split('-')[0])),
-    };
+    return readDeadLetter(queue, id, flat, this.limits);
   }
+}
+
+/**
+ * A dead-letter entry from its XRANGE reply ([name, value, ...]): the failure
+ * fields, the original entry's raw fields and its Envelope (null, with
+ * decodeError, when it cannot be decoded).
+ * @returns {DeadLetter}
+ */
+export function readDeadLetter(queue, id, flat, limits = DEFAULT_LIMITS) {
+  const fields = {};
+  const raw = {};
+  for (let i = 0; i + 1 < flat.length; i += 2) {
+    const name = text(flat[i]);
+    if (name.startsWith('raw.')) raw[name.slice(4)] = flat[i + 1];
+    else fields[name] = text(flat[i + 1]);
+  }
+  let envelope = null;
+  let decodeError = null;
+  try {
+    envelope = decodeEntry(raw, { limits });
+  } catch (err) {
+    if (!(err instanceof MalformedEntry)) throw err;
+    decodeError = err.reason ?? err.message;
+  }
+  return {
+    queue, id, fields, raw, envelope, decodeError,
+    failureClass: fields.failure_class ?? '',
+    taskType: envelope ? envelope.task_type : fields.task_type ?? null,
+    taskId: envelope ? envelope.task_id : fields.task_id ?? null,
+    deadAt: new Date(Number(id.split('-')[0])),
+  };
 }

@@ -35,12 +35,12 @@ const EXT_MAX_DEPTH = 64;
 
 /** Envelope fields in their canonical order. */
 export const FIELDS = Object.freeze([
-  'task_id', 'task_type', 'payload_version', 'payload', 'schedule_time', 'timeout_ms',
+  'task_id', 'task_type', 'payload_version', 'payload', 'schedule_time', 'timeout_ms', 'expires',
   'max_retries', 'retry_count', 'priority', 'trace_id', 'created_at', 'idempotency_key',
   'headers', 'ext',
 ]);
 // Optional fields whose default is null: left out of the JSON when null.
-const NULL_BY_DEFAULT = new Set(['schedule_time', 'timeout_ms', 'idempotency_key']);
+const NULL_BY_DEFAULT = new Set(['schedule_time', 'timeout_ms', 'expires', 'idempotency_key']);
 const KNOWN = new Set(FIELDS);
 const REQUIRED_IDENTITY = 'the field is required (producers fill it in; readers never invent it)';
 
@@ -219,6 +219,7 @@ export function validateEnvelope(input, options = {}) {
   env.timeout_ms = has('timeout_ms') && data.timeout_ms !== null
     ? checkInteger(check, 'timeout_ms', data.timeout_ms, rawOf('timeout_ms'), { min: 1, max: MAX_SAFE_INTEGER })
     : null;
+  env.expires = has('expires') && data.expires !== null ? checkTime(check, 'expires', data.expires) : null;
   let maxRetriesValid = true;
   if (!has('max_retries')) env.max_retries = MAX_RETRIES_DEFAULT;
   else if (data.max_retries === null) env.max_retries = null;
@@ -340,6 +341,11 @@ export function dueMs(env, nowMs = Date.now()) {
   return env.schedule_time === null || env.schedule_time === undefined
     ? nowMs
     : Timestamp.parse(env.schedule_time).epochMs;
+}
+
+/** True when the task carries `expires` and it is at or before nowMs (section 5.1, step 3). */
+export function isExpired(env, nowMs = Date.now()) {
+  return env.expires !== null && env.expires !== undefined && Timestamp.parse(env.expires).epochMs <= nowMs;
 }
 
 /** True when the task may run at nowMs. */

@@ -9,11 +9,16 @@ export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
 export { Worker, WORKER_DEFAULTS, isRedisClient } from './worker.js';
 export { parseRedisUrl } from './url.js';
 export { Promoter, redisNowMs } from './promoter.js';
-export { DeadLetters, jsonMergePatch } from './deadletters.js';
+export { DeadLetters, jsonMergePatch, readDeadLetter } from './deadletters.js';
+export { cancelTask, CANCEL_MARK_TTL_MS } from './cancel.js';
+export { InvalidResultRequest, formatDateDone, resultMeta, resultRequestOf } from './results.js';
+export { OUTAGE_TOLERANCE_MS } from './outage.js';
 export { createLogger } from './log.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 
 /** @typedef {import('./producer.js').PublishResult} PublishResult */
+/** @typedef {import('./producer.js').PublishOptions} PublishOptions */
+/** @typedef {import('./cancel.js').CancelResult} CancelResult */
 /** @typedef {import('./worker.js').Handler} Handler */
 /** @typedef {import('./worker.js').HandlerSpec} HandlerSpec */
 /** @typedef {import('./worker.js').TaskContext} TaskContext */

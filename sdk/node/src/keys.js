@@ -8,9 +8,9 @@
 //   <prefix>:{<queue>}:delayed               ZSET task_id -> due time (ms)
 //   <prefix>:{<queue>}:delayed:data          HASH task_id -> "<bucket>\n<enc>\n<body>"
 //   <prefix>:{<queue>}:dead                  dead-letter stream
-//   <prefix>:{<queue>}:cancelled             ZSET task_id -> cancel time (ms)
 //   <prefix>:queues                          SET of queues with delayed tasks
 //   <prefix>:dead-queues                     SET of queues with dead-letter entries (DLQ tools)
+//   <prefix>:cancelled                       ZSET task_id -> cancel time (ms), every queue's marks
 //   <prefix>:{<queue>}:replayed              stream of records of replayed dead-letter entries
 //   <prefix>:consumer:<consumer>             liveness of one consumer (PX lease)
 //   <prefix>:idem:<task_type>:<key>          idempotency claim / done marker
@@ -52,7 +52,6 @@ export class QueueKeys {
     this.delayedData = `${this.base}:delayed:data`;
     this.dead = `${this.base}:dead`;
     this.replayed = `${this.base}:replayed`;
-    this.cancelled = `${this.base}:cancelled`;
     Object.freeze(this);
   }
 
@@ -78,6 +77,7 @@ export class KeySpace {
     this.prefix = prefix;
     this.queues = `${prefix}:queues`;
     this.deadQueues = `${prefix}:dead-queues`;
+    this.cancelled = `${prefix}:cancelled`;
     this.wakeup = `${prefix}:wakeup`;
     Object.freeze(this);
   }

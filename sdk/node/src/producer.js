@@ -2,11 +2,13 @@
 // trace_id, created_at) when absent, validate (publish rules included), encode,
 // then enqueue.lua into the priority bucket's stream when due (it removes a
 // delayed copy of the same task_id), or SADD <prefix>:queues + schedule.lua
-// into the delayed set, in one round trip, when ahead.
+// into the delayed set, in one round trip, when ahead. cancel() marks a task_id
+// cancelled for every queue (src/cancel.js).
 
 import crypto from 'node:crypto';
+import { cancelTask } from './cancel.js';
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
-import { DEFAULT_LIMITS, dueMs, isDue, newEnvelope } from './envelope.js';
+import { DEFAULT_LIMITS, Timestamp, dueMs, isDue, newEnvelope } from './envelope.js';
 import { KeySpace, bucketFor } from './keys.js';
 import Redis from 'ioredis';
 import { Scripts } from './scripts.js';
@@ -17,6 +19,18 @@ export const PUBLISH_DEDUPE_MS = 90_000;
 
 /** A new publish token: one per publish, the same for every try of it. */
 export const publishToken = () => crypto.randomBytes(8).toString('hex');
+
+/** `fields` with `expires` = now + expiresInMs (UTC) when that option is given. */
+function withExpiry(fields, expiresInMs, nowMs) {
+  if (expiresInMs === undefined) return fields;
+  if (!Number.isSafeInteger(expiresInMs) || expiresInMs < 0) {
+    throw new RangeError(`expiresInMs must be an integer number of milliseconds >= 0, not ${expiresInMs}`);
+  }
+  if (fields.expires !== undefined && fields.expires !== null) {
+    throw new TypeError('give the expires field or the expiresInMs option, not both');
+  }
+  return { ...fields, expires: Timestamp.fromEpochMs(nowMs + expiresInMs) };
+}
 
 /** An ioredis client or Cluster (anything with defineCommand). */
 const isClient = (value) => value !== null && typeof value === 'object' && typeof value.defineCommand === 'function';
@@ -58,24 +72,32 @@ export class Producer {
     this.scripts = scripts ?? new Scripts(client);
   }
 
-  /** The Envelope publish() would write: identity filled in, every publish rule checked. */
-  prepare(fields, { nowMs = Date.now() } = {}) {
-    return newEnvelope(fields, { limits: this.limits, publish: true, now: nowMs });
+  /**
+   * The Envelope publish() would write: identity filled in, `expiresInMs`
+   * turned into `expires`, every publish rule checked.
+   * @param {object} fields
+   * @param {PublishOptions} [options]
+   */
+  prepare(fields, { nowMs = Date.now(), expiresInMs } = {}) {
+    return newEnvelope(withExpiry(fields, expiresInMs, nowMs), { limits: this.limits, publish: true, now: nowMs });
   }
 
   /**
    * Publish one task. `fields` are Envelope fields (task_type required; times
    * as RFC 3339 strings with offset, or Timestamp objects; task_id, trace_id
-   * and created_at are filled in when absent). Throws InvalidEnvelope before
-   * anything reaches Redis when a rule is broken.
+   * and created_at are filled in when absent; `expires` is the instant after
+   * which the task must not start). Throws InvalidEnvelope before anything
+   * reaches Redis when a rule is broken.
+   * Options: nowMs, expiresInMs (sets `expires` to now + this many ms, in UTC).
    * Returns { taskId, envelope, entryId (null when delayed), delayed, dueMs }.
+   * @typedef {{ nowMs?: number, expiresInMs?: number }} PublishOptions
    * @param {string} queue
    * @param {object} fields
-   * @param {{ nowMs?: number }} [options]
+   * @param {PublishOptions} [options]
    * @returns {Promise<PublishResult>}
    */
-  async publish(queue, fields, { nowMs = Date.now() } = {}) {
-    return this.write(queue, this.prepare(fields, { nowMs }), nowMs);
+  async publish(queue, fields, { nowMs = Date.now(), expiresInMs } = {}) {
+    return this.write(queue, this.prepare(fields, { nowMs, expiresInMs }), nowMs);
   }
 
   /**
@@ -83,14 +105,30 @@ export class Producer {
    * first: when one breaks a rule, InvalidEnvelope is thrown and nothing is
    * written. Each task is then written on its own (one script call each, sent
    * together); results are in the order of `list`.
+   * `expiresInMs` applies to each.
    * @param {string} queue
    * @param {object[]} list
-   * @param {{ nowMs?: number }} [options]
+   * @param {PublishOptions} [options]
    * @returns {Promise<PublishResult[]>}
    */
-  async publishMany(queue, list, { nowMs = Date.now() } = {}) {
-    const envelopes = list.map((fields) => this.prepare(fields, { nowMs }));
+  async publishMany(queue, list, { nowMs = Date.now(), expiresInMs } = {}) {
+    const envelopes = list.map((fields) => this.prepare(fields, { nowMs, expiresInMs }));
     return Promise.all(envelopes.map((envelope) => this.write(queue, envelope, nowMs)));
+  }
+
+  /**
+   * Cancel a task by its task_id (docs/protocol.md section 10): mark it in
+   * <prefix>:cancelled, then remove it from the delayed set of every queue in
+   * <prefix>:queues, or of `queue` only when given. A consumer that receives a
+   * marked task acknowledges it without running it, for 7 days.
+   * Answers { outcome: 'removed', queue } when it was delayed there, else
+   * { outcome: 'marked' | 'already', queue: null }.
+   * @param {string} taskId
+   * @param {{ queue?: string, nowMs?: number }} [options]
+   * @returns {Promise<import('./cancel.js').CancelResult>}
+   */
+  async cancel(taskId, options = {}) {
+    return cancelTask(this.client, this.scripts, this.keys, taskId, options);
   }
 
   /** Close the connection when the producer opened it. */

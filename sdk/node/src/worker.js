@@ -8,12 +8,16 @@
 //   - per read (section 5.1): decodes and validates every entry, a malformed
 //     one goes to the dead-letter stream with its raw bytes (never dropped,
 //     never left pending); moves entries that are not due yet to the delayed
-//     set; looks the rest up in the cancel marks (one ZMSCORE) and acknowledges
-//     cancelled ones without running them;
-//   - then, per entry: dead-letters unknown task types and unaccepted payload
-//     versions, claims the idempotency key, takes a retry slot for retries,
-//     runs the handler with a timeout, acknowledges only on success, and
-//     otherwise applies the retry rules;
+//     set; looks the rest up in <prefix>:cancelled (one ZMSCORE) and
+//     acknowledges cancelled ones without running them (the marks stay);
+//   - then, per entry: acknowledges expired tasks without running them,
+//     dead-letters unknown task types and unaccepted payload versions, claims
+//     the idempotency key, takes a retry slot for retries, runs the handler
+//     with a timeout, acknowledges only on success, and otherwise applies the
+//     retry rules;
+//   - writes the result an Envelope asks for (ext.celery.result, section 12)
+//     before settling its entry: SUCCESS, FAILURE when dead-lettered, REVOKED
+//     when cancelled or expired;
 //   - takes over the entries of dead consumers with requeue.lua and forgets
 //     dead consumers that hold nothing with forget_consumer.lua;
 //   - promotes delayed tasks (promote.lua), like every other worker;
@@ -28,15 +32,18 @@ import os from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
 import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js';
-import { DEFAULT_LIMITS, Timestamp, dueMs } from './envelope.js';
+import { readDeadLetter } from './deadletters.js';
+import { DEFAULT_LIMITS, Timestamp, dueMs, isExpired } from './envelope.js';
 import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
+import { OUTAGE_TOLERANCE_MS } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
 import {
   FIRST_FAILURE_HEADER, RETRY_DEFAULTS, TaskTimeoutError, asksForTiered, backoffDelayMs,
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
+import { ResultWriter } from './results.js';
 import { Scripts } from './scripts.js';
 import { parseRedisUrl } from './url.js';
 
@@ -70,6 +77,10 @@ export const WORKER_DEFAULTS = Object.freeze({
   promoter: true,
   promoterMaxIdleMs: 5_000,
   isTransient: null,
+  // Celery's result backend: an ioredis client (used as it is), a redis:// URL or ioredis options.
+  resultBackend: null,
+  // How long a result write is retried while its Redis is away.
+  outageToleranceMs: OUTAGE_TOLERANCE_MS,
 });
 
 const LANGUAGE = 'node';
@@ -107,6 +118,8 @@ function positiveInt(name, value, { allowZero = false } = {}) {
 /**
  * Handlers given to the Worker constructor: task_type -> function, or
  * task_type -> { handler, payloadVersions, timeoutMs }.
+ * A handler's value (or what its promise resolves to) is the task's result: a
+ * JSON value, written as the SUCCESS result when the Envelope asks for one.
  * @typedef {(payload: any, ctx: TaskContext) => any} Handler
  * @typedef {{ handler: Handler, payloadVersions?: number[], timeoutMs?: number | null }} HandlerSpec
  * @typedef {{ envelope: any, taskId: string, traceId: string, attempt: number,
@@ -118,7 +131,8 @@ function positiveInt(name, value, { allowZero = false } = {}) {
  *   isTransient?: ((err: unknown) => boolean) | null, logger?: any, consumer?: string,
  *   promoter?: boolean, promoterMaxIdleMs?: number, defaultTimeoutMs?: number | null,
  *   forgetAfterMs?: number, idemClaimMs?: number, idemDoneTtlMs?: number, retrySlotHoldMs?: number,
- *   takeoverBatch?: number, gzipMinBytes?: number, autorun?: boolean }} WorkerOptions
+ *   takeoverBatch?: number, gzipMinBytes?: number, autorun?: boolean,
+ *   resultBackend?: any, outageToleranceMs?: number }} WorkerOptions
  */
 
 /** @extends {EventEmitter<any>} */
@@ -134,7 +148,8 @@ export class Worker extends EventEmitter {
    * Options: prefix, group, leaseMs, blockMs, concurrency, prefetch,
    * fastRetries, backoffMs, maxBackoffMs, retryConcurrency, maxRedeliveries,
    * deferMs, shutdownGraceMs, limits, isTransient(err) (extra transient
-   * errors), logger, consumer, promoter, autorun.
+   * errors), logger, consumer, promoter, autorun, resultBackend (the Redis of
+   * Celery's result backend: client, URL or options), outageToleranceMs.
    *
    * Events: 'ready', 'completed' (envelope, { result, durationMs }),
    * 'failed' (envelope, error, { retrying, delayMs }) for every failed attempt,
@@ -160,7 +175,7 @@ export class Worker extends EventEmitter {
     for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs']) {
       positiveInt(name, o[name]);
     }
-    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs']) positiveInt(name, o[name], { allowZero: true });
+    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs', 'outageToleranceMs']) positiveInt(name, o[name], { allowZero: true });
     if (o.prefetch !== null) positiveInt('prefetch', o.prefetch);
     this.opts = o;
     this.keys = new KeySpace(o.prefix);
@@ -176,7 +191,7 @@ export class Worker extends EventEmitter {
     this.held = new Set(); // "<stream> <id>" of waiting and running entries
     this.running = false;
     this.recoverAt = null;
-    this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0 };
+    this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
     for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
       if (typeof spec === 'function') this.register(taskType, spec);
       else this.register(taskType, spec?.handler, { payloadVersions: spec?.payloadVersions, timeoutMs: spec?.timeoutMs });
@@ -218,8 +233,7 @@ export class Worker extends EventEmitter {
     return this;
   }
 
-  client(role) {
-    const given = this.opts.redis;
+  client(role, given = this.opts.redis) {
     let client;
     if (isRedisClient(given)) {
       // BullMQ's way: every role gets its own connection, a duplicate of the given one.
@@ -244,6 +258,13 @@ export class Worker extends EventEmitter {
     this.reader = this.client('reader');
     this.leaseClient = this.client('lease');
     this.scripts = new Scripts(this.cmd);
+    const backend = this.opts.resultBackend;
+    // A given client is used as it is (and left open); one opened here is closed by stop().
+    if (backend !== null && !isRedisClient(backend)) this.resultClient = this.client('results', backend);
+    this.results = new ResultWriter({
+      client: isRedisClient(backend) ? backend : this.resultClient ?? null,
+      log: this.log, toleranceMs: this.opts.outageToleranceMs,
+    });
     await this.ensureGroups();
     await this.renew();
     this.running = true;
@@ -262,10 +283,12 @@ export class Worker extends EventEmitter {
     }
     this.loopDone = this.loop();
     this.takeoverTick();
+    // What this worker serves, in one line: the queue, and each task type with its payload versions.
     this.log.info('worker ready', {
       group: this.opts.group, lease_ms: this.opts.leaseMs, concurrency: this.opts.concurrency,
       task_types: [...this.handlers.keys()],
       handlers: Object.fromEntries([...this.handlers].map(([type, h]) => [type, [...h.payloadVersions]])),
+      result_backend: this.results.client !== null,
     });
     this.notify('ready');
   }
@@ -452,26 +475,38 @@ export class Worker extends EventEmitter {
     return true;
   }
 
-  /** Task ids of `entries` marked cancelled (section 10), in one ZMSCORE; none on an error. */
+  /**
+   * Task ids of `entries` marked in <prefix>:cancelled (section 10), in one
+   * ZMSCORE; none on an error (cancelling is best effort once a task is in a stream).
+   */
   async cancelledAmong(entries) {
     if (!entries.length) return new Set();
     try {
-      const scores = await this.cmd.zmscore(this.queueKeys.cancelled, ...entries.map((e) => e.env.task_id));
+      const scores = await this.cmd.zmscore(this.keys.cancelled, ...entries.map((e) => e.env.task_id));
       return new Set(entries.filter((_, i) => scores[i] !== null).map((e) => e.env.task_id));
     } catch (err) {
-      this.log.warn('cancel check failed; going on', { err });
+      this.log.warn('cancel check failed; running the tasks', { err });
       return new Set();
     }
   }
 
-  /** A task cancelled after it left the delayed set: acknowledged without running, its mark removed. */
+  /**
+   * A cancelled task: its REVOKED result when asked, then acknowledged without
+   * running. The mark stays, so the same task_id published again is not run either.
+   */
   async skipCancelled(entry) {
-    const replies = await this.cmd.multi()
-      .xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id)
-      .zrem(this.queueKeys.cancelled, entry.env.task_id).exec();
-    for (const [err] of replies) if (err) throw err;
+    await this.results.revoked(entry.env, 'revoked', entry.log);
+    await this.ack(entry, entry.log);
     this.stats.cancelled += 1;
     entry.log.info('task was cancelled; acknowledged without running it');
+  }
+
+  /** An expired task (section 5.1, step 3): its REVOKED result when asked, then acknowledged without running. */
+  async skipExpired(entry) {
+    await this.results.revoked(entry.env, 'expired', entry.log);
+    await this.ack(entry, entry.log);
+    this.stats.expired += 1;
+    entry.log.info('task expired; acknowledged without running it', { expires: entry.env.expires });
   }
 
   dispatch(entry) {
@@ -494,9 +529,14 @@ export class Worker extends EventEmitter {
 
   // ---------------------------------------------------------------- handling
 
-  /** Steps 4 to 6 of section 5.1: handler and payload_version, idempotency, retry slot, run. */
+  /** Steps 3 (expiry) to 6 of section 5.1: handler and payload_version, idempotency, retry slot, run. */
   async handle(entry, abort) {
     const { env, log } = entry;
+    // Checked when the task would start (the worker's clock), not when it was read.
+    if (isExpired(env)) {
+      await this.skipExpired(entry);
+      return;
+    }
     const handler = this.handlers.get(env.task_type);
     if (!handler) {
       await this.deadLetter(entry, env, log, this.notRun(env, 'unknown_task_type',
@@ -512,6 +552,7 @@ export class Worker extends EventEmitter {
     if (env.idempotency_key !== null) {
       claim = await this.claim(env, log);
       if (claim.state === 'done') {
+        await this.results.success(env, null, log); // as a Celery worker does for a duplicate
         await this.ack(entry, log);
         this.stats.duplicates += 1;
         log.info('duplicate: the effect of this idempotency key already happened; acknowledged without running', {
@@ -565,6 +606,7 @@ export class Worker extends EventEmitter {
     const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
     if (outcome.ok) {
       if (claim) await this.finishClaim(claim, 'done', log);
+      await this.results.success(env, outcome.result, log);
       await this.ack(entry, log);
       this.stats.succeeded += 1;
       log.info('task succeeded', { attempt: env.retry_count, duration_ms: outcome.durationMs });
@@ -750,7 +792,13 @@ export class Worker extends EventEmitter {
     return Object.entries(fields).filter(([, v]) => v !== undefined && v !== null);
   }
 
+  /**
+   * Move the entry to the dead-letter stream. A decoded task that asks for a
+   * result gets its FAILURE first: the handler's error type, or the failure
+   * class when no handler error caused it.
+   */
   async deadLetter(entry, env, log, failure) {
+    if (env?.ext) await this.failureResult(env, failure, log);
     const args = [this.opts.group, entry.id];
     for (const [name, value] of this.failureFields(failure, env)) args.push(name, typeof value === 'string' ? value : String(value));
     const deadId = await this.scripts.run('dead_letter', [entry.stream, this.queueKeys.dead], args);
@@ -762,7 +810,24 @@ export class Worker extends EventEmitter {
     this.stats.dead += 1;
     log.error('entry dead-lettered', {
       failure_class: failure.failure_class, reason: failure.reason, dead_id: deadId, attempts: failure.attempts ?? null,
-    });    this.notify('dead', env ?? null, { ...failure, dead_id: String(deadId) });
+    });
+    this.notify('dead', env ?? null, { ...failure, dead_id: String(deadId) });
+  }
+
+  failureResult(env, failure, log) {
+    return this.results.failure(env, {
+      type: failure.exception_type ?? failure.failure_class, message: failure.reason, traceback: failure.traceback ?? null,
+    }, log);
+  }
+
+  /** The FAILURE result of a task requeue.lua dead-lettered as redelivery_limit, read back from its dead-letter entry. */
+  async redeliveryLimitResult(deadId) {
+    const [item] = await this.cmd.xrangeBuffer(this.queueKeys.dead, deadId, deadId);
+    if (!item) return;
+    const { envelope: env, fields } = readDeadLetter(this.opts.queue, text(item[0]), item[1], this.opts.limits);
+    if (!env) return; // not a decodable task: no result to write
+    const log = this.log.child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type });
+    await this.failureResult(env, { failure_class: 'redelivery_limit', reason: fields.reason }, log);
   }
 
   async malformed(entry, err) {
@@ -837,7 +902,10 @@ export class Worker extends EventEmitter {
           if (!reply) continue;
           moved += 1;
           const dead = String(reply).startsWith('dead:');
-          if (dead) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
+          if (dead) {
+            await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
+            await this.redeliveryLimitResult(String(reply).slice('dead:'.length));
+          }
           this.log.warn(dead
             ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
             : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
@@ -932,7 +1000,7 @@ export class Worker extends EventEmitter {
     } catch (err) {
       this.log.warn('could not delete the liveness key; it expires after the lease', { err });
     }
-    for (const client of [this.cmd, this.leaseClient, this.subscriber]) {
+    for (const client of [this.cmd, this.leaseClient, this.subscriber, this.resultClient]) {
       await client?.quit().catch(() => client.disconnect());
     }
     this.log.info('worker stopped', { stats: this.stats });

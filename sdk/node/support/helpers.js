@@ -71,11 +71,19 @@ export async function testRedis() {
   const external = process.env.ENVELOPE_TEST_REDIS_URL || process.env.KOMBU_ENVELOPE_TEST_REDIS_URL;
   if (external) return { url: external, close: async () => {} };
   if (!onPath('redis-server')) return null;
-  const port = await freePort();
-  const child = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
+  return startRedisServer();
+}
+
+/**
+ * A private redis-server on a loopback port (a free one unless given), ready
+ * to answer. Returns { url, port, close }.
+ */
+export async function startRedisServer(port = null) {
+  const chosen = port ?? (await freePort());
+  const child = spawn('redis-server', ['--port', String(chosen), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
     stdio: 'ignore',
   });
-  const url = `redis://127.0.0.1:${port}/0`;
+  const url = `redis://127.0.0.1:${chosen}/0`;
   const deadline = Date.now() + 10_000;
   for (;;) {
     const probe = new Redis({ ...parseRedisUrl(url), lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
@@ -96,10 +104,11 @@ export async function testRedis() {
   }
   return {
     url,
+    port: chosen,
     close: async () => {
       child.kill('SIGTERM');
       await new Promise((resolve) => {
-        if (child.exitCode !== null) resolve();
+        if (child.exitCode !== null || child.signalCode !== null) resolve();
         else child.once('exit', resolve);
       });
     },

@@ -156,10 +156,11 @@ describe('keys', () => {
     assert.equal(q.delayed, 'envelope:{celery}:delayed');
     assert.equal(q.delayedData, 'envelope:{celery}:delayed:data');
     assert.equal(q.dead, 'envelope:{celery}:dead');
-    assert.equal(q.cancelled, 'envelope:{celery}:cancelled');
+    assert.equal(q.cancelled, undefined, 'cancel marks are not per queue (revision 2)');
     assert.equal(q.kombu, 'envelope:{celery}:kombu');
     assert.equal(ks.queues, 'envelope:queues');
     assert.equal(ks.deadQueues, 'envelope:dead-queues');
+    assert.equal(ks.cancelled, 'envelope:cancelled');
     assert.equal(ks.wakeup, 'envelope:wakeup');
     assert.equal(ks.consumer('h-1-ab'), 'envelope:consumer:h-1-ab');
     assert.equal(ks.idempotency('order.close_timeout', '202509110001'), 'envelope:idem:order.close_timeout:202509110001');
@@ -182,7 +183,7 @@ describe('shared Lua scripts', () => {
     const scripts = loadScripts();
     for (const name of SCRIPT_NAMES) assert.ok(scripts.has(name), name);
     const expected = {
-      enqueue: 4, schedule: 3, promote: 5, read: null, requeue: 3, dead_letter: 2, retry: 4, cancel: 3,
+      enqueue: 4, schedule: 3, promote: 5, read: null, requeue: 3, dead_letter: 2, retry: 4, cancel: 2,
       idem_begin: 1, idem_finish: 1, retry_slot: 1,
     };
     for (const [name, { lua, numberOfKeys }] of scripts) {
