@@ -8,6 +8,7 @@ import java.math.BigDecimal;
 import java.math.BigInteger;
 import java.nio.charset.StandardCharsets;
 import java.security.SecureRandom;
+import java.time.Duration;
 import java.time.Instant;
 import java.util.ArrayList;
 import java.util.Collections;
@@ -36,10 +37,11 @@ public final class Envelope {
 
     private static final Pattern TASK_TYPE = Pattern.compile(
             "[A-Za-z_][A-Za-z0-9_\\-]*(\\.[A-Za-z_][A-Za-z0-9_\\-]*)*");
-    private static final Pattern TOKEN = Pattern.compile("[\\x21-\\x7e]+");
+    /** Printable ASCII without spaces: task_id and trace_id. */
+    static final Pattern TOKEN = Pattern.compile("[\\x21-\\x7e]+");
     private static final Pattern EXT_NAME = Pattern.compile("[a-z][a-z0-9_.\\-]*");
     private static final Set<String> KNOWN = Set.of("task_id", "task_type", "payload_version", "payload",
-            "schedule_time", "timeout_ms", "max_retries", "retry_count", "priority", "trace_id", "created_at",
+            "schedule_time", "timeout_ms", "expires", "max_retries", "retry_count", "priority", "trace_id", "created_at",
             "idempotency_key", "headers", "ext");
     private static final SecureRandom RANDOM = new SecureRandom();
 
@@ -49,6 +51,7 @@ public final class Envelope {
     private final ObjectNode payload;
     private final Timestamp scheduleTime;
     private final Long timeoutMs;
+    private final Timestamp expires;
     private final Long maxRetries;
     private final long retryCount;
     private final int priority;
@@ -65,6 +68,7 @@ public final class Envelope {
         payload = b.payload.deepCopy();
         scheduleTime = b.scheduleTime;
         timeoutMs = b.timeoutMs;
+        expires = b.expires;
         maxRetries = b.maxRetries;
         retryCount = b.retryCount;
         priority = b.priority;
@@ -91,6 +95,7 @@ public final class Envelope {
         b.payload = payload.deepCopy();
         b.scheduleTime = scheduleTime;
         b.timeoutMs = timeoutMs;
+        b.expires = expires;
         b.maxRetries = maxRetries;
         b.retryCount = retryCount;
         b.priority = priority;
@@ -135,6 +140,8 @@ public final class Envelope {
     public Timestamp scheduleTime() { return scheduleTime; }
     /** Longest time one attempt may run (ms); null: no limit. */
     public Long timeoutMs() { return timeoutMs; }
+    /** After this instant the task must not start; null: never expires. */
+    public Timestamp expires() { return expires; }
     /** Most retries after the first attempt; null: unlimited. */
     public Long maxRetries() { return maxRetries; }
     public long retryCount() { return retryCount; }
@@ -154,6 +161,11 @@ public final class Envelope {
     /** Whether the task may run at {@code now}. */
     public boolean isDue(Instant now) {
         return scheduleTime == null || !scheduleTime.isAfter(now);
+    }
+
+    /** Whether the task expired at {@code now}: its {@code expires} is at or before it. */
+    public boolean isExpired(Instant now) {
+        return expires != null && !expires.isAfter(now);
     }
 
     /** Due time in ms since the Unix epoch ({@code nowMs} when unscheduled). */
@@ -184,6 +196,9 @@ public final class Envelope {
         }
         if (timeoutMs != null) {
             o.put("timeout_ms", timeoutMs);
+        }
+        if (expires != null) {
+            o.put("expires", expires.toString());
         }
         if (maxRetries != null) {
             o.put("max_retries", maxRetries);
@@ -312,6 +327,9 @@ public final class Envelope {
         }
         if ((v = root.get("timeout_ms")) != null && !v.isNull()) {
             e.timeoutMs = c.integer(v, "timeout_ms", 1, MAX_SAFE_INTEGER);
+        }
+        if ((v = root.get("expires")) != null && !v.isNull()) {
+            e.expires = c.timestamp(v, "expires");
         }
         boolean maxRetriesOk = true;
         if ((v = root.get("max_retries")) != null) {
@@ -504,6 +522,7 @@ public final class Envelope {
         private ObjectNode payload = Json.MAPPER.createObjectNode();
         private Timestamp scheduleTime;
         private Long timeoutMs;
+        private Timestamp expires;
         private Long maxRetries = MAX_RETRIES_DEFAULT;
         private long retryCount;
         private int priority = PRIORITY_DEFAULT;
@@ -527,6 +546,12 @@ public final class Envelope {
         public Builder scheduleTime(Timestamp v) { scheduleTime = v; return this; }
         public Builder scheduleTime(Instant v) { scheduleTime = v == null ? null : Timestamp.of(v); return this; }
         public Builder timeoutMs(Long v) { timeoutMs = v; return this; }
+        /** After this instant the task must not start (Celery's {@code expires}); null: never. */
+        public Builder expires(Timestamp v) { expires = v; return this; }
+        /** An expiry instant, written in UTC; null: never. */
+        public Builder expires(Instant v) { expires = v == null ? null : Timestamp.of(v); return this; }
+        /** Expires {@code ttl} from now (Celery's relative {@code expires}). */
+        public Builder expiresIn(Duration ttl) { return expires(Instant.now().plus(Objects.requireNonNull(ttl, "ttl"))); }
         /** Null: unlimited. */
         public Builder maxRetries(Long v) { maxRetries = v; return this; }
         public Builder retryCount(long v) { retryCount = v; return this; }

@@ -45,9 +45,10 @@ public final class Keys {
     public String published(String queue, String taskId) { return base(queue) + ":published:" + taskId; }
     public String dead(String queue) { return base(queue) + ":dead"; }
     public String replayed(String queue) { return base(queue) + ":replayed"; }
-    public String cancelled(String queue) { return base(queue) + ":cancelled"; }
     public String queues() { return prefix + ":queues"; }
     public String deadQueues() { return prefix + ":dead-queues"; }
+    /** Cancel marks of every queue (section 10). */
+    public String cancelled() { return prefix + ":cancelled"; }
     public String consumer(String name) { return prefix + ":consumer:" + name; }
     public String idempotency(String taskType, String key) { return prefix + ":idem:" + taskType + ":" + key; }
     public String retrying(String taskType) { return prefix + ":retrying:" + taskType; }

@@ -32,6 +32,7 @@ public final class Producer implements AutoCloseable {
     private final Limits limits;
     private final int gzipMin;
     private final Duration outageTolerance;
+    private Canceller canceller;
 
     private Producer(Builder b) {
         this.ownsClient = b.client == null;
@@ -77,6 +78,11 @@ public final class Producer implements AutoCloseable {
 
     /** Publishes {@code e} to run after {@code delay} (its schedule_time is set to now + delay). */
     public PublishResult publishIn(Envelope e, Duration delay) {
+        return publishIn(queue, e, delay);
+    }
+
+    /** Publishes {@code e} to {@code queue} to run after {@code delay}. */
+    public PublishResult publishIn(String queue, Envelope e, Duration delay) {
         return publish(queue, e.toBuilder().scheduleTime(Instant.now().plus(delay)).build());
     }
 
@@ -122,23 +128,34 @@ public final class Producer implements AutoCloseable {
     }
 
     /**
-     * Cancels a task (docs/protocol.md section 10): answers {@code removed}, {@code marked} or
-     * {@code already}.
+     * Cancels a task in whatever queue it is (docs/protocol.md section 10) and answers the
+     * outcome word: {@code removed}, {@code marked} or {@code already}. {@link #canceller()} also
+     * answers the queue it was removed from.
      */
     public String cancel(String taskId) {
-        return cancel(queue, taskId);
+        return canceller().cancel(taskId).outcome().word();
     }
 
+    /** Cancels a task, looking for it only in the delayed set of {@code queue}; answers the outcome word. */
     public String cancel(String queue, String taskId) {
-        Keys.checkQueueName(queue);
-        byte[] r = Redis.retrying(outageTolerance, () -> Scripts.run(redis, "cancel", ScriptOutputType.VALUE,
-                List.of(keys.delayed(queue), keys.delayedData(queue), keys.cancelled(queue)),
-                taskId, System.currentTimeMillis(), 7L * 24 * 3600 * 1000));
-        return Redis.s(r);
+        return canceller().cancel(queue, taskId).outcome().word();
+    }
+
+    /** The producer's {@link Canceller} (same client, prefix and outage tolerance), opened on first use. */
+    public synchronized Canceller canceller() {
+        if (canceller == null) {
+            canceller = Canceller.on(client, keys, outageTolerance);
+        }
+        return canceller;
     }
 
     @Override
     public void close() {
+        synchronized (this) {
+            if (canceller != null) {
+                canceller.close();
+            }
+        }
         connection.close();
         if (ownsClient) {
             client.shutdown(Duration.ZERO, Duration.ofSeconds(2));

@@ -7,6 +7,9 @@ import io.lettuce.core.RedisCommandTimeoutException;
 import io.lettuce.core.RedisConnectionException;
 import io.lettuce.core.RedisException;
 import io.lettuce.core.RedisURI;
+import io.lettuce.core.TransactionResult;
+import io.lettuce.core.api.StatefulRedisConnection;
+import io.lettuce.core.api.sync.RedisCommands;
 import io.lettuce.core.codec.ByteArrayCodec;
 import io.lettuce.core.codec.RedisCodec;
 import io.lettuce.core.codec.StringCodec;
@@ -14,6 +17,7 @@ import io.lettuce.core.protocol.ProtocolVersion;
 
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
+import java.util.function.Consumer;
 import java.util.function.Supplier;
 
 /** Lettuce plumbing shared by the producer, worker and promoter. */
@@ -78,6 +82,41 @@ final class Redis {
                     throw e;
                 }
                 delay = Math.min(delay * 2, 1000);
+            }
+        }
+    }
+
+    /**
+     * Runs {@code commands} in one MULTI/EXEC on {@code connection} (used by nothing else meanwhile)
+     * and answers the replies; a discarded transaction or a failed command throws, and a
+     * transaction left open by a broken connection is discarded, so the next try starts afresh.
+     */
+    static TransactionResult transaction(StatefulRedisConnection<String, byte[]> connection,
+                                         Consumer<RedisCommands<String, byte[]>> commands) {
+        synchronized (connection) {
+            RedisCommands<String, byte[]> tx = connection.sync();
+            try {
+                tx.multi();
+                commands.accept(tx);
+                TransactionResult r = tx.exec();
+                if (r.wasDiscarded()) {
+                    throw new IllegalStateException("the transaction was discarded");
+                }
+                for (Object o : r) {
+                    if (o instanceof Exception) {
+                        throw new IllegalStateException("a command of the transaction failed: " + o);
+                    }
+                }
+                return r;
+            } catch (RuntimeException e) {
+                if (connection.isMulti()) {
+                    try {
+                        tx.discard();
+                    } catch (RuntimeException ignored) {
+                        // the connection broke: it leaves MULTI when it reconnects
+                    }
+                }
+                throw e;
             }
         }
     }

@@ -1,5 +1,7 @@
 package io.kombuenvelope;
 
+import com.fasterxml.jackson.databind.JsonNode;
+
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.models.stream.PendingMessage;
@@ -52,8 +54,10 @@ import org.slf4j.MDC;
  * Consumes one queue (docs/protocol.md sections 5, 5.1, 8, 9): reads with read.lua in the
  * consumer group, renews its liveness key from its own thread, runs registered handlers within
  * {@code timeout_ms}, acknowledges successes, retries with retry.lua, claims idempotency keys and
- * dead-letters malformed entries, unknown task types and final failures. Runs a promoter unless
- * told not to. {@link #start()} it, {@link #close()} it.
+ * dead-letters malformed entries, unknown task types and final failures. Cancelled and expired
+ * tasks are acknowledged without running (sections 5.1, 10); given a result backend, it writes
+ * the results Celery callers ask for (section 12). Runs a promoter unless told not to.
+ * {@link #start()} it, {@link #close()} it.
  */
 public final class Worker implements AutoCloseable {
     public static final String LANGUAGE = "java";
@@ -85,6 +89,8 @@ public final class Worker implements AutoCloseable {
     private volatile boolean recoverPending = true;
     private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
     private volatile Promoter promoter;
+    private final CeleryResults results;
+    private final Set<String> typesWithoutBackend = java.util.concurrent.ConcurrentHashMap.newKeySet();
 
     private Worker(Builder b) {
         this.cfg = b;
@@ -107,6 +113,7 @@ public final class Worker implements AutoCloseable {
         this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + queue));
         this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + queue));
         this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + queue));
+        this.results = b.resultBackend == null ? null : new CeleryResults(b.resultBackend);
     }
 
     public static Builder builder() {
@@ -119,6 +126,13 @@ public final class Worker implements AutoCloseable {
 
     public String queue() {
         return queue;
+    }
+
+    /** Each task type this worker runs, with the payload versions it accepts, in order. */
+    public Map<String, List<Long>> serves() {
+        Map<String, List<Long>> serves = new java.util.TreeMap<>();
+        handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
+        return serves;
     }
 
     /** Creates the consumer groups, sets the liveness key and starts reading, renewing and promoting. */
@@ -142,10 +156,9 @@ public final class Worker implements AutoCloseable {
         if (cfg.closeOnShutdown) {
             Runtime.getRuntime().addShutdownHook(new Thread(this::close, "envelope-shutdown-" + queue));
         }
-        Map<String, List<Long>> serves = new java.util.TreeMap<>();
-        handlers.forEach((type, h) -> serves.put(type, h.versions.stream().sorted().toList()));
-        LOG.info("worker started: queue={} consumer={} concurrency={} serves (task_type=payload_versions) {}",
-                queue, consumer, cfg.concurrency, serves);
+        LOG.atInfo().addKeyValue("queue", queue).addKeyValue("consumer", consumer)
+                .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
+                .addKeyValue("result_backend", results != null).log("worker started");
         return this;
     }
 
@@ -216,6 +229,7 @@ public final class Worker implements AutoCloseable {
                             redis.sadd(keys.deadQueues(), Redis.b(queue));
                             LOG.error("entry {} of dead consumer {} dead-lettered after too many redeliveries",
                                     m.getId(), owner);
+                            reportRedeliveryLimit(answer.substring("dead:".length()));
                         } else {
                             LOG.warn("took over entry {} of dead consumer {}", m.getId(), owner);
                         }
@@ -451,7 +465,7 @@ public final class Worker implements AutoCloseable {
         }
         try {
             byte[][] members = ids.stream().map(Redis::b).toArray(byte[][]::new);
-            List<Double> scores = redis.zmscore(keys.cancelled(queue), members);
+            List<Double> scores = redis.zmscore(keys.cancelled(), members);
             java.util.HashSet<String> out = new java.util.HashSet<>();
             for (int i = 0; i < ids.size(); i++) {
                 if (scores.get(i) != null) {
@@ -473,7 +487,7 @@ public final class Worker implements AutoCloseable {
         if (env == null) {
             LOG.error("malformed entry {} in {}: {}", e.id(), e.stream(), malformed.getMessage());
             deadLetter(e, null, new Failure("malformed_entry", malformed.kind() + ": " + malformed.getMessage(),
-                    null, null, 0, null, null));
+                    null, null, null, 0, null, null));
             return;
         }
         MDC.put("trace_id", env.traceId());
@@ -485,9 +499,15 @@ public final class Worker implements AutoCloseable {
             return;
         }
         if (cancelled) {
+            report(env, () -> CeleryResults.revoked(env.taskId(), "revoked"));
             ack(e);
-            settle("zrem cancelled", () -> redis.zrem(keys.cancelled(queue), Redis.b(env.taskId())));
             LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
+            return;
+        }
+        if (env.isExpired(now)) {
+            report(env, () -> CeleryResults.revoked(env.taskId(), "expired"));
+            ack(e);
+            LOG.info("task expired at {}; acknowledged without running (outcome=expired)", env.expires());
             return;
         }
         Handler h = handlers.get(env.taskType());
@@ -535,12 +555,14 @@ public final class Worker implements AutoCloseable {
         try {
             LOG.info("task started: retry_count={} redelivered={}", env.retryCount(), redeliveries);
             long started = System.nanoTime();
-            Throwable err = run(h.handler, task);
+            Attempt attempt = run(h.handler, task);
             long ms = (System.nanoTime() - started) / 1_000_000;
+            Throwable err = attempt.error();
             if (err == null) {
                 if (holder != null) {
                     finishIdem(env, holder, "done");
                 }
+                report(env, () -> success(env, attempt.value()));
                 ack(e);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
                 return;
@@ -578,38 +600,35 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** Runs the handler within timeout_ms; answers null on success, else the failure. */
-    private Throwable run(TaskHandler handler, Task task) {
+    /** How an attempt ended: the handler's value, or the failure (then not null). */
+    private record Attempt(Object value, Throwable error) {}
+
+    /** Runs the handler within timeout_ms. */
+    private Attempt run(ResultHandler handler, Task task) {
         Map<String, String> mdc = MDC.getCopyOfContextMap();
-        Future<?> f = handlerThreads.submit(() -> {
+        Future<Object> f = handlerThreads.submit(() -> {
             if (mdc != null) {
                 MDC.setContextMap(mdc);
             }
             try (TraceContext.Scope scope = TraceContext.with(task.traceId())) {
-                handler.handle(task);
-                return null;
+                return handler.handle(task);
             } finally {
                 MDC.clear();
             }
         });
         Long timeout = task.envelope().timeoutMs();
         try {
-            if (timeout == null) {
-                f.get();
-            } else {
-                f.get(timeout, TimeUnit.MILLISECONDS);
-            }
-            return null;
+            return new Attempt(timeout == null ? f.get() : f.get(timeout, TimeUnit.MILLISECONDS), null);
         } catch (TimeoutException ex) {
             f.cancel(true);
             LOG.warn("attempt exceeded timeout_ms {}; abandoned", timeout);
-            return new AttemptTimeout(timeout);
+            return new Attempt(null, new AttemptTimeout(timeout));
         } catch (ExecutionException ex) {
-            return ex.getCause();
+            return new Attempt(null, ex.getCause());
         } catch (InterruptedException ex) {
             f.cancel(true);
             Thread.currentThread().interrupt();
-            return ex;
+            return new Attempt(null, ex);
         }
     }
 
@@ -636,6 +655,7 @@ public final class Worker implements AutoCloseable {
                 return holder;
             }
             if ("done".equals(answer)) {
+                report(env, () -> CeleryResults.meta(CeleryResults.SUCCESS, null, null, env.taskId()));
                 ack(e);
                 LOG.info("duplicate: the effect already happened; acknowledged without running "
                         + "(outcome=duplicate idempotency_key={} marker={})", env.idempotencyKey(), Redis.s(res.get(1)));
@@ -682,8 +702,12 @@ public final class Worker implements AutoCloseable {
 
     // --- failures and retries (section 8) ---------------------------------------------------
 
-    private record Failure(String failureClass, String reason, String exceptionType, String traceback,
-                           long attempts, Timestamp firstFailure, Timestamp lastFailure) {}
+    /**
+     * Why an entry is dead-lettered; {@code exceptionType}, {@code message} and {@code traceback}
+     * are those of the handler's error, null when none caused it.
+     */
+    private record Failure(String failureClass, String reason, String exceptionType, String message,
+                           String traceback, long attempts, Timestamp firstFailure, Timestamp lastFailure) {}
 
     private static Timestamp firstFailure(Envelope env) {
         String h = env.headers().get("x-first-failure-at");
@@ -698,7 +722,7 @@ public final class Worker implements AutoCloseable {
     }
 
     private Failure notRun(Envelope env, String cls, String reason) {
-        return new Failure(cls, reason, null, null, env.retryCount() + 1, firstFailure(env), Timestamp.now());
+        return new Failure(cls, reason, null, null, null, env.retryCount() + 1, firstFailure(env), Timestamp.now());
     }
 
     private boolean isTransient(Throwable err) {
@@ -718,11 +742,11 @@ public final class Worker implements AutoCloseable {
         String type = err.getClass().getName();
         String trace = stackTrace(err);
         long attempts = env.retryCount() + 1;
-        String message = String.valueOf(err.getMessage());
+        String message = Objects.toString(err.getMessage(), "");
         if (err instanceof TaskFailure.InvalidPayload || err instanceof TaskFailure.Rejected) {
             String cls = err instanceof TaskFailure.InvalidPayload ? "invalid_payload" : "rejected";
             LOG.error("task failed permanently (outcome=dead failure_class={}): {}", cls, message);
-            deadLetter(e, env, new Failure(cls, message, type, trace, attempts, first, now));
+            deadLetter(e, env, new Failure(cls, message, type, message, trace, attempts, first, now));
             return;
         }
         if (err instanceof TaskFailure.Retry) {
@@ -731,7 +755,7 @@ public final class Worker implements AutoCloseable {
             if (env.maxRetries() != null && next > env.maxRetries()) {
                 String cls = r.getCause() != null && isTransient(r.getCause()) ? "transient_exhausted" : "task_error";
                 deadLetter(e, env, new Failure(cls, "gave up after " + next + " attempts (max_retries "
-                        + env.maxRetries() + "): " + message, type, trace, next, first, now));
+                        + env.maxRetries() + "): " + message, type, message, trace, next, first, now));
                 return;
             }
             Envelope.Builder b = env.toBuilder().retryCount(next)
@@ -749,7 +773,7 @@ public final class Worker implements AutoCloseable {
         RetryPolicy.Decision d = cfg.retryPolicy.decide(env, kind);
         if (d.action() == RetryPolicy.Action.DEAD_LETTER) {
             LOG.error("task failed (outcome=dead failure_class={} attempts={}): {}", d.failureClass(), d.next(), message);
-            deadLetter(e, env, new Failure(d.failureClass(), d.message() + ": " + message, type, trace,
+            deadLetter(e, env, new Failure(d.failureClass(), d.message() + ": " + message, type, message, trace,
                     d.next(), first, now));
             return;
         }
@@ -785,7 +809,7 @@ public final class Worker implements AutoCloseable {
             body = EntryCodec.encodeBody(next, cfg.gzipMin, cfg.limits);
         } catch (EnvelopeValidationException ex) {
             deadLetter(e, env, new Failure("task_error", "cannot write the next attempt: " + ex.getMessage(), null,
-                    null, env.retryCount() + 1, null, null));
+                    null, null, env.retryCount() + 1, null, null));
             return;
         }
         long due = next.scheduleTime() != null && !delay.isZero() ? next.scheduleTime().toEpochMilli() : 0;
@@ -875,6 +899,10 @@ public final class Worker implements AutoCloseable {
         }
         if (env != null) {
             args.addAll(List.of("task_id", env.taskId(), "task_type", env.taskType()));
+            report(env, () -> CeleryResults.meta(CeleryResults.FAILURE, CeleryResults.error(
+                    f.exceptionType() != null ? f.exceptionType() : f.failureClass(),
+                    f.message() != null && !f.message().isEmpty() ? f.message() : f.reason(), null),
+                    f.traceback(), env.taskId()));
         }
         Object[] a = args.toArray();
         Object id = settle("dead_letter.lua", () -> {
@@ -887,6 +915,85 @@ public final class Worker implements AutoCloseable {
             return Redis.s(r);
         });
         LOG.error("entry dead-lettered (outcome=dead failure_class={} dead_id={}): {}", f.failureClass(), id, f.reason());
+    }
+
+    // --- results for Celery callers (section 12) -------------------------------------------
+
+    /**
+     * Writes the result {@code env} asks for, before its entry is settled. A result that cannot
+     * be written is logged and never changes the task's outcome.
+     */
+    private void report(Envelope env, java.util.function.Supplier<byte[]> meta) {
+        CeleryResults.Request r;
+        try {
+            r = CeleryResults.requestOf(env);
+        } catch (IllegalArgumentException ex) {
+            LOG.error("a result was asked for and not written: {}", ex.getMessage());
+            return;
+        }
+        if (r == null) {
+            return;
+        }
+        if (results == null) {
+            if (typesWithoutBackend.add(env.taskType())) {
+                LOG.warn("tasks of type {} ask for a result and this worker has no result backend "
+                        + "(Worker.Builder.resultBackend): their results are not written", env.taskType());
+            }
+            return;
+        }
+        try {
+            results.write(r, meta.get());
+            LOG.info("result written to {}", r.key());
+        } catch (RuntimeException ex) {
+            LOG.error("writing the result to {} failed; the task's outcome stands: {}", r.key(), ex.toString());
+        }
+    }
+
+    /** The SUCCESS document of a handler's value; a value Jackson cannot write gives a FAILURE one. */
+    private static byte[] success(Envelope env, Object value) {
+        JsonNode json;
+        try {
+            json = Json.MAPPER.valueToTree(value);
+        } catch (IllegalArgumentException ex) {
+            LOG.error("the handler's return value cannot be written as JSON: {}", ex.getMessage());
+            return CeleryResults.meta(CeleryResults.FAILURE, CeleryResults.error(ex.getClass().getName(),
+                    "the task's return value cannot be written as JSON: " + ex.getMessage(), null),
+                    null, env.taskId());
+        }
+        return CeleryResults.meta(CeleryResults.SUCCESS, json, null, env.taskId());
+    }
+
+    /**
+     * The FAILURE result of an entry requeue.lua dead-lettered as {@code redelivery_limit}, read back
+     * from its dead-letter entry (off the lease thread: the write may wait for the backend).
+     */
+    private void reportRedeliveryLimit(String deadId) {
+        try {
+            handlerThreads.execute(() -> {
+                try {
+                    List<StreamMessage<String, byte[]>> found = redis.xrange(keys.dead(queue), Range.create(deadId, deadId));
+                    if (found.isEmpty()) {
+                        return;
+                    }
+                    Map<String, byte[]> dead = found.get(0).getBody();
+                    Map<String, byte[]> raw = new LinkedHashMap<>();
+                    dead.forEach((k, v) -> {
+                        if (k.startsWith("raw.")) {
+                            raw.put(k.substring(4), v);
+                        }
+                    });
+                    Envelope env = EntryCodec.decodeEntry(raw, cfg.limits);
+                    report(env, () -> CeleryResults.meta(CeleryResults.FAILURE, CeleryResults.error("redelivery_limit",
+                            Redis.s(dead.get("reason")), null), null, env.taskId()));
+                } catch (MalformedEntryException ex) {
+                    // an entry that cannot be decoded names no result
+                } catch (RuntimeException ex) {
+                    LOG.error("writing the result of dead-letter entry {} failed: {}", deadId, ex.toString());
+                }
+            });
+        } catch (java.util.concurrent.RejectedExecutionException ex) {
+            LOG.warn("worker closing: the result of dead-letter entry {} is not written", deadId);
+        }
     }
 
     /** Runs a step that ends an entry's handling, retrying Redis errors for a while. */
@@ -971,6 +1078,9 @@ public final class Worker implements AutoCloseable {
         } catch (RuntimeException e) {
             LOG.warn("deleting the liveness key failed: {}", e.toString());
         }
+        if (results != null) {
+            results.close();
+        }
         blockConn.close();
         txConn.close();
         conn.close();
@@ -997,7 +1107,7 @@ public final class Worker implements AutoCloseable {
         };
     }
 
-    private record Handler(TaskHandler handler, Set<Long> versions) {}
+    private record Handler(ResultHandler handler, Set<Long> versions) {}
 
     /** Options of a {@link Worker}. */
     public static final class Builder {
@@ -1025,6 +1135,7 @@ public final class Worker implements AutoCloseable {
         private Duration forgetEvery = Duration.ofMinutes(1);
         private Predicate<Throwable> isTransient;
         private java.util.function.Consumer<Envelope> onDuplicate;
+        private RedisClient resultBackend;
         private final Map<String, Handler> handlers = new HashMap<>();
 
         private Builder() {}
@@ -1083,6 +1194,13 @@ public final class Worker implements AutoCloseable {
         /** Called with each Envelope acknowledged as a duplicate of a done idempotency key. */
         public Builder onDuplicate(java.util.function.Consumer<Envelope> v) { onDuplicate = v; return this; }
 
+        /**
+         * The Redis of Celery's result backend (docs/protocol.md section 12): tasks whose Envelope
+         * carries {@code ext.celery.result} get their SUCCESS, FAILURE or REVOKED result written
+         * there. The worker opens its own connection and does not shut the client down.
+         */
+        public Builder resultBackend(RedisClient v) { resultBackend = v; return this; }
+
         /** Registers the handler of {@code taskType}, accepting payload_version 1. */
         public Builder handler(String taskType, TaskHandler handler) {
             return handler(taskType, Set.of(1L), handler);
@@ -1090,6 +1208,20 @@ public final class Worker implements AutoCloseable {
 
         /** Registers the handler of {@code taskType}, accepting the given payload versions. */
         public Builder handler(String taskType, Set<Long> payloadVersions, TaskHandler handler) {
+            Objects.requireNonNull(handler, "handler");
+            return resultHandler(taskType, payloadVersions, task -> {
+                handler.handle(task);
+                return null;
+            });
+        }
+
+        /** Registers a handler of {@code taskType} whose return value is the task's result; payload_version 1. */
+        public Builder resultHandler(String taskType, ResultHandler handler) {
+            return resultHandler(taskType, Set.of(1L), handler);
+        }
+
+        /** Registers a handler of {@code taskType} whose return value is the task's result. */
+        public Builder resultHandler(String taskType, Set<Long> payloadVersions, ResultHandler handler) {
             Objects.requireNonNull(handler, "handler");
             if (payloadVersions == null || payloadVersions.isEmpty()) {
                 throw new IllegalArgumentException("payloadVersions must not be empty");

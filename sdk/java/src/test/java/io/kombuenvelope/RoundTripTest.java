@@ -21,6 +21,7 @@ import java.util.Collections;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.Set;
 import java.util.UUID;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
@@ -118,6 +119,19 @@ class RoundTripTest {
         assertEquals(1, seen.size());
         assertEquals(List.of(seen.get(0).traceId()), childTraces, "a task built in a handler carries its trace id");
         assertTrue(dead().isEmpty());
+    }
+
+    @Test
+    void theStartLineSaysWhatTheWorkerServes() {
+        try (LogCapture log = new LogCapture();
+             Worker w = worker().handler("b.second", Set.of(2L, 1L), t -> { }).resultHandler("a.first", t -> 1)
+                     .build().start()) {
+            assertEquals(Map.of("a.first", List.of(1L), "b.second", List.of(1L, 2L)), w.serves());
+            List<String> lines = log.lines("worker started");
+            assertEquals(1, lines.size(), lines.toString());
+            assertTrue(lines.get(0).contains("queue=" + queue + " "), lines.get(0));
+            assertTrue(lines.get(0).contains("task_types={a.first=[1], b.second=[1, 2]}"), lines.get(0));
+        }
     }
 
     @Test
@@ -339,22 +353,64 @@ class RoundTripTest {
     }
 
     @Test
-    void cancelledTaskIsNotRun() throws Exception {
+    void cancelledTaskIsNotRunWhateverItsQueueAndItsMarkStays() throws Exception {
         AtomicInteger ran = new AtomicInteger();
         try (Producer p = producer()) {
             Envelope e = Envelope.builder("c").build();
             p.publish(e);
             assertEquals("marked", p.cancel(e.taskId()));
+            assertEquals("already", p.cancel(e.taskId()));
+            Envelope elsewhere = Envelope.builder("c").build();
+            p.publishIn("other", elsewhere, Duration.ofMinutes(5));
+            assertEquals(new CancelResult(CancelResult.Outcome.REMOVED, "other"),
+                    p.canceller().cancel(elsewhere.taskId()), "found in a queue the caller did not name");
+            assertNull(redis.zscore(keys.delayed("other"), elsewhere.taskId().getBytes()));
+            assertFalse(redis.hexists(keys.delayedData("other"), elsewhere.taskId()));
             Envelope later = Envelope.builder("c").build();
             p.publishIn(later, Duration.ofMinutes(5));
-            assertEquals("removed", p.cancel(later.taskId()));
+            assertEquals("marked", p.cancel("other", later.taskId()), "only the named queue is looked in");
+            assertNotNull(redis.zscore(keys.delayed(queue), later.taskId().getBytes()));
             try (Worker w = worker().handler("c", t -> ran.incrementAndGet()).build().start()) {
                 await("acknowledged", () -> streamLength() == 0);
+                p.publish(e); // the same id again: its mark is still there
+                await("acknowledged again", () -> streamLength() == 0);
                 Thread.sleep(100);
             }
-            assertNull(redis.zscore(keys.cancelled(queue), e.taskId().getBytes()));
+            assertNotNull(redis.zscore(keys.cancelled(), e.taskId().getBytes()), "the worker removed the mark");
+            assertEquals(3, redis.zcard(keys.cancelled()));
         }
         assertEquals(0, ran.get());
+        assertTrue(dead().isEmpty());
+        assertEquals(0, redis.exists(keys.base(queue) + ":cancelled"), "no per-queue cancel key");
+    }
+
+    @Test
+    void cancelDropsMarksOlderThanAWeek() {
+        long eightDaysAgo = System.currentTimeMillis() - Duration.ofDays(8).toMillis();
+        redis.zadd(keys.cancelled(), eightDaysAgo, "stale".getBytes());
+        redis.zadd(keys.cancelled(), System.currentTimeMillis(), "fresh".getBytes());
+        try (Canceller c = Canceller.builder().client(client).prefix(prefix).build()) {
+            assertEquals(new CancelResult(CancelResult.Outcome.MARKED, null), c.cancel("new-one"));
+            IllegalArgumentException ex = assertThrows(IllegalArgumentException.class, () -> c.cancel("has space"));
+            assertTrue(ex.getMessage().startsWith("task_id"), ex.getMessage());
+        }
+        assertNull(redis.zscore(keys.cancelled(), "stale".getBytes()));
+        assertNotNull(redis.zscore(keys.cancelled(), "fresh".getBytes()));
+        assertNotNull(redis.zscore(keys.cancelled(), "new-one".getBytes()));
+    }
+
+    @Test
+    void anExpiredTaskIsAcknowledgedWithoutRunning() throws Exception {
+        List<String> ran = new CopyOnWriteArrayList<>();
+        try (Producer p = producer(); Worker w = worker().handler("x", t -> ran.add(t.taskId())).build().start()) {
+            Envelope expired = Envelope.builder("x").expires(Instant.now().minusSeconds(1)).build();
+            Envelope fresh = Envelope.builder("x").expiresIn(Duration.ofHours(1)).build();
+            p.publish(expired);
+            p.publish(fresh);
+            await("the fresh one ran and both were acknowledged", () -> ran.size() == 1 && streamLength() == 0);
+            assertEquals(List.of(fresh.taskId()), ran);
+        }
+        assertTrue(dead().isEmpty(), "an expired task is not a failure");
     }
 
     @Test

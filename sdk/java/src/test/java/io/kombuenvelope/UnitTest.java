@@ -1,6 +1,7 @@
 package io.kombuenvelope;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNotEquals;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
@@ -51,6 +52,52 @@ class UnitTest {
         assertTrue(text.indexOf("\"a\"") < text.indexOf("\"b\""), text);
         assertEquals(e, Envelope.parse(text));
         assertNull(e.scheduleTime());
+    }
+
+    @Test
+    void expiresIsWrittenAsGivenAndExpiresAtItsInstant() {
+        Timestamp at = Timestamp.parse("2025-09-11T12:45:00+08:00");
+        Envelope e = Envelope.builder("x").timeoutMs(5L).expires(at).build();
+        String text = e.toString();
+        assertTrue(text.contains("\"timeout_ms\":5,\"expires\":\"2025-09-11T12:45:00+08:00\",\"max_retries\""), text);
+        assertEquals(e, Envelope.parse(text));
+        assertTrue(e.isExpired(at.toInstant()), "expired at its instant");
+        assertFalse(e.isExpired(at.toInstant().minusNanos(1000)));
+        assertFalse(Envelope.builder("x").build().isExpired(java.time.Instant.MAX));
+        assertFalse(Envelope.builder("x").build().toString().contains("expires"), "left out when unset");
+        java.time.Instant before = java.time.Instant.now();
+        Timestamp in = Envelope.builder("x").expiresIn(Duration.ofMinutes(10)).build().expires();
+        assertTrue(!in.isAfter(java.time.Instant.now().plus(Duration.ofMinutes(10)))
+                && in.isAfter(before.plus(Duration.ofMinutes(10)).minusMillis(1)), in.toString());
+    }
+
+    @Test
+    void resultRequestsAreReadFromExtCelery() throws Exception {
+        assertNull(CeleryResults.requestOf(Envelope.builder("x").build()));
+        assertEquals(new CeleryResults.Request("k", 86400L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":86400}")));
+        assertEquals(new CeleryResults.Request("k", 60L), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":60.0}")));
+        assertEquals(new CeleryResults.Request("k", null), CeleryResults.requestOf(withResult("{\"key\":\"k\",\"expires_s\":null}")));
+        for (String bad : List.of("[]", "{}", "{\"key\":7}", "{\"key\":\"\"}", "{\"key\":\"k\",\"expires_s\":0}",
+                "{\"key\":\"k\",\"expires_s\":1.5}", "{\"key\":\"k\",\"expires_s\":\"60\"}")) {
+            IllegalArgumentException e = assertThrows(IllegalArgumentException.class,
+                    () -> CeleryResults.requestOf(withResult(bad)), bad);
+            assertTrue(e.getMessage().startsWith("ext.celery.result"), e.getMessage());
+        }
+    }
+
+    static Envelope withResult(String result) throws Exception {
+        com.fasterxml.jackson.databind.node.ObjectNode celery = Json.MAPPER.createObjectNode();
+        celery.set("result", json(result));
+        return Envelope.builder("x").ext("celery", celery).build();
+    }
+
+    @Test
+    void resultDocumentsHaveTheCeleryShape() {
+        String revoked = new String(CeleryResults.revoked("t-1", "expired"), java.nio.charset.StandardCharsets.UTF_8);
+        assertTrue(revoked.matches("\\{\"status\":\"REVOKED\",\"result\":\\{\"exc_type\":\"TaskRevokedError\","
+                + "\"exc_message\":\\[\"expired\"],\"exc_module\":\"celery.exceptions\"},\"traceback\":null,"
+                + "\"children\":\\[],\"date_done\":\"\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}\\+00:00\","
+                + "\"task_id\":\"t-1\"}"), revoked);
     }
 
     @Test

@@ -1,0 +1,133 @@
+package io.kombuenvelope;
+
+import io.lettuce.core.Range;
+import io.lettuce.core.RedisClient;
+import io.lettuce.core.ScriptOutputType;
+import io.lettuce.core.TransactionResult;
+import io.lettuce.core.ZAddArgs;
+import io.lettuce.core.api.StatefulRedisConnection;
+import io.lettuce.core.api.sync.RedisCommands;
+
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Objects;
+import java.util.TreeSet;
+
+/**
+ * Cancels tasks by id (docs/protocol.md section 10): marks the id in {@code <prefix>:cancelled},
+ * which every worker of every queue looks up before running a task, then removes the task from
+ * the delayed set of every queue in {@code <prefix>:queues} (or of the one queue named) with
+ * cancel.lua. Thread-safe; close it when done. {@link Producer#cancel(String)} uses one.
+ */
+public final class Canceller implements AutoCloseable {
+    /** How long a cancel mark is kept. */
+    public static final Duration MARK_TTL = Duration.ofDays(7);
+
+    private final RedisClient client;
+    private final boolean ownsClient;
+    private final StatefulRedisConnection<String, byte[]> connection;
+    private final Keys keys;
+    private final Duration outageTolerance;
+
+    private Canceller(RedisClient client, boolean ownsClient, Keys keys, Duration outageTolerance) {
+        this.client = client;
+        this.ownsClient = ownsClient;
+        this.connection = client.connect(Redis.CODEC);
+        this.keys = keys;
+        this.outageTolerance = outageTolerance;
+    }
+
+    /** A canceller on a client it does not own (the producer's). */
+    static Canceller on(RedisClient client, Keys keys, Duration outageTolerance) {
+        return new Canceller(client, false, keys, outageTolerance);
+    }
+
+    public static Builder builder() {
+        return new Builder();
+    }
+
+    /** Cancels {@code taskId} wherever it is: the mark, then every queue's delayed set. */
+    public CancelResult cancel(String taskId) {
+        return run(null, taskId);
+    }
+
+    /** Cancels {@code taskId}, looking for it only in the delayed set of {@code queue}. */
+    public CancelResult cancel(String queue, String taskId) {
+        return run(Keys.checkQueueName(queue), taskId);
+    }
+
+    /** One cancel at a time: the mark is a MULTI on the canceller's connection. */
+    private synchronized CancelResult run(String onlyQueue, String taskId) {
+        checkTaskId(taskId);
+        boolean marked = Redis.retrying(outageTolerance, () -> mark(taskId));
+        List<String> queues = onlyQueue != null ? List.of(onlyQueue) : Redis.retrying(outageTolerance, this::queues);
+        String removedFrom = null;
+        RedisCommands<String, byte[]> redis = connection.sync();
+        for (String queue : queues) {
+            byte[] r = Redis.retrying(outageTolerance, () -> Scripts.run(redis, "cancel", ScriptOutputType.VALUE,
+                    List.of(keys.delayed(queue), keys.delayedData(queue)), taskId));
+            if ("removed".equals(Redis.s(r)) && removedFrom == null) {
+                removedFrom = queue;
+            }
+        }
+        if (removedFrom != null) {
+            return new CancelResult(CancelResult.Outcome.REMOVED, removedFrom);
+        }
+        return new CancelResult(marked ? CancelResult.Outcome.MARKED : CancelResult.Outcome.ALREADY, null);
+    }
+
+    /** Drops marks older than a week and adds this one, in one MULTI; answers whether it is new. */
+    private boolean mark(String taskId) {
+        long now = System.currentTimeMillis();
+        TransactionResult r = Redis.transaction(connection, tx -> {
+            tx.zremrangebyscore(keys.cancelled(), Range.from(Range.Boundary.unbounded(),
+                    Range.Boundary.including(now - MARK_TTL.toMillis())));
+            tx.zadd(keys.cancelled(), ZAddArgs.Builder.nx(), (double) now, Redis.b(taskId));
+        });
+        return Long.valueOf(1).equals(r.get(1));
+    }
+
+    private List<String> queues() {
+        TreeSet<String> names = new TreeSet<>();
+        connection.sync().smembers(keys.queues()).forEach(b -> names.add(Redis.s(b)));
+        return new ArrayList<>(names);
+    }
+
+    private static void checkTaskId(String taskId) {
+        if (taskId == null || taskId.length() > 255 || !Envelope.TOKEN.matcher(taskId).matches()) {
+            throw new IllegalArgumentException("task_id must be 1-255 printable ASCII characters without spaces [pattern]");
+        }
+    }
+
+    @Override
+    public void close() {
+        connection.close();
+        if (ownsClient) {
+            client.shutdown(Duration.ZERO, Duration.ofSeconds(2));
+        }
+    }
+
+    /** Options of a {@link Canceller}. */
+    public static final class Builder {
+        private String redisUri = "redis://127.0.0.1:6379";
+        private RedisClient client;
+        private String prefix = Keys.DEFAULT_PREFIX;
+        private Duration outageTolerance = Duration.ofSeconds(30);
+
+        private Builder() {}
+
+        /** A Redis URI such as {@code redis://127.0.0.1:6379/0}. */
+        public Builder redisUri(String v) { redisUri = Objects.requireNonNull(v); return this; }
+        /** Share a Lettuce client (the canceller then does not shut it down). */
+        public Builder client(RedisClient v) { client = v; return this; }
+        public Builder prefix(String v) { prefix = v; return this; }
+        /** How long each step is retried while Redis is unreachable (30 s by default). */
+        public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
+
+        public Canceller build() {
+            boolean owns = client == null;
+            return new Canceller(owns ? Redis.client(redisUri) : client, owns, new Keys(prefix), outageTolerance);
+        }
+    }
+}
