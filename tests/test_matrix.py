@@ -58,7 +58,7 @@ pytestmark = [
 APP = "apps.matrix_app"
 TASK = "matrix.task"
 #: Scenario families worked by the long-lived process of every language.
-FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem")
+FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result")
 #: How long a scenario may take to settle once published.
 SETTLE_S = 40.0
 #: Who finishes the task of a language whose worker is killed (Celery workers consume the
@@ -142,7 +142,8 @@ class Matrix:
 
     def json_peer(self, language: str, *work: str) -> JsonLinePeer:
         """Start (not wait for) a peer process of ``language`` working ``work``."""
-        common = ["--redis", self.redis_url, "--prefix", self.prefix, "--work", ",".join(work)]
+        common = ["--redis", self.redis_url, "--prefix", self.prefix, "--work", ",".join(work),
+                  "--results", self.redis_url]
         log = self.tmp / f"{language}-{uuid.uuid4().hex[:6]}.log"
         if language == "go":
             return JsonLinePeer("go", [str(self.go_binary), "matrix", *common], log, cwd=GO_DIR)
@@ -326,6 +327,8 @@ def test_dead_letter_then_replay_edited_by_another_language(matrix: Matrix) -> N
              != ("task_error", DEAD_LETTER_LANGUAGE[worker])}
     assert not wrong, f"task_id -> (failure_class, language): {wrong}"
     assert not any(matrix.records.effects(expected).values())
+    # Without x-retry-policy the first failure is final, whoever produced the task.
+    first_attempts = matrix.records.read("attempts", expected)
 
     for tid, worker in expected.items():
         matrix.peers[replayer[tid]].send("replay", queue=matrix.queue("dead", worker),
@@ -340,6 +343,8 @@ def test_dead_letter_then_replay_edited_by_another_language(matrix: Matrix) -> N
                    for w in LANGUAGES)
     assert replayed == len(PAIRS)
     matrix.assert_drained(*(matrix.queue("dead", w) for w in LANGUAGES))
+    retried = {tid: got for tid, got in first_attempts.items() if got != [f"{expected[tid]}:0"]}
+    assert not retried, f"retried without x-retry-policy (task_id -> attempts): {retried}"
 
 
 def test_one_idempotency_key_from_three_languages_has_one_effect(matrix: Matrix) -> None:
@@ -410,3 +415,114 @@ def test_sigkill_mid_task_is_finished_by_another_language(matrix: Matrix) -> Non
     matrix.expect_effects(expected)
     assert started() == {tid: [victim, RESCUER[victim]] for victim, tid in by_victim.items()}
     matrix.assert_drained(*(matrix.queue("kill", w) for w in LANGUAGES))
+
+
+def hold_every_worker(matrix: Matrix, family: str, hold_ms: int) -> dict[str, str]:
+    """Give each worker language's queue of ``family`` a task that holds its worker for
+    ``hold_ms``, so what is published next waits in the stream; wait until all started.
+    Returns worker language -> the holding task's id."""
+    plan, holders = [], {}
+    for worker in LANGUAGES:
+        tid = task_id(f"{family}-hold", worker, worker)
+        plan.append((worker, matrix.queue(family, worker),
+                     {"task_id": tid, "payload": {"hold_ms": hold_ms}}))
+        holders[worker] = tid
+    matrix.publish(plan)
+    wait_for(lambda: all(matrix.records.read("started", holders.values()).values()),
+             timeout=SETTLE_S, message=matrix.logs)
+    return holders
+
+
+def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
+    """Each producer language cancels (Celery: ``revoke()``) one task waiting in a stream
+    and one delayed task of every worker language, knowing only their ids: neither runs.
+    Tasks published after them run; nothing is dead-lettered."""
+    holders = hold_every_worker(matrix, "cancel", 2500)
+    due = datetime.now(timezone.utc) + timedelta(seconds=2)
+    plan, queued, delayed, after = [], {}, {}, {}
+    for producer, worker in PAIRS:
+        queue = matrix.queue("cancel", worker)
+        now_id, later_id = task_id("queued", producer, worker), task_id("later", producer, worker)
+        plan.append((producer, queue, {"task_id": now_id}))
+        plan.append((producer, queue, {"task_id": later_id, "schedule_time": due.isoformat()}))
+        queued[now_id], delayed[later_id] = (producer, queue), (producer, queue)
+    matrix.publish(plan)
+    for producer in LANGUAGES:
+        ids = [tid for tid, (p, _) in [*queued.items(), *delayed.items()] if p == producer]
+        matrix.peers[producer].send("cancel", task_ids=ids)
+    outcomes = {}
+    for producer in LANGUAGES:
+        ids = [tid for tid, (p, _) in [*queued.items(), *delayed.items()] if p == producer]
+        answer = matrix.peers[producer].receive()["outcomes"]
+        outcomes.update(zip(ids, answer, strict=True))
+    expected_outcomes = {
+        **{tid: {"outcome": "marked", "queue": None} for tid in queued},
+        **{tid: {"outcome": "removed", "queue": queue} for tid, (_, queue) in delayed.items()},
+    }
+    # Celery's revoke() answers nothing: its effect is checked below, like everyone's.
+    wrong = {tid: got for tid, got in outcomes.items()
+             if got["outcome"] is not None and got != expected_outcomes[tid]}
+    assert not wrong, f"task_id -> cancel outcome: {wrong}"
+    plan = []
+    for producer, worker in PAIRS:
+        tid = task_id("after", producer, worker)
+        plan.append((producer, matrix.queue("cancel", worker), {"task_id": tid}))
+        after[tid] = worker
+    matrix.publish(plan)
+    matrix.expect_effects({**after, **{tid: w for w, tid in holders.items()}})
+    wait_for(lambda: datetime.now(timezone.utc) > due + timedelta(seconds=1), timeout=10)
+    cancelled = [*queued, *delayed]
+    ran = {tid: got for tid, got in matrix.records.read("attempts", cancelled).items() if got}
+    assert not ran, f"cancelled tasks that ran: {ran}"
+    queues = [matrix.queue("cancel", w) for w in LANGUAGES]
+    matrix.assert_drained(*queues)
+    assert not any(matrix.dead_entries(q) for q in queues)
+
+
+def test_expires(matrix: Matrix) -> None:
+    """A task whose ``expires`` passes while it waits in a stream, or before it is due, is
+    acknowledged without running, by every worker language; one that has not expired runs."""
+    holders = hold_every_worker(matrix, "expires", 2500)
+    plus8 = timezone(timedelta(hours=8))
+    now = datetime.now(plus8)
+    soon, later = now + timedelta(milliseconds=800), now + timedelta(seconds=60)
+    plan, expired, live = [], [], {}
+    for producer, worker in PAIRS:
+        queue = matrix.queue("expires", worker)
+        waiting, delayed, fresh = (task_id(name, producer, worker)
+                                   for name in ("expired", "expired-delayed", "fresh"))
+        plan.append((producer, queue, {"task_id": waiting, "expires": soon.isoformat()}))
+        plan.append((producer, queue, {"task_id": delayed, "expires": soon.isoformat(),
+                                       "schedule_time": (soon + timedelta(seconds=1)).isoformat()}))
+        plan.append((producer, queue, {"task_id": fresh, "expires": later.isoformat()}))
+        expired += [waiting, delayed]
+        live[fresh] = worker
+    matrix.publish(plan)
+    assert datetime.now(plus8) < soon, "published too slowly to expire while waiting"
+    matrix.expect_effects({**live, **{tid: w for w, tid in holders.items()}})
+    queues = [matrix.queue("expires", w) for w in LANGUAGES]
+    matrix.assert_drained(*queues)
+    ran = {tid: got for tid, got in matrix.records.read("attempts", expired).items() if got}
+    assert not ran, f"expired tasks that ran: {ran}"
+    assert not any(matrix.dead_entries(q) for q in queues)
+
+
+def test_celery_async_result_get_of_a_task_run_in_each_language(matrix: Matrix) -> None:
+    """A Celery caller's ``AsyncResult.get()`` returns what the handler of each worker
+    language returned, and raises the handler's error for a task that failed."""
+    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    sent = {}
+    for worker in LANGUAGES:
+        queue = matrix.queue("result", worker)
+        ok = app.send_task(TASK, kwargs={}, queue=queue, task_id=task_id("ok", "py", worker))
+        failed = app.send_task(TASK, kwargs={"fail": True}, queue=queue,
+                               task_id=task_id("failed", "py", worker))
+        sent[worker] = (ok, failed)
+    for worker, (ok, failed) in sent.items():
+        assert ok.get(timeout=SETTLE_S) == {"language": worker}, worker
+        with pytest.raises(Exception) as caught:
+            failed.get(timeout=SETTLE_S)
+        assert type(caught.value).__name__.endswith("MatrixFailure"), (worker, caught.value)
+        assert "matrix.task failed attempt" in str(caught.value), (worker, caught.value)
+        assert failed.state == "FAILURE"
+    matrix.assert_drained(*(matrix.queue("result", w) for w in LANGUAGES))

@@ -7,7 +7,7 @@ Every language runs one long-lived process for the module, which produces and wo
 * Go, Node.js, Java: :class:`JsonLinePeer`, a subprocess of the language's peer
   (``tests/interop/go`` ``matrix``, ``tests/interop/node/matrix.js``,
   ``tests/interop/java`` ``MatrixPeer``) that works the queues it is given and answers
-  JSON-line commands on stdin: ``publish``, ``replay`` and ``consume``.
+  JSON-line commands on stdin: ``publish``, ``replay``, ``cancel`` and ``consume``.
 
 Both kinds of peer have the same methods: :meth:`~Peer.send` a command and
 :meth:`~Peer.receive` its answer, so a scenario sends to every peer before waiting for
@@ -152,8 +152,9 @@ class JsonLinePeer:
 class CeleryPeer:
     """The Python producer side: a Celery app on ``envelope://`` in this process.
 
-    ``publish`` is Celery's ``send_task`` (``eta`` for ``schedule_time``, the headers
-    ``max_retries``, ``idempotency_key`` and ``x-retry-policy``); ``replay`` is
+    ``publish`` is Celery's ``send_task`` (``eta`` for ``schedule_time``, ``expires``, the
+    headers ``max_retries``, ``idempotency_key`` and ``x-retry-policy``); ``cancel`` is
+    Celery's ``revoke()``, which answers no outcome (``None``); ``replay`` is
     :class:`kombu_envelope.deadletter.DeadLetters`. Answers are computed when sent.
     """
 
@@ -168,6 +169,10 @@ class CeleryPeer:
         if op == "publish":
             queue_name = fields["queue"]
             answer = {"task_ids": [self._send_task(queue_name, task) for task in fields["tasks"]]}
+        elif op == "cancel":
+            for task_id in fields["task_ids"]:
+                self.app.control.revoke(task_id)
+            answer = {"outcomes": [{"outcome": None, "queue": None}] * len(fields["task_ids"])}
         elif op == "replay":
             edit = ReplayEdit(payload=fields.get("payload"))
             answer = {"entry_id": self.dead.replay(fields["queue"], fields["entry_id"], edit,
@@ -187,11 +192,11 @@ class CeleryPeer:
             headers["idempotency_key"] = task["idempotency_key"]
         if task.get("retry_policy"):
             headers["x-retry-policy"] = task["retry_policy"]
-        eta = task.get("schedule_time")
+        eta, expires = task.get("schedule_time"), task.get("expires")
         sent = self.app.send_task(
             task["task_type"], kwargs=dict(task.get("payload") or {}), queue=queue_name,
             task_id=task.get("task_id"), eta=datetime.fromisoformat(eta) if eta else None,
-            headers=headers,
+            expires=datetime.fromisoformat(expires) if expires else None, headers=headers,
         )
         return str(sent.id)
 

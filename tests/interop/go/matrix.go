@@ -7,11 +7,13 @@ package main
 //	{"id": 1, "op": "publish", "queue": Q, "tasks": [TASK, ...]}  -> {"id": 1, "ok": true, "task_ids": [...]}
 //	{"id": 2, "op": "replay", "queue": Q, "entry_id": E, "payload": {...}} -> {"id": 2, "ok": true, "entry_id": NEW}
 //	{"id": 3, "op": "consume", "queue": Q}                         -> {"id": 3, "ok": true}
+//	{"id": 4, "op": "cancel", "task_ids": [...]}                   -> {"id": 4, "ok": true, "outcomes": [{"outcome", "queue"}, ...]}
 //
-// TASK is {"task_id", "task_type", "payload", "schedule_time", "max_retries"
-// (absent: 3, null: unlimited), "retry_policy", "idempotency_key"}. A failed
-// command answers {"id": N, "ok": false, "error": "..."}; the process ends when
-// stdin closes or on SIGTERM.
+// TASK is {"task_id", "task_type", "payload", "schedule_time", "expires",
+// "max_retries" (absent: 3, null: unlimited), "retry_policy", "idempotency_key"}.
+// A failed command answers {"id": N, "ok": false, "error": "..."}; the process
+// ends when stdin closes or on SIGTERM. Workers write the results Celery callers
+// ask for to the Redis of --results.
 
 import (
 	"bufio"
@@ -39,6 +41,7 @@ type matrixTask struct {
 	TaskType       string          `json:"task_type"`
 	Payload        json.RawMessage `json:"payload"`
 	ScheduleTime   string          `json:"schedule_time"`
+	Expires        string          `json:"expires"`
 	MaxRetries     json.RawMessage `json:"max_retries"` // empty: absent; "null": unlimited
 	RetryPolicy    string          `json:"retry_policy"`
 	IdempotencyKey string          `json:"idempotency_key"`
@@ -51,12 +54,14 @@ type matrixCommand struct {
 	Queue   string          `json:"queue"`
 	Tasks   []matrixTask    `json:"tasks"`
 	EntryID string          `json:"entry_id"`
+	TaskIDs []string        `json:"task_ids"`
 	Payload json.RawMessage `json:"payload"`
 }
 
 // matrixPeer holds the process's connection, producer and workers.
 type matrixPeer struct {
 	client   *redis.Client
+	results  *redis.Client
 	scripts  envelope.Scripts
 	prefix   string
 	producer *envelope.Producer
@@ -71,6 +76,7 @@ func matrix(args []string) error {
 	var c common
 	c.register(fs)
 	work := fs.String("work", "", "comma-separated queues to work")
+	resultsURL := fs.String("results", "", "Redis URL of Celery's result backend (default --redis)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -83,10 +89,17 @@ func matrix(args []string) error {
 		return err
 	}
 	defer client.Close()
+	results := client
+	if *resultsURL != "" {
+		if results, err = envelope.NewClient(*resultsURL); err != nil {
+			return err
+		}
+		defer results.Close()
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	m := &matrixPeer{
-		client: client, scripts: scripts, prefix: c.prefix, ctx: ctx,
+		client: client, results: results, scripts: scripts, prefix: c.prefix, ctx: ctx,
 		producer: envelope.NewProducer(client, c.prefix, scripts),
 		dead:     envelope.NewDeadLetters(client, c.prefix, scripts),
 		logger:   slog.New(slog.NewJSONHandler(os.Stderr, nil)),
@@ -149,6 +162,8 @@ func (m *matrixPeer) answer(line []byte) map[string]any {
 		reply["entry_id"], err = m.replay(cmd.Queue, cmd.EntryID, cmd.Payload)
 	case "consume":
 		err = m.consume(cmd.Queue)
+	case "cancel":
+		reply["outcomes"], err = m.cancel(cmd.TaskIDs)
 	default:
 		err = fmt.Errorf("unknown op %q", cmd.Op)
 	}
@@ -194,6 +209,13 @@ func (t matrixTask) envelope() (*envelope.Envelope, error) {
 		}
 		e.ScheduleTime = &when
 	}
+	if t.Expires != "" {
+		when, err := envelope.ParseTimestamp(t.Expires)
+		if err != nil {
+			return nil, fmt.Errorf("expires: %w", err)
+		}
+		e.Expires = &when
+	}
 	if len(t.MaxRetries) > 0 {
 		var n *int64
 		if err := json.Unmarshal(t.MaxRetries, &n); err != nil {
@@ -208,6 +230,23 @@ func (t matrixTask) envelope() (*envelope.Envelope, error) {
 		e.IdempotencyKey = &t.IdempotencyKey
 	}
 	return e, nil
+}
+
+// cancel answers each task's outcome and, for "removed", the queue (else null).
+func (m *matrixPeer) cancel(taskIDs []string) ([]map[string]any, error) {
+	outcomes := make([]map[string]any, 0, len(taskIDs))
+	for _, id := range taskIDs {
+		res, err := m.producer.Cancel(m.ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		outcome := map[string]any{"outcome": string(res.Status), "queue": nil}
+		if res.Queue != "" {
+			outcome["queue"] = res.Queue
+		}
+		outcomes = append(outcomes, outcome)
+	}
+	return outcomes, nil
 }
 
 func (m *matrixPeer) replay(queue, id string, payload json.RawMessage) (string, error) {
@@ -228,12 +267,12 @@ func (m *matrixPeer) consume(queue string) error {
 	w, err := envelope.NewWorker(m.client, m.scripts, envelope.Config{
 		Prefix: m.prefix, Queue: queue, Lease: 3000 * ms, Block: 200 * ms,
 		Retry:      envelope.RetryPolicy{FastRetries: 2, Backoff: 200 * ms, MaxBackoff: 1000 * ms},
-		DeferDelay: 300 * ms, Logger: m.logger.With("queue", queue),
+		DeferDelay: 300 * ms, Logger: m.logger.With("queue", queue), ResultBackend: m.results,
 	})
 	if err != nil {
 		return err
 	}
-	w.Handle("matrix.task", matrixHandler(m.client, m.prefix))
+	w.HandleResult("matrix.task", matrixHandler(m.client, m.prefix))
 	m.workers.Add(1)
 	go func() {
 		defer m.workers.Done()
@@ -256,40 +295,41 @@ func (e *MatrixFailure) ExceptionType() string { return "MatrixFailure" }
 // it records the attempt in <prefix>:mx:attempts:<task_id> ("go:<retry_count>"),
 // with hold_ms records <prefix>:mx:started:<task_id> and waits, fails while
 // "fail" is true or for the first fail_times attempts, and otherwise records its
-// effect in <prefix>:mx:effect:<task_id> ("go:<unix ms>").
-func matrixHandler(client *redis.Client, prefix string) envelope.HandlerFunc {
-	return func(ctx context.Context, t *envelope.Task) error {
+// effect in <prefix>:mx:effect:<task_id> ("go:<unix ms>") and returns
+// {"language": "go"}.
+func matrixHandler(client *redis.Client, prefix string) envelope.ResultHandlerFunc {
+	return func(ctx context.Context, t *envelope.Task) (any, error) {
 		var p struct {
 			HoldMS    int64 `json:"hold_ms"`
 			FailTimes int64 `json:"fail_times"`
 			Fail      bool  `json:"fail"`
 		}
 		if err := t.DecodePayload(&p); err != nil {
-			return envelope.InvalidPayload(err)
+			return nil, envelope.InvalidPayload(err)
 		}
 		key := func(what string) string { return prefix + ":mx:" + what + ":" + t.TaskID }
 		attempt, err := client.RPush(ctx, key("attempts"),
 			fmt.Sprintf("%s:%d", envelope.Language, t.RetryCount)).Result()
 		if err != nil {
-			return envelope.Transient(err)
+			return nil, envelope.Transient(err)
 		}
 		if p.HoldMS > 0 {
 			if err := client.RPush(ctx, key("started"), envelope.Language).Err(); err != nil {
-				return envelope.Transient(err)
+				return nil, envelope.Transient(err)
 			}
 			select {
 			case <-ctx.Done():
-				return ctx.Err()
+				return nil, ctx.Err()
 			case <-time.After(time.Duration(p.HoldMS) * time.Millisecond):
 			}
 		}
 		if p.Fail || attempt <= p.FailTimes {
-			return &MatrixFailure{attempt}
+			return nil, &MatrixFailure{attempt}
 		}
 		effect := fmt.Sprintf("%s:%d", envelope.Language, time.Now().UnixMilli())
 		if err := client.RPush(ctx, key("effect"), effect).Err(); err != nil {
-			return envelope.Transient(err)
+			return nil, envelope.Transient(err)
 		}
-		return nil
+		return map[string]string{"language": envelope.Language}, nil
 	}
 }

@@ -2,7 +2,7 @@
 // The Node.js process of the cross-language matrix (tests/test_matrix.py), over the SDK
 // as any service uses it:
 //
-//   node matrix.js --redis URL --prefix P [--work Q1,Q2,...]
+//   node matrix.js --redis URL --prefix P [--work Q1,Q2,...] [--results URL]
 //
 // It works the queues of --work with the matrix handler (matrix-handler.js) and answers
 // JSON-line commands on stdin with one JSON line each on stdout:
@@ -10,10 +10,12 @@
 //   {"id": 1, "op": "publish", "queue": Q, "tasks": [TASK, ...]}      -> {"id": 1, "ok": true, "task_ids": [...]}
 //   {"id": 2, "op": "replay", "queue": Q, "entry_id": E, "payload": {...}} -> {"id": 2, "ok": true, "entry_id": NEW}
 //   {"id": 3, "op": "consume", "queue": Q}                             -> {"id": 3, "ok": true}
+//   {"id": 4, "op": "cancel", "task_ids": [...]}                      -> {"id": 4, "ok": true, "outcomes": [{outcome, queue}, ...]}
 //
-// TASK is {task_id, task_type, payload, schedule_time, max_retries (absent: 3, null:
-// unlimited), retry_policy, idempotency_key}. A failed command answers
+// TASK is {task_id, task_type, payload, schedule_time, expires, max_retries (absent: 3,
+// null: unlimited), retry_policy, idempotency_key}. A failed command answers
 // {"id": N, "ok": false, "error": "..."}. The process ends when stdin closes or on SIGTERM.
+// Workers write the results Celery callers ask for to the Redis of --results (default --redis).
 
 import readline from 'node:readline';
 import Redis from 'ioredis';
@@ -35,7 +37,7 @@ function parseArgs(argv) {
 /** The Envelope fields a TASK of a publish command describes. */
 function fieldsOf(task) {
   const fields = { task_type: task.task_type, payload: task.payload ?? {} };
-  for (const name of ['task_id', 'schedule_time', 'idempotency_key']) {
+  for (const name of ['task_id', 'schedule_time', 'expires', 'idempotency_key']) {
     if (task[name] !== undefined) fields[name] = task[name];
   }
   if (Object.hasOwn(task, 'max_retries')) fields.max_retries = task.max_retries;
@@ -58,7 +60,7 @@ class MatrixPeer {
     const worker = new Worker({
       redis: this.args.redis, prefix: this.args.prefix, queue, leaseMs: 3000, blockMs: 200,
       backoffMs: 200, maxBackoffMs: 1000, deferMs: 300, promoter: this.workers.length === 0,
-      logger: this.log,
+      resultBackend: this.args.results ?? this.args.redis, logger: this.log,
     });
     registerMatrixHandler(worker);
     this.workers.push(worker);
@@ -88,6 +90,11 @@ class MatrixPeer {
         case 'consume':
           await this.consume(queue);
           return { id, ok: true };
+        case 'cancel': {
+          const outcomes = [];
+          for (const taskId of command.task_ids) outcomes.push(await this.producer.cancel(taskId));
+          return { id, ok: true, outcomes };
+        }
         default:
           throw new Error(`unknown op ${JSON.stringify(op)}`);
       }

@@ -2,8 +2,10 @@ package io.kombuenvelope.matrix;
 
 import io.kombuenvelope.Task;
 import io.kombuenvelope.TaskFailure;
-import io.kombuenvelope.TaskHandler;
+import io.kombuenvelope.ResultHandler;
 import io.lettuce.core.api.sync.RedisCommands;
+
+import java.util.Map;
 
 /**
  * {@code matrix.task}, the handler every language of the cross-language matrix runs alike
@@ -11,9 +13,11 @@ import io.lettuce.core.api.sync.RedisCommands;
  * It records the attempt ({@code RPUSH <prefix>:mx:attempts:<task_id> "java:<retry_count>"}); with
  * {@code hold_ms} records {@code <prefix>:mx:started:<task_id>} and waits; fails with
  * {@link MatrixFailure} while {@code fail} is true or for the first {@code fail_times} attempts;
- * and otherwise records its effect ({@code RPUSH <prefix>:mx:effect:<task_id> "java:<unix ms>"}).
+ * otherwise
+ * records its effect ({@code RPUSH <prefix>:mx:effect:<task_id> "java:<unix ms>"}) and returns
+ * {@code {"language": "java"}}, the result a Celery caller receives.
  */
-final class MatrixHandler implements TaskHandler {
+final class MatrixHandler implements ResultHandler {
     static final String TASK_TYPE = "matrix.task";
 
     /** The error of a task asked to fail: not transient. */
@@ -33,7 +37,7 @@ final class MatrixHandler implements TaskHandler {
     }
 
     @Override
-    public void handle(Task task) throws Exception {
+    public Object handle(Task task) throws Exception {
         long holdMs = count(task, "hold_ms");
         long failTimes = count(task, "fail_times");
         long attempt = redis.rpush(key("attempts", task), "java:" + task.retryCount());
@@ -45,6 +49,7 @@ final class MatrixHandler implements TaskHandler {
             throw new MatrixFailure("matrix.task failed attempt " + attempt);
         }
         redis.rpush(key("effect", task), "java:" + System.currentTimeMillis());
+        return Map.of("language", "java");
     }
 
     private String key(String what, Task task) {

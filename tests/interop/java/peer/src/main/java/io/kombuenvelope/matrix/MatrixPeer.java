@@ -3,6 +3,7 @@ package io.kombuenvelope.matrix;
 import com.fasterxml.jackson.databind.JsonNode;
 import com.fasterxml.jackson.databind.ObjectMapper;
 import com.fasterxml.jackson.databind.node.ObjectNode;
+import io.kombuenvelope.CancelResult;
 import io.kombuenvelope.DeadLetters;
 import io.kombuenvelope.Envelope;
 import io.kombuenvelope.Producer;
@@ -28,27 +29,31 @@ import java.util.List;
  * {"id": 1, "op": "publish", "queue": Q, "tasks": [TASK, ...]}        -&gt; {"id": 1, "ok": true, "task_ids": [...]}
  * {"id": 2, "op": "replay", "queue": Q, "entry_id": E, "payload": {}} -&gt; {"id": 2, "ok": true, "entry_id": NEW}
  * {"id": 3, "op": "consume", "queue": Q}                              -&gt; {"id": 3, "ok": true}
+ * {"id": 4, "op": "cancel", "task_ids": [...]}                         -&gt; {"id": 4, "ok": true, "outcomes": [{outcome, queue}]}
  * </pre>
  *
- * TASK is {task_id, task_type, payload, schedule_time, max_retries (absent: 3, null: unlimited),
- * retry_policy, idempotency_key}. A failed command answers {"id": N, "ok": false, "error": "..."}.
- * The process ends when stdin closes.
+ * TASK is {task_id, task_type, payload, schedule_time, expires, max_retries (absent: 3, null:
+ * unlimited), retry_policy, idempotency_key}. A failed command answers {"id": N, "ok": false,
+ * "error": "..."}. The process ends when stdin closes. Workers write the results Celery callers ask
+ * for to the Redis of {@code --results} (default {@code --redis}).
  *
- * <pre>java -cp ... io.kombuenvelope.matrix.MatrixPeer --redis URL --prefix P [--work Q1,Q2,...]</pre>
+ * <pre>java -cp ... io.kombuenvelope.matrix.MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]</pre>
  */
 public final class MatrixPeer implements AutoCloseable {
     private static final ObjectMapper JSON = new ObjectMapper();
 
     private final String prefix;
     private final RedisClient client;
+    private final RedisClient results;
     private final StatefulRedisConnection<String, String> connection;
     private final Producer producer;
     private final DeadLetters dead;
     private final List<Worker> workers = new ArrayList<>();
 
-    private MatrixPeer(String redisUri, String prefix) {
+    private MatrixPeer(String redisUri, String prefix, String resultsUri) {
         this.prefix = prefix;
         this.client = RedisClient.create(redisUri);
+        this.results = resultsUri == null ? client : RedisClient.create(resultsUri);
         this.connection = client.connect();
         this.producer = Producer.builder().client(client).prefix(prefix).build();
         this.dead = DeadLetters.builder().client(client).prefix(prefix).build();
@@ -58,19 +63,21 @@ public final class MatrixPeer implements AutoCloseable {
         String redis = null;
         String prefix = null;
         String work = "";
+        String results = null;
         for (int i = 0; i + 1 < args.length; i += 2) {
             switch (args[i]) {
                 case "--redis" -> redis = args[i + 1];
                 case "--prefix" -> prefix = args[i + 1];
                 case "--work" -> work = args[i + 1];
+                case "--results" -> results = args[i + 1];
                 default -> throw new IllegalArgumentException("unknown argument " + args[i]);
             }
         }
         if (redis == null || prefix == null || args.length % 2 != 0) {
-            System.err.println("usage: MatrixPeer --redis URL --prefix P [--work Q1,Q2,...]");
+            System.err.println("usage: MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]");
             System.exit(64);
         }
-        try (MatrixPeer peer = new MatrixPeer(redis, prefix)) {
+        try (MatrixPeer peer = new MatrixPeer(redis, prefix, results)) {
             for (String queue : work.split(",")) {
                 if (!queue.isEmpty()) {
                     peer.consume(queue);
@@ -94,7 +101,8 @@ public final class MatrixPeer implements AutoCloseable {
                 .deferDelay(Duration.ofMillis(300)).shutdownTimeout(Duration.ofSeconds(2))
                 .retryPolicy(new RetryPolicy(2, Duration.ofMillis(200), Duration.ofMillis(1000)))
                 .runPromoter(workers.isEmpty())
-                .handler(MatrixHandler.TASK_TYPE, new MatrixHandler(connection.sync(), prefix))
+                .resultBackend(results)
+                .resultHandler(MatrixHandler.TASK_TYPE, new MatrixHandler(connection.sync(), prefix))
                 .build().start());
     }
 
@@ -123,6 +131,13 @@ public final class MatrixPeer implements AutoCloseable {
                             b -> payload == null ? b : b.payload((ObjectNode) payload), "matrix"));
                 }
                 case "consume" -> consume(queue);
+                case "cancel" -> {
+                    var outcomes = reply.putArray("outcomes");
+                    for (JsonNode id : command.path("task_ids")) {
+                        CancelResult r = producer.canceller().cancel(id.asText());
+                        outcomes.addObject().put("outcome", r.outcome().word()).put("queue", r.queue());
+                    }
+                }
                 default -> throw new IllegalArgumentException("unknown op " + command.path("op"));
             }
         } catch (RuntimeException e) {
@@ -144,6 +159,9 @@ public final class MatrixPeer implements AutoCloseable {
         if (task.hasNonNull("schedule_time")) {
             b.scheduleTime(Timestamp.parse(task.get("schedule_time").asText()));
         }
+        if (task.hasNonNull("expires")) {
+            b.expires(Timestamp.parse(task.get("expires").asText()));
+        }
         if (task.has("max_retries")) {
             b.maxRetries(task.get("max_retries").isNull() ? null : task.get("max_retries").asLong());
         }
@@ -164,6 +182,9 @@ public final class MatrixPeer implements AutoCloseable {
         producer.close();
         dead.close();
         connection.close();
+        if (results != client) {
+            results.shutdown();
+        }
         client.shutdown();
     }
 }
