@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -61,6 +62,8 @@ TASK = "matrix.task"
 FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result")
 #: How long a scenario may take to settle once published.
 SETTLE_S = 40.0
+#: How long a holding task keeps its worker busy while a scenario publishes behind it.
+HOLD_MS = 3000
 #: Who finishes the task of a language whose worker is killed (Celery workers consume the
 #: queues they start with, so a Celery worker is never the one started later).
 RESCUER = {"py": "go", "go": "node", "node": "java", "java": "go"}
@@ -437,7 +440,7 @@ def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
     """Each producer language cancels (Celery: ``revoke()``) one task waiting in a stream
     and one delayed task of every worker language, knowing only their ids: neither runs.
     Tasks published after them run; nothing is dead-lettered."""
-    holders = hold_every_worker(matrix, "cancel", 2500)
+    holders = hold_every_worker(matrix, "cancel", HOLD_MS)
     due = datetime.now(timezone.utc) + timedelta(seconds=2)
     plan, queued, delayed, after = [], {}, {}, {}
     for producer, worker in PAIRS:
@@ -455,6 +458,7 @@ def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
         ids = [tid for tid, (p, _) in [*queued.items(), *delayed.items()] if p == producer]
         answer = matrix.peers[producer].receive()["outcomes"]
         outcomes.update(zip(ids, answer, strict=True))
+    cancelled_ms = int(time.time() * 1000)
     expected_outcomes = {
         **{tid: {"outcome": "marked", "queue": None} for tid in queued},
         **{tid: {"outcome": "removed", "queue": queue} for tid, (_, queue) in delayed.items()},
@@ -470,6 +474,9 @@ def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
         after[tid] = worker
     matrix.publish(plan)
     matrix.expect_effects({**after, **{tid: w for w, tid in holders.items()}})
+    released = matrix.records.effect_times(holders.values())
+    assert all(times[0] >= cancelled_ms for times in released.values()), (
+        f"a holding task ended before every cancel was answered at {cancelled_ms}: {released}")
     wait_for(lambda: datetime.now(timezone.utc) > due + timedelta(seconds=1), timeout=10)
     cancelled = [*queued, *delayed]
     ran = {tid: got for tid, got in matrix.records.read("attempts", cancelled).items() if got}
@@ -477,15 +484,16 @@ def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
     queues = [matrix.queue("cancel", w) for w in LANGUAGES]
     matrix.assert_drained(*queues)
     assert not any(matrix.dead_entries(q) for q in queues)
+    assert_revoked(matrix, [tid for tid, (producer, _) in queued.items() if producer == "py"])
 
 
 def test_expires(matrix: Matrix) -> None:
     """A task whose ``expires`` passes while it waits in a stream, or before it is due, is
     acknowledged without running, by every worker language; one that has not expired runs."""
-    holders = hold_every_worker(matrix, "expires", 2500)
+    holders = hold_every_worker(matrix, "expires", HOLD_MS)
     plus8 = timezone(timedelta(hours=8))
     now = datetime.now(plus8)
-    soon, later = now + timedelta(milliseconds=800), now + timedelta(seconds=60)
+    soon, later = now + timedelta(milliseconds=HOLD_MS // 2), now + timedelta(seconds=60)
     plan, expired, live = [], [], {}
     for producer, worker in PAIRS:
         queue = matrix.queue("expires", worker)
@@ -505,6 +513,15 @@ def test_expires(matrix: Matrix) -> None:
     ran = {tid: got for tid, got in matrix.records.read("attempts", expired).items() if got}
     assert not ran, f"expired tasks that ran: {ran}"
     assert not any(matrix.dead_entries(q) for q in queues)
+    assert_revoked(matrix, [tid for tid in expired if tid.startswith("expired-py-")])
+
+
+def assert_revoked(matrix: Matrix, task_ids: list[str]) -> None:
+    """The Celery caller of each task sees it ``REVOKED`` (written by whichever worker
+    language acknowledged it without running it)."""
+    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    states = {tid: app.AsyncResult(tid).state for tid in task_ids}
+    assert set(states.values()) == {"REVOKED"}, states
 
 
 def test_celery_async_result_get_of_a_task_run_in_each_language(matrix: Matrix) -> None:
