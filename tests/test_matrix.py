@@ -346,6 +346,11 @@ def test_dead_letter_then_replay_edited_by_another_language(matrix: Matrix) -> N
                    for w in LANGUAGES)
     assert replayed == len(PAIRS)
     matrix.assert_drained(*(matrix.queue("dead", w) for w in LANGUAGES))
+    # A Celery caller of a replayed task gets the result of the run that ended it.
+    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    results = {tid: app.AsyncResult(tid).get(timeout=10) for tid in expected
+               if tid.startswith("dead-py-")}
+    assert results == {tid: {"language": expected[tid]} for tid in results}, results
     retried = {tid: got for tid, got in first_attempts.items() if got != [f"{expected[tid]}:0"]}
     assert not retried, f"retried without x-retry-policy (task_id -> attempts): {retried}"
 
@@ -374,12 +379,19 @@ def test_one_idempotency_key_from_three_languages_has_one_effect(matrix: Matrix)
 
     wait_for(settled, timeout=SETTLE_S, interval=0.1, message=matrix.logs)
     effects = matrix.records.effects(tid for _, ids in by_worker.values() for tid in ids)
+    app = matrix.peers["py"].app  # type: ignore[attr-defined]
     for worker, (key, ids) in by_worker.items():
         ran = {tid: effects[tid] for tid in ids if effects[tid]}
         assert len(ran) == 1 and list(ran.values()) == [[worker]], (worker, key, effects)
         [winner] = ran
         marker = matrix.client.get(f"{matrix.prefix}:idem:{TASK}:{key}")
         assert marker is not None and marker.decode().startswith(f"done {winner} "), marker
+        # The Celery caller's result: the handler's value, or null for a duplicate.
+        [from_celery] = [tid for tid in ids if tid.startswith("idem-py-")] or [None]
+        if from_celery is not None:
+            result = app.AsyncResult(from_celery)
+            assert result.get(timeout=10) == ({"language": worker} if from_celery == winner
+                                              else None), (worker, from_celery, winner)
     assert not any(matrix.dead_entries(q) for q in queues)
 
 
