@@ -36,9 +36,14 @@ default 24 h), ``envelope_idempotency_defer`` (seconds, default 5) and
 ``envelope_execution_enabled`` (default True). Tasks named ``celery.*``
 (chord unlocks, canvas helpers) are left alone.
 
-Like Celery, the next attempt is published before the failed one is
-acknowledged; a crash in between may run it twice, which idempotency keys make
-harmless.
+While the delivered entry is still pending (``acks_late``, or the solo pool,
+which acknowledges after the task), the one message Celery's ``Task.retry``
+(or a deferral) publishes for the same task replaces that entry atomically
+with ``retry.lua`` (:mod:`kombu_envelope.replacing`), as in every language: a
+crash never runs an attempt twice. An entry taken over meanwhile is left to its
+new owner and nothing is published. With early acknowledgements (other pools)
+the entry is gone before the task runs, and the next attempt is published as
+a new entry, as Celery does.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
@@ -82,6 +88,7 @@ from celery_ext.time_limits import soft_time_limit
 from kombu_envelope.deadletter import Failure, FailureClass
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339, utcnow
 from kombu_envelope.idempotency import DEFAULT_DONE_TTL_S, Claim, ClaimState, Idempotency
+from kombu_envelope.replacing import PendingAttempt, next_attempt_replaces
 from kombu_envelope.retry_slots import RetrySlots
 from kombu_envelope.retrying import (
     FAST_RETRIES_HEADER,
@@ -151,14 +158,16 @@ class Attempt:
 class ExecutionShell:
     """Runs the tasks of one worker app through claims, slots, time limits and retries."""
 
-    def __init__(self, app: Any, *, enforce_soft_limits: bool = False,
+    def __init__(self, app: Any, *, solo: bool = False,
                  rng: Callable[[], float] = random.random) -> None:
+        """``solo``: the worker runs the solo pool, which acknowledges after the task
+        (its event loop waits for it) and where the shell enforces soft time limits."""
         self.app = app
         self.settings = broker_settings(app)
         self.setting = app.conf.get(RETRY_POLICY_SETTING)
         self.done_ttl_s = float(app.conf.get(DONE_TTL_SETTING) or DEFAULT_DONE_TTL_S)
         self.defer_s = float(app.conf.get(DEFER_SETTING) or DEFAULT_DEFER_S)
-        self.enforce_soft_limits = enforce_soft_limits
+        self.solo = solo
         self.rng = rng
         self._retries: dict[str, TaskRetries] = {}
         self._client: Any = None
@@ -222,9 +231,25 @@ class ExecutionShell:
             delivery=Delivery.of(request, fallback), timeout_ms=timeout_ms)
         token = _current.set(attempt)
         try:
-            return self._claimed(attempt, run, args, kwargs)
+            with self._next_attempt_replaces_entry(attempt):
+                return self._claimed(attempt, run, args, kwargs)
         finally:
             _current.reset(token)
+
+    def _next_attempt_replaces_entry(self, attempt: Attempt) -> AbstractContextManager[Any]:
+        """While the entry is pending, a retry or deferral replaces it with retry.lua.
+
+        It is pending until the task ends with ``acks_late``, and with the solo
+        pool (its acknowledgement waits for the event loop, which waits for the
+        task; should it have gone early, the next attempt is published anyway).
+        With early acknowledgements in other pools the entry is gone already.
+        """
+        delivery, task = attempt.delivery, attempt.task
+        if not (delivery.stream and delivery.entry_id) or not (task.acks_late or self.solo):
+            return nullcontext()
+        return next_attempt_replaces(PendingAttempt(
+            delivery.queue, delivery.stream, delivery.entry_id, attempt.request.id,
+            publish_if_gone=not task.acks_late))
 
     def _claimed(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
@@ -268,8 +293,7 @@ class ExecutionShell:
 
     def _run(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
-        limit = attempt.timeout_ms / 1000 if self.enforce_soft_limits and attempt.timeout_ms \
-            else None
+        limit = attempt.timeout_ms / 1000 if self.solo and attempt.timeout_ms else None
         try:
             with soft_time_limit(limit):
                 result = run(*args, **kwargs)
@@ -478,7 +502,7 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
     app = getattr(sender, "app", None)
     if app is None or not app.conf.get(ENABLED_SETTING, True) or not uses_envelope_broker(app):
         return None
-    shell = ExecutionShell(app, enforce_soft_limits=_is_solo(getattr(sender, "pool_cls", None)))
+    shell = ExecutionShell(app, solo=_is_solo(getattr(sender, "pool_cls", None)))
     tasks = list(app.tasks.values())
     for task in tasks:
         shell.retries_for(task)  # raises on a bad policy before anything is wrapped

@@ -19,6 +19,7 @@ from typing import Any
 from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, check_publishable, utcnow
 from kombu_envelope.keys import QueueKeys, bucket_for
+from kombu_envelope.replacing import Replaced, pending_replaced_by, replace_pending
 from kombu_envelope.scripts import script
 from kombu_envelope.settings import Settings
 
@@ -31,11 +32,19 @@ class Publisher:
         self.settings = settings or Settings()
 
     def publish(self, queue: str, envelope: Envelope, now: datetime | None = None) -> str | None:
-        """Publish one Envelope; return its stream entry id, or None when it was delayed.
+        """Publish one Envelope; return its stream entry id, or None when it was delayed
+        or replaced a pending entry.
 
         Raises :class:`~kombu_envelope.errors.InvalidEnvelope` before anything
-        reaches Redis when a publish-time rule is broken.
+        reaches Redis when a publish-time rule is broken. The next attempt of a
+        task whose entry is pending replaces it (see :mod:`kombu_envelope.replacing`).
         """
+        pending = pending_replaced_by(queue, envelope)
+        if pending is not None:
+            check_publishable(envelope, self.settings.limits, now)
+            outcome = replace_pending(self.client, self.settings, pending, envelope)
+            if outcome is Replaced.REPLACED or not pending.publish_if_gone:
+                return None
         return self.publish_many([(queue, envelope)], now)[0]
 
     def publish_many(

@@ -115,8 +115,9 @@ class Settings:
     #: again (ms). A routing key that matches nothing always reads it again at once;
     #: topic and fanout tables are read on every publish.
     binding_cache_ms: int = 1_000
-    #: How long a consumer trusts that a queue has no cancel marks before looking again
-    #: (ms); while a queue has marks, every read batch is checked.
+    #: How long a consumer trusts that there are no cancel marks (``<prefix>:cancelled``
+    #: does not exist) before looking again (ms); while there are, every read batch is
+    #: checked.
     cancel_check_ms: int = 1_000
     #: Task bodies of at least this many bytes are gzip-compressed (None: never).
     gzip_min_bytes: int | None = DEFAULT_GZIP_MIN_BYTES

@@ -70,12 +70,13 @@ class Settler:
         replies = pipe.execute()
         for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
             if acked < len(ids):
-                # Normal when a task settled its entry itself (dead-lettered it); the
-                # takeover of a consumer that only looked dead is logged by the taker.
+                # Normal when a task settled its entry itself (dead-lettered it, or
+                # replaced it by its next attempt); the takeover of a consumer that
+                # only looked dead is logged by the taker.
                 logger.info(
                     "%d of %d entries of %s were already settled when acknowledged "
-                    "(dead-lettered by their task, or taken over while this consumer "
-                    "looked dead)", len(ids) - acked, len(ids), stream)
+                    "(dead-lettered or retried by their task, or taken over while this "
+                    "consumer looked dead)", len(ids) - acked, len(ids), stream)
 
     def requeue(self, delivery_info: dict[str, Any]) -> None:
         """Put the entry a message came from back at the end of its stream."""

@@ -175,6 +175,23 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
         retries: int = self.request.retries
         return retries
 
+    @app.task(name="reliable.retry_then_die", shared=False, bind=True, max_retries=3)
+    def retry_then_die(self: Task, name: str) -> None:
+        """Retries in an hour, then its process dies before the task returns."""
+        record_attempt(self, name)
+        self.retry(countdown=3600, throw=False)
+        os._exit(1)
+
+    @app.task(name="reliable.retry_after_hold", shared=False, bind=True, max_retries=3)
+    def retry_after_hold(self: Task, name: str) -> None:
+        """Waits while ``hold:<name>`` is set (``holding:<name>`` says it does), then
+        retries in an hour."""
+        record_attempt(self, name)
+        probe().set(key("holding", name), 1)
+        while probe().exists(key("hold", name)):
+            time.sleep(0.05)
+        raise self.retry(countdown=3600)
+
     @app.task(name="reliable.versioned", shared=False, bind=True, payload_versions=(1, 2))
     def versioned(self: Task, amount: Any) -> str:
         if not isinstance(amount, int):
