@@ -66,17 +66,21 @@ describe('package', () => {
     const dir = fs.mkdtempSync(path.join(ROOT, '.types-check-'));
     try {
       fs.writeFileSync(path.join(dir, 'consumer.ts'), [
-        "import { DeadLetters, Producer, Worker, Timestamp, type PublishResult, type WorkerOptions } from 'kombu-envelope';",
+        "import { DeadLetters, Producer, Worker, Timestamp, type CancelResult, type PublishOptions, type PublishResult, type WorkerOptions } from 'kombu-envelope';",
         "const producer = new Producer({ connection: 'redis://127.0.0.1:6379/0', prefix: 'envelope' });",
         "const result: Promise<PublishResult> = producer.publish('orders', { task_type: 'a.b' });",
         "const worker = new Worker('orders', { 'a.b': async (payload, ctx) => ctx.taskId }, { connection: 'redis://127.0.0.1:6379/0', autorun: false });",
         "worker.on('completed', (envelope: { task_id: string }, info: { durationMs: number }) => [envelope.task_id, info.durationMs]);",
-        "const options: WorkerOptions = { connection: 'redis://127.0.0.1:6379/0', concurrency: 2, leaseMs: 30_000 };",
+        "const options: WorkerOptions = { connection: 'redis://127.0.0.1:6379/0', concurrency: 2, leaseMs: 30_000, resultBackend: 'redis://127.0.0.1:6379/1' };",
+        "const publishOptions: PublishOptions = { expiresInMs: 60_000 };",
+        "const expiring: Promise<PublishResult> = producer.publish('orders', { task_type: 'a.b' }, publishOptions);",
+        "const cancelled: Promise<CancelResult> = producer.cancel('some-task-id', { queue: 'orders' });",
+        "cancelled.then((c) => (c.outcome === 'removed' ? c.queue : null));",
         "export { options };",
         'const closed: Promise<void> = worker.close();',
         'const when: Timestamp = Timestamp.fromEpochMs(0, 480);',
         "const replayed: Promise<string | null> = new DeadLetters({ connection: 'redis://127.0.0.1:6379/0' }).replay('orders', '1-0', { mergePatch: { a: 1 } });",
-        'export { result, closed, when, replayed };',
+        'export { result, closed, when, replayed, expiring };',
         '',
       ].join('\n'));
       execFileSync(process.execPath, [require.resolve('typescript/bin/tsc'), '--noEmit', '--strict', '--skipLibCheck',
