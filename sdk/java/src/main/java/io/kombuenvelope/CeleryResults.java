@@ -13,13 +13,21 @@ import java.time.Duration;
 import java.time.Instant;
 import java.time.ZoneOffset;
 import java.time.format.DateTimeFormatter;
+import java.util.Set;
+import java.util.concurrent.ConcurrentHashMap;
+import java.util.function.Supplier;
+
+import org.slf4j.Logger;
+import org.slf4j.LoggerFactory;
 
 /**
  * Results for Celery callers (docs/protocol.md section 12): what {@code ext.celery.result} asks
  * for, the result document Celery's backend reads, and its write to the result backend's Redis
- * ({@code SET} with the lifetime and {@code PUBLISH}, in one MULTI).
+ * ({@code SET} with the lifetime and {@code PUBLISH}, in one MULTI). Without a backend it logs,
+ * once per task type, that results were asked for and not written.
  */
 final class CeleryResults implements AutoCloseable {
+    private static final Logger LOG = LoggerFactory.getLogger(CeleryResults.class);
     static final String SUCCESS = "SUCCESS";
     static final String FAILURE = "FAILURE";
     static final String REVOKED = "REVOKED";
@@ -32,10 +40,49 @@ final class CeleryResults implements AutoCloseable {
     record Request(String key, Long expiresS) {}
 
     private final StatefulRedisConnection<String, byte[]> connection;
+    private final Set<String> typesWithoutBackend = ConcurrentHashMap.newKeySet();
 
-    /** Writes through a connection of its own to {@code backend} (the client stays the caller's). */
+    /**
+     * Writes through a connection of its own to {@code backend} (the client stays the caller's);
+     * null: no backend.
+     */
     CeleryResults(RedisClient backend) {
-        this.connection = backend.connect(Redis.CODEC);
+        this.connection = backend == null ? null : backend.connect(Redis.CODEC);
+    }
+
+    /** Whether results are written. */
+    boolean hasBackend() {
+        return connection != null;
+    }
+
+    /**
+     * Writes the result {@code env} asks for, if it asks for one, as {@code meta} makes it. A
+     * result that cannot be written is logged; it never changes the task's outcome.
+     */
+    void report(Envelope env, Supplier<byte[]> meta) {
+        Request r;
+        try {
+            r = requestOf(env);
+        } catch (IllegalArgumentException ex) {
+            LOG.error("a result was asked for and not written: {}", ex.getMessage());
+            return;
+        }
+        if (r == null) {
+            return;
+        }
+        if (connection == null) {
+            if (typesWithoutBackend.add(env.taskType())) {
+                LOG.warn("tasks of type {} ask for a result and this worker has no result backend "
+                        + "(Worker.Builder.resultBackend): their results are not written", env.taskType());
+            }
+            return;
+        }
+        try {
+            write(r, meta.get());
+            LOG.info("result written to {}", r.key());
+        } catch (RuntimeException ex) {
+            LOG.error("writing the result to {} failed; the task's outcome stands: {}", r.key(), ex.toString());
+        }
     }
 
     /**
@@ -53,8 +100,11 @@ final class CeleryResults implements AutoCloseable {
             throw new IllegalArgumentException("ext.celery.result must be an object, not " + Json.kind(r) + " [type]");
         }
         JsonNode key = r.get("key");
-        if (key == null || !key.isTextual() || key.textValue().isEmpty()) {
-            throw new IllegalArgumentException("ext.celery.result.key must be a non-empty string [type]");
+        if (key == null || !key.isTextual()) {
+            throw new IllegalArgumentException("ext.celery.result.key must be a string [type]");
+        }
+        if (key.textValue().isEmpty()) {
+            throw new IllegalArgumentException("ext.celery.result.key must not be empty [length]");
         }
         JsonNode ttl = r.get("expires_s");
         if (ttl == null || ttl.isNull()) {
@@ -94,13 +144,31 @@ final class CeleryResults implements AutoCloseable {
         return o;
     }
 
+    /** The SUCCESS document of a handler's value; a value Jackson cannot write gives a FAILURE one. */
+    static byte[] success(String taskId, Object value) {
+        JsonNode json;
+        try {
+            json = Json.MAPPER.valueToTree(value);
+        } catch (IllegalArgumentException ex) {
+            LOG.error("the handler's return value cannot be written as JSON: {}", ex.getMessage());
+            return failure(taskId, ex.getClass().getName(),
+                    "the task's return value cannot be written as JSON: " + ex.getMessage(), null);
+        }
+        return meta(SUCCESS, json, null, taskId);
+    }
+
+    /** The FAILURE document of a dead-lettered task. */
+    static byte[] failure(String taskId, String excType, String message, String traceback) {
+        return meta(FAILURE, error(excType, message, null), traceback, taskId);
+    }
+
     /** The REVOKED document of a cancelled ({@code revoked}) or expired ({@code expired}) task. */
     static byte[] revoked(String taskId, String why) {
         return meta(REVOKED, error("TaskRevokedError", why, "celery.exceptions"), null, taskId);
     }
 
     /** Stores {@code meta} under the request's key and publishes it there, retried while the backend is away. */
-    void write(Request r, byte[] meta) {
+    private void write(Request r, byte[] meta) {
         Redis.retrying(OUTAGE_TOLERANCE, () -> Redis.transaction(connection, tx -> {
             if (r.expiresS() != null) {
                 tx.set(r.key(), meta, SetArgs.Builder.ex(r.expiresS()));
@@ -113,6 +181,8 @@ final class CeleryResults implements AutoCloseable {
 
     @Override
     public void close() {
-        connection.close();
+        if (connection != null) {
+            connection.close();
+        }
     }
 }

@@ -1,7 +1,5 @@
 package io.kombuenvelope;
 
-import com.fasterxml.jackson.databind.JsonNode;
-
 import io.lettuce.core.Consumer;
 import io.lettuce.core.Limit;
 import io.lettuce.core.models.stream.PendingMessage;
@@ -90,7 +88,6 @@ public final class Worker implements AutoCloseable {
     private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
     private volatile Promoter promoter;
     private final CeleryResults results;
-    private final Set<String> typesWithoutBackend = java.util.concurrent.ConcurrentHashMap.newKeySet();
 
     private Worker(Builder b) {
         this.cfg = b;
@@ -113,7 +110,7 @@ public final class Worker implements AutoCloseable {
         this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + queue));
         this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + queue));
         this.lease = Executors.newSingleThreadScheduledExecutor(named("envelope-lease-" + queue));
-        this.results = b.resultBackend == null ? null : new CeleryResults(b.resultBackend);
+        this.results = new CeleryResults(b.resultBackend);
     }
 
     public static Builder builder() {
@@ -158,7 +155,7 @@ public final class Worker implements AutoCloseable {
         }
         LOG.atInfo().addKeyValue("queue", queue).addKeyValue("consumer", consumer)
                 .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
-                .addKeyValue("result_backend", results != null).log("worker started");
+                .addKeyValue("result_backend", results.hasBackend()).log("worker started");
         return this;
     }
 
@@ -499,13 +496,13 @@ public final class Worker implements AutoCloseable {
             return;
         }
         if (cancelled) {
-            report(env, () -> CeleryResults.revoked(env.taskId(), "revoked"));
+            results.report(env, () -> CeleryResults.revoked(env.taskId(), "revoked"));
             ack(e);
             LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
             return;
         }
         if (env.isExpired(now)) {
-            report(env, () -> CeleryResults.revoked(env.taskId(), "expired"));
+            results.report(env, () -> CeleryResults.revoked(env.taskId(), "expired"));
             ack(e);
             LOG.info("task expired at {}; acknowledged without running (outcome=expired)", env.expires());
             return;
@@ -562,7 +559,7 @@ public final class Worker implements AutoCloseable {
                 if (holder != null) {
                     finishIdem(env, holder, "done");
                 }
-                report(env, () -> success(env, attempt.value()));
+                results.report(env, () -> CeleryResults.success(env.taskId(), attempt.value()));
                 ack(e);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
                 return;
@@ -655,7 +652,7 @@ public final class Worker implements AutoCloseable {
                 return holder;
             }
             if ("done".equals(answer)) {
-                report(env, () -> CeleryResults.meta(CeleryResults.SUCCESS, null, null, env.taskId()));
+                results.report(env, () -> CeleryResults.success(env.taskId(), null));
                 ack(e);
                 LOG.info("duplicate: the effect already happened; acknowledged without running "
                         + "(outcome=duplicate idempotency_key={} marker={})", env.idempotencyKey(), Redis.s(res.get(1)));
@@ -899,10 +896,9 @@ public final class Worker implements AutoCloseable {
         }
         if (env != null) {
             args.addAll(List.of("task_id", env.taskId(), "task_type", env.taskType()));
-            report(env, () -> CeleryResults.meta(CeleryResults.FAILURE, CeleryResults.error(
+            results.report(env, () -> CeleryResults.failure(env.taskId(),
                     f.exceptionType() != null ? f.exceptionType() : f.failureClass(),
-                    f.message() != null && !f.message().isEmpty() ? f.message() : f.reason(), null),
-                    f.traceback(), env.taskId()));
+                    f.message() != null && !f.message().isEmpty() ? f.message() : f.reason(), f.traceback()));
         }
         Object[] a = args.toArray();
         Object id = settle("dead_letter.lua", () -> {
@@ -918,50 +914,6 @@ public final class Worker implements AutoCloseable {
     }
 
     // --- results for Celery callers (section 12) -------------------------------------------
-
-    /**
-     * Writes the result {@code env} asks for, before its entry is settled. A result that cannot
-     * be written is logged and never changes the task's outcome.
-     */
-    private void report(Envelope env, java.util.function.Supplier<byte[]> meta) {
-        CeleryResults.Request r;
-        try {
-            r = CeleryResults.requestOf(env);
-        } catch (IllegalArgumentException ex) {
-            LOG.error("a result was asked for and not written: {}", ex.getMessage());
-            return;
-        }
-        if (r == null) {
-            return;
-        }
-        if (results == null) {
-            if (typesWithoutBackend.add(env.taskType())) {
-                LOG.warn("tasks of type {} ask for a result and this worker has no result backend "
-                        + "(Worker.Builder.resultBackend): their results are not written", env.taskType());
-            }
-            return;
-        }
-        try {
-            results.write(r, meta.get());
-            LOG.info("result written to {}", r.key());
-        } catch (RuntimeException ex) {
-            LOG.error("writing the result to {} failed; the task's outcome stands: {}", r.key(), ex.toString());
-        }
-    }
-
-    /** The SUCCESS document of a handler's value; a value Jackson cannot write gives a FAILURE one. */
-    private static byte[] success(Envelope env, Object value) {
-        JsonNode json;
-        try {
-            json = Json.MAPPER.valueToTree(value);
-        } catch (IllegalArgumentException ex) {
-            LOG.error("the handler's return value cannot be written as JSON: {}", ex.getMessage());
-            return CeleryResults.meta(CeleryResults.FAILURE, CeleryResults.error(ex.getClass().getName(),
-                    "the task's return value cannot be written as JSON: " + ex.getMessage(), null),
-                    null, env.taskId());
-        }
-        return CeleryResults.meta(CeleryResults.SUCCESS, json, null, env.taskId());
-    }
 
     /**
      * The FAILURE result of an entry requeue.lua dead-lettered as {@code redelivery_limit}, read back
@@ -983,8 +935,8 @@ public final class Worker implements AutoCloseable {
                         }
                     });
                     Envelope env = EntryCodec.decodeEntry(raw, cfg.limits);
-                    report(env, () -> CeleryResults.meta(CeleryResults.FAILURE, CeleryResults.error("redelivery_limit",
-                            Redis.s(dead.get("reason")), null), null, env.taskId()));
+                    results.report(env, () -> CeleryResults.failure(env.taskId(), "redelivery_limit",
+                            Redis.s(dead.get("reason")), null));
                 } catch (MalformedEntryException ex) {
                     // an entry that cannot be decoded names no result
                 } catch (RuntimeException ex) {
@@ -1078,9 +1030,7 @@ public final class Worker implements AutoCloseable {
         } catch (RuntimeException e) {
             LOG.warn("deleting the liveness key failed: {}", e.toString());
         }
-        if (results != null) {
-            results.close();
-        }
+        results.close();
         blockConn.close();
         txConn.close();
         conn.close();
