@@ -22,24 +22,25 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from apps.matrix_app import create_app
+from celery import Celery
 from support import wait_for
 from support.envelope_streams import envelope_url
 from support.matrix import (
     LANGUAGES,
     CeleryPeer,
     JsonLinePeer,
+    Launcher,
     Peer,
     Records,
     build_java_peer,
     queue_drained,
 )
-from support.peers import GO, GO_DIR, NODE, NODE_DIR, build_go_peer, node_unavailable
+from support.peers import GO, NODE, build_go_peer, node_unavailable
 from support.workers import CeleryWorker
 
 from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
@@ -56,7 +57,6 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-APP = "apps.matrix_app"
 TASK = "matrix.task"
 #: Scenario families worked by the long-lived process of every language.
 FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result")
@@ -82,18 +82,24 @@ class Matrix:
     """The module's processes, one per language, on one Redis and key prefix."""
 
     client: redis.Redis
-    prefix: str
-    tmp: Path
+    launch: Launcher
+    celery_peer: CeleryPeer
     peers: dict[str, Peer]
     celery_worker: CeleryWorker
-    go_binary: Path
-    java_classpath: str
-    redis_url: str
     records: Records = field(init=False)
     victims: list[JsonLinePeer | CeleryWorker] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.records = Records(self.client, self.prefix)
+
+    @property
+    def prefix(self) -> str:
+        return self.launch.prefix
+
+    @property
+    def celery_app(self) -> Celery:
+        """The Celery app of the Python producer (a Celery caller of every scenario)."""
+        return self.celery_peer.app
 
     @staticmethod
     def queue(family: str, worker: str) -> str:
@@ -143,58 +149,34 @@ class Matrix:
         wait_for(lambda: all(queue_drained(self.client, self.prefix, q) for q in queues),
                  timeout=10, message=lambda: f"not drained: {queues}\n{self.logs()}")
 
-    def json_peer(self, language: str, *work: str) -> JsonLinePeer:
-        """Start (not wait for) a peer process of ``language`` working ``work``."""
-        common = ["--redis", self.redis_url, "--prefix", self.prefix, "--work", ",".join(work),
-                  "--results", self.redis_url]
-        log = self.tmp / f"{language}-{uuid.uuid4().hex[:6]}.log"
-        if language == "go":
-            return JsonLinePeer("go", [str(self.go_binary), "matrix", *common], log, cwd=GO_DIR)
-        if language == "node":
-            assert NODE is not None
-            return JsonLinePeer("node", [NODE, "matrix.js", *common], log, cwd=NODE_DIR)
-        return JsonLinePeer("java", ["java", "-cp", self.java_classpath,
-                                     "io.kombuenvelope.matrix.MatrixPeer", *common], log)
-
-    def celery(self, *queues: str) -> CeleryWorker:
-        """A ``celery worker`` of the matrix app on ``queues`` (started, not waited for)."""
-        worker = CeleryWorker(
-            APP, queues=queues, log_path=self.tmp / f"celery-{uuid.uuid4().hex[:6]}.log",
-            env={"TEST_BROKER_URL": envelope_url(self.redis_url),
-                 "TEST_RESULT_BACKEND": self.redis_url, "TEST_KEY_PREFIX": self.prefix,
-                 "TEST_LEASE_MS": "3000"},
-        )
-        return worker.start(wait_ready=False)
-
 
 @pytest.fixture(scope="module")
 def matrix(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
-    tmp = tmp_path_factory.mktemp("matrix")
     prefix = f"mx-{uuid.uuid4().hex[:8]}"
-    client = redis.Redis.from_url(redis_url)
     with ThreadPoolExecutor(2) as builds:
         go_build = builds.submit(build_go_peer, tmp_path_factory)
         java_build = builds.submit(build_java_peer)
-        go_binary, java_classpath = go_build.result(), java_build.result()
+        launch = Launcher(redis_url, prefix, tmp_path_factory.mktemp("matrix"),
+                          go_build.result(), java_build.result())
+    client = redis.Redis.from_url(redis_url)
     app = create_app(envelope_url(redis_url), redis_url, prefix, 3000)
-    started: list[Any] = []
-    setup: Matrix | None = None
+    started: list[JsonLinePeer | CeleryWorker] = []
+    victims: list[JsonLinePeer | CeleryWorker] = []
     try:
-        setup = Matrix(client, prefix, tmp, {"py": CeleryPeer(app, client, prefix)},
-                       None,  # type: ignore[arg-type]  # set below, once started
-                       go_binary, java_classpath, redis_url)
-        setup.celery_worker = setup.celery(*(Matrix.queue(f, "py") for f in FAMILIES))
-        started.append(setup.celery_worker)
+        celery_worker = launch.celery(*(Matrix.queue(f, "py") for f in FAMILIES))
+        started.append(celery_worker)
+        peers: dict[str, JsonLinePeer] = {}
         for language in ("go", "node", "java"):
-            peer = setup.json_peer(language, *(Matrix.queue(f, language) for f in FAMILIES))
-            started.append(peer)
-            setup.peers[language] = peer
-        setup.celery_worker.wait_ready()
-        for language in ("go", "node", "java"):
-            setup.peers[language].wait_ready()  # type: ignore[attr-defined]
-        yield setup
+            peers[language] = launch.peer(language, *(Matrix.queue(f, language) for f in FAMILIES))
+            started.append(peers[language])
+        celery_worker.wait_ready()
+        for peer in peers.values():
+            peer.wait_ready()
+        celery_peer = CeleryPeer(app, client, prefix)
+        yield Matrix(client, launch, celery_peer, {"py": celery_peer, **peers}, celery_worker,
+                     victims=victims)
     finally:
-        for process in [*started, *(setup.victims if setup else [])]:
+        for process in [*started, *victims]:
             process.close()
         gc.collect()
         app.close()
@@ -347,7 +329,7 @@ def test_dead_letter_then_replay_edited_by_another_language(matrix: Matrix) -> N
     assert replayed == len(PAIRS)
     matrix.assert_drained(*(matrix.queue("dead", w) for w in LANGUAGES))
     # A Celery caller of a replayed task gets the result of the run that ended it.
-    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    app = matrix.celery_app
     results = {tid: app.AsyncResult(tid).get(timeout=10) for tid in expected
                if tid.startswith("dead-py-")}
     assert results == {tid: {"language": expected[tid]} for tid in results}, results
@@ -379,7 +361,7 @@ def test_one_idempotency_key_from_three_languages_has_one_effect(matrix: Matrix)
 
     wait_for(settled, timeout=SETTLE_S, interval=0.1, message=matrix.logs)
     effects = matrix.records.effects(tid for _, ids in by_worker.values() for tid in ids)
-    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    app = matrix.celery_app
     for worker, (key, ids) in by_worker.items():
         ran = {tid: effects[tid] for tid in ids if effects[tid]}
         assert len(ran) == 1 and list(ran.values()) == [[worker]], (worker, key, effects)
@@ -401,8 +383,8 @@ def test_sigkill_mid_task_is_finished_by_another_language(matrix: Matrix) -> Non
     victims = {}
     for language in LANGUAGES:
         queue = matrix.queue("kill", language)
-        victims[language] = (matrix.celery(queue) if language == "py"
-                             else matrix.json_peer(language, queue))
+        victims[language] = (matrix.launch.celery(queue) if language == "py"
+                             else matrix.launch.peer(language, queue))
         matrix.victims.append(victims[language])
     for victim in victims.values():
         victim.wait_ready()
@@ -531,7 +513,7 @@ def test_expires(matrix: Matrix) -> None:
 def assert_revoked(matrix: Matrix, task_ids: list[str]) -> None:
     """The Celery caller of each task sees it ``REVOKED`` (written by whichever worker
     language acknowledged it without running it)."""
-    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    app = matrix.celery_app
     states = {tid: app.AsyncResult(tid).state for tid in task_ids}
     assert set(states.values()) == {"REVOKED"}, states
 
@@ -539,7 +521,7 @@ def assert_revoked(matrix: Matrix, task_ids: list[str]) -> None:
 def test_celery_async_result_get_of_a_task_run_in_each_language(matrix: Matrix) -> None:
     """A Celery caller's ``AsyncResult.get()`` returns what the handler of each worker
     language returned, and raises the handler's error for a task that failed."""
-    app = matrix.peers["py"].app  # type: ignore[attr-defined]
+    app = matrix.celery_app
     sent = {}
     for worker in LANGUAGES:
         queue = matrix.queue("result", worker)

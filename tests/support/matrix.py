@@ -24,7 +24,9 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -36,15 +38,16 @@ from kombu_envelope.deadletter import DeadLetters, ReplayEdit
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
 from support import wait_for
-from support.envelope_streams import pending_count
-from support.peers import FIRST_BUILD_TIMEOUT_S
-from support.workers import PROJECT_ROOT
+from support.envelope_streams import envelope_url, pending_count
+from support.peers import FIRST_BUILD_TIMEOUT_S, GO_DIR, NODE, NODE_DIR
+from support.workers import PROJECT_ROOT, CeleryWorker
 
 __all__ = [
     "JAVA_DIR",
     "LANGUAGES",
     "CeleryPeer",
     "JsonLinePeer",
+    "Launcher",
     "Peer",
     "PeerError",
     "Records",
@@ -56,8 +59,12 @@ __all__ = [
 LANGUAGES = ("py", "go", "node", "java")
 #: The Java peer: a Maven reactor of the SDK (sdk/java) and the peer module that depends on it.
 JAVA_DIR = PROJECT_ROOT / "tests" / "interop" / "java"
+#: The Celery app every Python worker of the matrix runs.
+CELERY_APP = "apps.matrix_app"
 GROUP = "workers"
 ANSWER_TIMEOUT_S = 30.0
+#: The lease of every matrix worker: a killed worker's task is taken over this soon.
+LEASE_MS = 3000
 
 
 class PeerError(AssertionError):
@@ -166,6 +173,7 @@ class CeleryPeer:
         self._answers: list[dict[str, Any]] = []
 
     def send(self, op: str, **fields: Any) -> None:
+        answer: dict[str, Any]
         if op == "publish":
             queue_name = fields["queue"]
             answer = {"task_ids": [self._send_task(queue_name, task) for task in fields["tasks"]]}
@@ -245,6 +253,42 @@ class Records:
                                  f"{message() if callable(message) else message}")
         time.sleep(settle)
         return self.effects(ids)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """Starts the matrix's processes on one Redis and key prefix (started, not waited for:
+    call ``wait_ready()``). Results Celery callers ask for go to the same Redis."""
+
+    redis_url: str
+    prefix: str
+    tmp: Path
+    go_binary: Path
+    java_classpath: str
+
+    def peer(self, language: str, *work: str) -> JsonLinePeer:
+        """A Go, Node or Java peer process working the queues ``work``."""
+        common = ["--redis", self.redis_url, "--prefix", self.prefix, "--work", ",".join(work),
+                  "--results", self.redis_url]
+        log = self.tmp / f"{language}-{uuid.uuid4().hex[:6]}.log"
+        if language == "go":
+            return JsonLinePeer("go", [str(self.go_binary), "matrix", *common], log, cwd=GO_DIR)
+        if language == "node":
+            assert NODE is not None
+            return JsonLinePeer("node", [NODE, "matrix.js", *common], log, cwd=NODE_DIR)
+        assert language == "java", language
+        return JsonLinePeer("java", ["java", "-cp", self.java_classpath,
+                                     "io.kombuenvelope.matrix.MatrixPeer", *common], log)
+
+    def celery(self, *queues: str) -> CeleryWorker:
+        """A ``celery worker`` of the matrix app on ``queues``."""
+        worker = CeleryWorker(
+            CELERY_APP, queues=queues, log_path=self.tmp / f"celery-{uuid.uuid4().hex[:6]}.log",
+            env={"TEST_BROKER_URL": envelope_url(self.redis_url),
+                 "TEST_RESULT_BACKEND": self.redis_url, "TEST_KEY_PREFIX": self.prefix,
+                 "TEST_LEASE_MS": str(LEASE_MS)},
+        )
+        return worker.start(wait_ready=False)
 
 
 def queue_drained(client: redis.Redis, prefix: str, queue_name: str) -> bool:
