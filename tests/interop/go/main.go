@@ -72,13 +72,18 @@ type common struct {
 }
 
 func (c *common) register(fs *flag.FlagSet) {
+	c.registerRedis(fs)
+	fs.StringVar(&c.queue, "queue", "", "queue name (required)")
+}
+
+// registerRedis registers the flags of the connection: --redis, --prefix and --lua-dir.
+func (c *common) registerRedis(fs *flag.FlagSet) {
 	def := os.Getenv("ENVELOPE_REDIS_URL")
 	if def == "" {
 		def = "redis://127.0.0.1:6379/0"
 	}
 	fs.StringVar(&c.redisURL, "redis", def, "Redis URL (default $ENVELOPE_REDIS_URL)")
 	fs.StringVar(&c.prefix, "prefix", envelope.DefaultPrefix, "key prefix")
-	fs.StringVar(&c.queue, "queue", "", "queue name (required)")
 	fs.StringVar(&c.luaDir, "lua-dir", "", "directory of the protocol's Lua scripts (default $"+
 		envelope.ScriptDirEnv+", else the scripts embedded in the SDK)")
 }

@@ -74,7 +74,7 @@ type matrixPeer struct {
 func matrix(args []string) error {
 	fs := flag.NewFlagSet("matrix", flag.ContinueOnError)
 	var c common
-	c.register(fs)
+	c.registerRedis(fs)
 	work := fs.String("work", "", "comma-separated queues to work")
 	resultsURL := fs.String("results", "", "Redis URL of Celery's result backend (default --redis)")
 	if err := parseFlags(fs, args); err != nil {
