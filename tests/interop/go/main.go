@@ -3,6 +3,7 @@
 //	envelope-peer produce --redis URL --queue Q --task-type T --payload JSON [...]
 //	envelope-peer produce-malformed --redis URL --queue Q --kind badjson|missingbody|badversion|badgzip|invalid
 //	envelope-peer worker --redis URL --queue Q [--lease-ms N --backoff-ms N ...]
+//	envelope-peer matrix --redis URL --prefix P [--work Q1,Q2,...]   (see matrix.go)
 //
 // Run a sub-command with -h for its flags.
 package main
@@ -32,6 +33,7 @@ commands:
   produce            publish tasks (prints one task_id per line)
   produce-malformed  add a broken entry to a task stream (prints its entry id)
   worker             consume a queue with the built-in handlers
+  matrix             work queues with the matrix handler; JSON-line commands on stdin
 
 Run "envelope-peer <command> -h" for the flags of a command.
 `
@@ -49,6 +51,8 @@ func main() {
 		err = produceMalformed(args)
 	case "worker":
 		err = worker(args)
+	case "matrix":
+		err = matrix(args)
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return
@@ -68,13 +72,18 @@ type common struct {
 }
 
 func (c *common) register(fs *flag.FlagSet) {
+	c.registerRedis(fs)
+	fs.StringVar(&c.queue, "queue", "", "queue name (required)")
+}
+
+// registerRedis registers the flags of the connection: --redis, --prefix and --lua-dir.
+func (c *common) registerRedis(fs *flag.FlagSet) {
 	def := os.Getenv("ENVELOPE_REDIS_URL")
 	if def == "" {
 		def = "redis://127.0.0.1:6379/0"
 	}
 	fs.StringVar(&c.redisURL, "redis", def, "Redis URL (default $ENVELOPE_REDIS_URL)")
 	fs.StringVar(&c.prefix, "prefix", envelope.DefaultPrefix, "key prefix")
-	fs.StringVar(&c.queue, "queue", "", "queue name (required)")
 	fs.StringVar(&c.luaDir, "lua-dir", "", "directory of the protocol's Lua scripts (default $"+
 		envelope.ScriptDirEnv+", else the scripts embedded in the SDK)")
 }

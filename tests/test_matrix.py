@@ -1,0 +1,539 @@
+"""The cross-language matrix: every language produces and every language works.
+
+Python (Celery), Go, Node.js and Java share one Redis and one key prefix for the module.
+Each language runs one long-lived process that works one queue per scenario family,
+``mx.<family>.<worker language>`` (see :mod:`support.matrix`); Python's is a real
+``celery worker`` (Celery's defaults, late acknowledgement), its producer the same Celery
+app in this process. A scenario publishes all of its pairs at once, producer language x
+worker language, and waits for them together. The handler ``matrix.task`` records in
+Redis which language ran which task and how often, so every scenario counts lost and
+duplicated effects: zero of each is the only pass. Afterwards every queue it used is
+drained: nothing left in a stream, pending or delayed.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import redis
+from apps.matrix_app import create_app
+from celery import Celery
+from support import wait_for
+from support.envelope_streams import envelope_url
+from support.matrix import (
+    LANGUAGES,
+    CeleryPeer,
+    JsonLinePeer,
+    Launcher,
+    Peer,
+    Records,
+    build_java_peer,
+    queue_drained,
+)
+from support.peers import GO, NODE, build_go_peer, node_unavailable
+from support.workers import CeleryWorker
+
+from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
+from kombu_envelope.delayed import DelayedTasks
+from kombu_envelope.keys import KeySpace
+from kombu_envelope.settings import Settings
+
+MISSING = [tool for tool, found in (("go", GO), ("node", NODE), ("mvn", shutil.which("mvn")),
+                                    ("java", shutil.which("java"))) if found is None]
+pytestmark = [
+    pytest.mark.skipif(bool(MISSING) or node_unavailable() is not None,
+                       reason=f"the matrix needs every toolchain: missing {MISSING}, "
+                              f"{node_unavailable() or 'node packages ok'}"),
+    pytest.mark.timeout(300),
+]
+
+TASK = "matrix.task"
+#: Scenario families worked by the long-lived process of every language.
+FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result")
+#: How long a scenario may take to settle once published.
+SETTLE_S = 40.0
+#: How long a holding task keeps its worker busy while a scenario publishes behind it.
+HOLD_MS = 3000
+#: Who finishes the task of a language whose worker is killed (Celery workers consume the
+#: queues they start with, so a Celery worker is never the one started later).
+RESCUER = {"py": "go", "go": "node", "node": "java", "java": "go"}
+PAIRS = [(producer, worker) for producer in LANGUAGES for worker in LANGUAGES]
+#: How each language names itself in the dead-letter entries it writes.
+DEAD_LETTER_LANGUAGE = {"py": "python", "go": "go", "node": "node", "java": "java"}
+
+
+def other(language: str) -> str:
+    """The next language after ``language``."""
+    return LANGUAGES[(LANGUAGES.index(language) + 1) % len(LANGUAGES)]
+
+
+@dataclass
+class Matrix:
+    """The module's processes, one per language, on one Redis and key prefix."""
+
+    client: redis.Redis
+    launch: Launcher
+    celery_peer: CeleryPeer
+    peers: dict[str, Peer]
+    celery_worker: CeleryWorker
+    records: Records = field(init=False)
+    victims: list[JsonLinePeer | CeleryWorker] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.records = Records(self.client, self.prefix)
+
+    @property
+    def prefix(self) -> str:
+        return self.launch.prefix
+
+    @property
+    def celery_app(self) -> Celery:
+        """The Celery app of the Python producer (a Celery caller of every scenario)."""
+        return self.celery_peer.app
+
+    @staticmethod
+    def queue(family: str, worker: str) -> str:
+        return f"mx.{family}.{worker}"
+
+    def publish(self, plan: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Publish ``(producer, queue, task)`` triples: every peer is sent its commands
+        (one per queue) before any answer is awaited."""
+        batches: dict[str, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+        for producer, queue, task in plan:
+            batches[producer][queue].append({"task_type": TASK, **task})
+        for producer, by_queue in batches.items():
+            for queue, tasks in by_queue.items():
+                self.peers[producer].send("publish", queue=queue, tasks=tasks)
+        for producer, by_queue in batches.items():
+            for queue, tasks in by_queue.items():
+                ids = self.peers[producer].receive()["task_ids"]
+                assert ids == [task["task_id"] for task in tasks], (producer, queue, ids)
+
+    def dead_entries(self, queue: str) -> dict[str, dict[str, Any]]:
+        """task_id -> the parsed fields of each dead-letter entry of ``queue``, with its id."""
+        found = {}
+        for entry_id, fields in self.client.xrange(KeySpace(self.prefix).queue(queue).dead):
+            parsed = parse_dead_letter_fields(fields)
+            if parsed.task_id is not None:
+                found[parsed.task_id] = {"entry_id": entry_id.decode(), "fields": parsed}
+        return found
+
+    def logs(self) -> str:
+        """Tails of every process's log, for failure messages."""
+        parts = [f"--- celery worker\n{self.celery_worker.log_tail(3000)}"]
+        for peer in [*self.peers.values(), *self.victims]:
+            if isinstance(peer, JsonLinePeer):
+                parts.append(f"--- {peer.language} peer\n{peer.log_tail(3000)}")
+            elif isinstance(peer, CeleryWorker):
+                parts.append(f"--- celery victim\n{peer.log_tail(3000)}")
+        return "\n".join(parts)
+
+    def expect_effects(self, expected: Mapping[str, str], timeout: float = SETTLE_S) -> None:
+        """Each task id had exactly one effect, by the language given: none lost, none twice."""
+        effects = self.records.wait_effects(expected, timeout, message=self.logs)
+        wrong = {task_id: (language, effects[task_id]) for task_id, language in expected.items()
+                 if effects[task_id] != [language]}
+        assert not wrong, f"task_id -> (expected worker, effects): {wrong}"
+
+    def assert_drained(self, *queues: str) -> None:
+        wait_for(lambda: all(queue_drained(self.client, self.prefix, q) for q in queues),
+                 timeout=10, message=lambda: f"not drained: {queues}\n{self.logs()}")
+
+
+@pytest.fixture(scope="module")
+def matrix(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
+    prefix = f"mx-{uuid.uuid4().hex[:8]}"
+    with ThreadPoolExecutor(2) as builds:
+        go_build = builds.submit(build_go_peer, tmp_path_factory)
+        java_build = builds.submit(build_java_peer)
+        launch = Launcher(redis_url, prefix, tmp_path_factory.mktemp("matrix"),
+                          go_build.result(), java_build.result())
+    client = redis.Redis.from_url(redis_url)
+    app = create_app(envelope_url(redis_url), redis_url, prefix, 3000)
+    started: list[JsonLinePeer | CeleryWorker] = []
+    victims: list[JsonLinePeer | CeleryWorker] = []
+    try:
+        celery_worker = launch.celery(*(Matrix.queue(f, "py") for f in FAMILIES))
+        started.append(celery_worker)
+        peers: dict[str, JsonLinePeer] = {}
+        for language in ("go", "node", "java"):
+            peers[language] = launch.peer(language, *(Matrix.queue(f, language) for f in FAMILIES))
+            started.append(peers[language])
+        celery_worker.wait_ready()
+        for peer in peers.values():
+            peer.wait_ready()
+        celery_peer = CeleryPeer(app, client, prefix)
+        yield Matrix(client, launch, celery_peer, {"py": celery_peer, **peers}, celery_worker,
+                     victims=victims)
+    finally:
+        for process in [*started, *victims]:
+            process.close()
+        gc.collect()
+        app.close()
+        client.close()
+
+
+def task_id(scenario: str, producer: str, worker: str) -> str:
+    return f"{scenario}-{producer}-{worker}-{uuid.uuid4().hex[:8]}"
+
+
+# ------------------------------------------------------------------------------ scenarios
+
+
+def test_a_task_now(matrix: Matrix) -> None:
+    plan, expected = [], {}
+    for producer, worker in PAIRS:
+        tid = task_id("now", producer, worker)
+        plan.append((producer, matrix.queue("now", worker), {"task_id": tid}))
+        expected[tid] = worker
+    matrix.publish(plan)
+    matrix.expect_effects(expected)
+    matrix.assert_drained(*(matrix.queue("now", w) for w in LANGUAGES))
+
+
+def test_a_task_delayed_with_a_plus_0800_offset(matrix: Matrix) -> None:
+    """Stored with its +08:00 offset, run once, never before it is due."""
+    due = datetime.now(timezone(timedelta(hours=8))) + timedelta(seconds=3)
+    schedule_time = due.isoformat(timespec="milliseconds")
+    plan, expected = [], {}
+    for producer, worker in PAIRS:
+        tid = task_id("delayed", producer, worker)
+        plan.append((producer, matrix.queue("delayed", worker),
+                     {"task_id": tid, "schedule_time": schedule_time}))
+        expected[tid] = worker
+    matrix.publish(plan)
+    delayed = DelayedTasks(matrix.client, Settings(key_prefix=matrix.prefix))
+    offsets = {}
+    for _, queue, task in plan:
+        stored = delayed.get(task["task_id"], queue)
+        assert stored is not None and stored.envelope is not None, (queue, task)
+        assert stored.envelope.schedule_time is not None
+        offsets[task["task_id"]] = stored.envelope.schedule_time.utcoffset()
+    assert set(offsets.values()) == {timedelta(hours=8)}, offsets
+    matrix.expect_effects(expected)
+    due_ms = int(due.timestamp() * 1000)
+    early = {tid: times for tid, times in matrix.records.effect_times(expected).items()
+             if min(times) < due_ms}
+    assert not early, f"ran before {schedule_time} ({due_ms}): {early}"
+    matrix.assert_drained(*(matrix.queue("delayed", w) for w in LANGUAGES))
+
+
+def test_retry_then_success(matrix: Matrix) -> None:
+    """Two failures retried under the tiered policy, then one effect; retry_count 0, 1, 2."""
+    plan, expected = [], {}
+    for producer, worker in PAIRS:
+        tid = task_id("retry", producer, worker)
+        plan.append((producer, matrix.queue("retry", worker),
+                     {"task_id": tid, "payload": {"fail_times": 2}, "retry_policy": "tiered"}))
+        expected[tid] = worker
+    matrix.publish(plan)
+    matrix.expect_effects(expected)
+    attempts = matrix.records.read("attempts", expected)
+    wrong = {tid: got for tid, got in attempts.items()
+             if got != [f"{expected[tid]}:{n}" for n in range(3)]}
+    assert not wrong, wrong
+    matrix.assert_drained(*(matrix.queue("retry", w) for w in LANGUAGES))
+
+
+def test_max_retries_zero_and_null(matrix: Matrix) -> None:
+    """0: the first failure is final (dead-lettered, attempts 1); null: no cap (5 attempts)."""
+    plan, final, unlimited = [], {}, {}
+    for producer, worker in PAIRS:
+        queue = matrix.queue("limits", worker)
+        zero, null = task_id("max0", producer, worker), task_id("maxnull", producer, worker)
+        plan.append((producer, queue, {"task_id": zero, "payload": {"fail_times": 1},
+                                       "retry_policy": "tiered", "max_retries": 0}))
+        plan.append((producer, queue, {"task_id": null, "payload": {"fail_times": 4},
+                                       "retry_policy": "tiered", "max_retries": None}))
+        final[zero], unlimited[null] = worker, worker
+    matrix.publish(plan)
+    matrix.expect_effects(unlimited)
+
+    def dead() -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for worker in LANGUAGES:
+            found.update(matrix.dead_entries(matrix.queue("limits", worker)))
+        return found
+
+    wait_for(lambda: set(final) <= set(dead()), timeout=SETTLE_S,
+             message=lambda: f"not dead-lettered: {set(final) - set(dead())}\n{matrix.logs()}")
+    entries = dead()
+    assert set(entries) == set(final), "only the max_retries 0 tasks are dead-lettered"
+    got = {tid: (entries[tid]["fields"].failure_class.value, str(entries[tid]["fields"].attempts),
+                 entries[tid]["fields"].language) for tid in final}
+    wrong = {tid: seen for tid, seen in got.items()
+             if seen != ("task_error", "1", DEAD_LETTER_LANGUAGE[final[tid]])}
+    assert not wrong, f"task_id -> (failure_class, attempts, language): {wrong}"
+    effects = matrix.records.effects(final)
+    assert not any(effects.values()), effects
+    attempts = matrix.records.read("attempts", [*final, *unlimited])
+    wrong_attempts = {tid: got for tid, got in attempts.items()
+                      if got != [f"{final.get(tid) or unlimited[tid]}:{n}"
+                                 for n in range(1 if tid in final else 5)]}
+    assert not wrong_attempts, wrong_attempts
+    matrix.assert_drained(*(matrix.queue("limits", w) for w in LANGUAGES))
+
+
+def test_dead_letter_then_replay_edited_by_another_language(matrix: Matrix) -> None:
+    """A terminal failure is dead-lettered by the worker's language; another language's
+    dead-letter API replays it with an edited payload, and the worker runs it once."""
+    plan, expected, replayer = [], {}, {}
+    for producer, worker in PAIRS:
+        tid = task_id("dead", producer, worker)
+        plan.append((producer, matrix.queue("dead", worker),
+                     {"task_id": tid, "payload": {"fail": True}}))
+        expected[tid] = worker
+        # The replaying language: the producer's, or the next one when it is the worker's.
+        replayer[tid] = producer if producer != worker else other(worker)
+    matrix.publish(plan)
+
+    def dead() -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for worker in LANGUAGES:
+            found.update(matrix.dead_entries(matrix.queue("dead", worker)))
+        return found
+
+    wait_for(lambda: set(expected) <= set(dead()), timeout=SETTLE_S,
+             message=lambda: f"not dead-lettered: {set(expected) - set(dead())}\n{matrix.logs()}")
+    entries = dead()
+    wrong = {tid: (entries[tid]["fields"].failure_class, entries[tid]["fields"].language)
+             for tid, worker in expected.items()
+             if (entries[tid]["fields"].failure_class, entries[tid]["fields"].language)
+             != ("task_error", DEAD_LETTER_LANGUAGE[worker])}
+    assert not wrong, f"task_id -> (failure_class, language): {wrong}"
+    assert not any(matrix.records.effects(expected).values())
+    # Without x-retry-policy the first failure is final, whoever produced the task.
+    first_attempts = matrix.records.read("attempts", expected)
+
+    for tid, worker in expected.items():
+        matrix.peers[replayer[tid]].send("replay", queue=matrix.queue("dead", worker),
+                                         entry_id=entries[tid]["entry_id"],
+                                         payload={"fail": False, "edited": True})
+    for tid in expected:
+        assert matrix.peers[replayer[tid]].receive()["entry_id"], (tid, replayer[tid])
+    matrix.expect_effects(expected)
+    assert not dead(), "replayed entries leave the dead-letter stream"
+    keys = KeySpace(matrix.prefix)
+    replayed = sum(matrix.client.xlen(keys.queue(matrix.queue("dead", w)).replayed)
+                   for w in LANGUAGES)
+    assert replayed == len(PAIRS)
+    matrix.assert_drained(*(matrix.queue("dead", w) for w in LANGUAGES))
+    # A Celery caller of a replayed task gets the result of the run that ended it.
+    app = matrix.celery_app
+    results = {tid: app.AsyncResult(tid).get(timeout=10) for tid in expected
+               if tid.startswith("dead-py-")}
+    assert results == {tid: {"language": expected[tid]} for tid in results}, results
+    retried = {tid: got for tid, got in first_attempts.items() if got != [f"{expected[tid]}:0"]}
+    assert not retried, f"retried without x-retry-policy (task_id -> attempts): {retried}"
+
+
+def test_one_idempotency_key_from_three_languages_has_one_effect(matrix: Matrix) -> None:
+    """Per worker language, the three other languages publish one business key: one effect."""
+    plan, by_worker = [], {}
+    for worker in LANGUAGES:
+        key = f"order-{worker}-{uuid.uuid4().hex[:8]}"
+        ids = []
+        for producer in LANGUAGES:
+            if producer == worker:
+                continue
+            tid = task_id("idem", producer, worker)
+            plan.append((producer, matrix.queue("idem", worker),
+                         {"task_id": tid, "idempotency_key": key}))
+            ids.append(tid)
+        by_worker[worker] = (key, ids)
+    matrix.publish(plan)
+    queues = [matrix.queue("idem", w) for w in LANGUAGES]
+
+    def settled() -> bool:
+        effects = matrix.records.effects(tid for _, ids in by_worker.values() for tid in ids)
+        return (all(sum(len(effects[tid]) for tid in ids) >= 1 for _, ids in by_worker.values())
+                and all(queue_drained(matrix.client, matrix.prefix, q) for q in queues))
+
+    wait_for(settled, timeout=SETTLE_S, interval=0.1, message=matrix.logs)
+    effects = matrix.records.effects(tid for _, ids in by_worker.values() for tid in ids)
+    app = matrix.celery_app
+    for worker, (key, ids) in by_worker.items():
+        ran = {tid: effects[tid] for tid in ids if effects[tid]}
+        assert len(ran) == 1 and list(ran.values()) == [[worker]], (worker, key, effects)
+        [winner] = ran
+        marker = matrix.client.get(f"{matrix.prefix}:idem:{TASK}:{key}")
+        assert marker is not None and marker.decode().startswith(f"done {winner} "), marker
+        # The Celery caller's result: the handler's value, or null for a duplicate.
+        [from_celery] = [tid for tid in ids if tid.startswith("idem-py-")] or [None]
+        if from_celery is not None:
+            result = app.AsyncResult(from_celery)
+            assert result.get(timeout=10) == ({"language": worker} if from_celery == winner
+                                              else None), (worker, from_celery, winner)
+    assert not any(matrix.dead_entries(q) for q in queues)
+
+
+def test_sigkill_mid_task_is_finished_by_another_language(matrix: Matrix) -> None:
+    """Each language's worker is killed (SIGKILL) while it runs a task; after its lease
+    runs out, a worker of another language takes the entry over and runs it: one effect."""
+    victims = {}
+    for language in LANGUAGES:
+        queue = matrix.queue("kill", language)
+        victims[language] = (matrix.launch.celery(queue) if language == "py"
+                             else matrix.launch.peer(language, queue))
+        matrix.victims.append(victims[language])
+    for victim in victims.values():
+        victim.wait_ready()
+    plan, expected = [], {}
+    for victim_language in LANGUAGES:
+        tid = task_id("kill", RESCUER[victim_language], victim_language)
+        plan.append((RESCUER[victim_language], matrix.queue("kill", victim_language),
+                     {"task_id": tid, "payload": {"hold_ms": 1500}}))
+        expected[tid] = RESCUER[victim_language]
+    matrix.publish(plan)
+    by_victim = dict(zip(LANGUAGES, expected, strict=True))
+
+    def started() -> dict[str, list[str]]:
+        return matrix.records.read("started", expected)
+
+    wait_for(lambda: all(started()[tid] == [victim] for victim, tid in by_victim.items()),
+             timeout=SETTLE_S, message=lambda: f"{started()}\n{matrix.logs()}")
+    for victim in victims.values():
+        victim.kill()
+    for victim_language in LANGUAGES:
+        matrix.peers[RESCUER[victim_language]].send("consume",
+                                                    queue=matrix.queue("kill", victim_language))
+    for victim_language in LANGUAGES:
+        matrix.peers[RESCUER[victim_language]].receive()
+    matrix.expect_effects(expected)
+    assert started() == {tid: [victim, RESCUER[victim]] for victim, tid in by_victim.items()}
+    matrix.assert_drained(*(matrix.queue("kill", w) for w in LANGUAGES))
+
+
+def hold_every_worker(matrix: Matrix, family: str, hold_ms: int) -> dict[str, str]:
+    """Give each worker language's queue of ``family`` a task that holds its worker for
+    ``hold_ms``, so what is published next waits in the stream; wait until all started.
+    Returns worker language -> the holding task's id."""
+    plan, holders = [], {}
+    for worker in LANGUAGES:
+        tid = task_id(f"{family}-hold", worker, worker)
+        plan.append((worker, matrix.queue(family, worker),
+                     {"task_id": tid, "payload": {"hold_ms": hold_ms}}))
+        holders[worker] = tid
+    matrix.publish(plan)
+    wait_for(lambda: all(matrix.records.read("started", holders.values()).values()),
+             timeout=SETTLE_S, message=matrix.logs)
+    return holders
+
+
+def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
+    """Each producer language cancels (Celery: ``revoke()``) one task waiting in a stream
+    and one delayed task of every worker language, knowing only their ids: neither runs.
+    Tasks published after them run; nothing is dead-lettered."""
+    holders = hold_every_worker(matrix, "cancel", HOLD_MS)
+    due = datetime.now(timezone.utc) + timedelta(seconds=2)
+    plan, queued, delayed, after = [], {}, {}, {}
+    for producer, worker in PAIRS:
+        queue = matrix.queue("cancel", worker)
+        now_id, later_id = task_id("queued", producer, worker), task_id("later", producer, worker)
+        plan.append((producer, queue, {"task_id": now_id}))
+        plan.append((producer, queue, {"task_id": later_id, "schedule_time": due.isoformat()}))
+        queued[now_id], delayed[later_id] = (producer, queue), (producer, queue)
+    matrix.publish(plan)
+    for producer in LANGUAGES:
+        ids = [tid for tid, (p, _) in [*queued.items(), *delayed.items()] if p == producer]
+        matrix.peers[producer].send("cancel", task_ids=ids)
+    outcomes = {}
+    for producer in LANGUAGES:
+        ids = [tid for tid, (p, _) in [*queued.items(), *delayed.items()] if p == producer]
+        answer = matrix.peers[producer].receive()["outcomes"]
+        outcomes.update(zip(ids, answer, strict=True))
+    cancelled_ms = int(time.time() * 1000)
+    expected_outcomes = {
+        **{tid: {"outcome": "marked", "queue": None} for tid in queued},
+        **{tid: {"outcome": "removed", "queue": queue} for tid, (_, queue) in delayed.items()},
+    }
+    # Celery's revoke() answers nothing: its effect is checked below, like everyone's.
+    wrong = {tid: got for tid, got in outcomes.items()
+             if got["outcome"] is not None and got != expected_outcomes[tid]}
+    assert not wrong, f"task_id -> cancel outcome: {wrong}"
+    plan = []
+    for producer, worker in PAIRS:
+        tid = task_id("after", producer, worker)
+        plan.append((producer, matrix.queue("cancel", worker), {"task_id": tid}))
+        after[tid] = worker
+    matrix.publish(plan)
+    matrix.expect_effects({**after, **{tid: w for w, tid in holders.items()}})
+    released = matrix.records.effect_times(holders.values())
+    assert all(times[0] >= cancelled_ms for times in released.values()), (
+        f"a holding task ended before every cancel was answered at {cancelled_ms}: {released}")
+    wait_for(lambda: datetime.now(timezone.utc) > due + timedelta(seconds=1), timeout=10)
+    cancelled = [*queued, *delayed]
+    ran = {tid: got for tid, got in matrix.records.read("attempts", cancelled).items() if got}
+    assert not ran, f"cancelled tasks that ran: {ran}"
+    queues = [matrix.queue("cancel", w) for w in LANGUAGES]
+    matrix.assert_drained(*queues)
+    assert not any(matrix.dead_entries(q) for q in queues)
+    assert_revoked(matrix, [tid for tid, (producer, _) in queued.items() if producer == "py"])
+
+
+def test_expires(matrix: Matrix) -> None:
+    """A task whose ``expires`` passes while it waits in a stream, or before it is due, is
+    acknowledged without running, by every worker language; one that has not expired runs."""
+    holders = hold_every_worker(matrix, "expires", HOLD_MS)
+    plus8 = timezone(timedelta(hours=8))
+    now = datetime.now(plus8)
+    soon, later = now + timedelta(milliseconds=HOLD_MS // 2), now + timedelta(seconds=60)
+    plan, expired, live = [], [], {}
+    for producer, worker in PAIRS:
+        queue = matrix.queue("expires", worker)
+        waiting, delayed, fresh = (task_id(name, producer, worker)
+                                   for name in ("expired", "expired-delayed", "fresh"))
+        plan.append((producer, queue, {"task_id": waiting, "expires": soon.isoformat()}))
+        plan.append((producer, queue, {"task_id": delayed, "expires": soon.isoformat(),
+                                       "schedule_time": (soon + timedelta(seconds=1)).isoformat()}))
+        plan.append((producer, queue, {"task_id": fresh, "expires": later.isoformat()}))
+        expired += [waiting, delayed]
+        live[fresh] = worker
+    matrix.publish(plan)
+    assert datetime.now(plus8) < soon, "published too slowly to expire while waiting"
+    matrix.expect_effects({**live, **{tid: w for w, tid in holders.items()}})
+    queues = [matrix.queue("expires", w) for w in LANGUAGES]
+    matrix.assert_drained(*queues)
+    ran = {tid: got for tid, got in matrix.records.read("attempts", expired).items() if got}
+    assert not ran, f"expired tasks that ran: {ran}"
+    assert not any(matrix.dead_entries(q) for q in queues)
+    assert_revoked(matrix, [tid for tid in expired if tid.startswith("expired-py-")])
+
+
+def assert_revoked(matrix: Matrix, task_ids: list[str]) -> None:
+    """The Celery caller of each task sees it ``REVOKED`` (written by whichever worker
+    language acknowledged it without running it)."""
+    app = matrix.celery_app
+    states = {tid: app.AsyncResult(tid).state for tid in task_ids}
+    assert set(states.values()) == {"REVOKED"}, states
+
+
+def test_celery_async_result_get_of_a_task_run_in_each_language(matrix: Matrix) -> None:
+    """A Celery caller's ``AsyncResult.get()`` returns what the handler of each worker
+    language returned, and raises the handler's error for a task that failed."""
+    app = matrix.celery_app
+    sent = {}
+    for worker in LANGUAGES:
+        queue = matrix.queue("result", worker)
+        ok = app.send_task(TASK, kwargs={}, queue=queue, task_id=task_id("ok", "py", worker))
+        failed = app.send_task(TASK, kwargs={"fail": True}, queue=queue,
+                               task_id=task_id("failed", "py", worker))
+        sent[worker] = (ok, failed)
+    for worker, (ok, failed) in sent.items():
+        assert ok.get(timeout=SETTLE_S) == {"language": worker}, worker
+        with pytest.raises(Exception) as caught:
+            failed.get(timeout=SETTLE_S)
+        assert type(caught.value).__name__.endswith("MatrixFailure"), (worker, caught.value)
+        assert "matrix.task failed attempt" in str(caught.value), (worker, caught.value)
+        assert failed.state == "FAILURE"
+    matrix.assert_drained(*(matrix.queue("result", w) for w in LANGUAGES))
