@@ -44,9 +44,9 @@ from support.peers import GO, NODE, build_go_peer, node_unavailable
 from support.workers import CeleryWorker
 
 from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
-from kombu_envelope.delayed import DelayedTasks
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.delayed import DelayedTasks
 
 MISSING = [tool for tool, found in (("go", GO), ("node", NODE), ("mvn", shutil.which("mvn")),
                                     ("java", shutil.which("java"))) if found is None]

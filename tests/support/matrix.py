@@ -34,9 +34,9 @@ from typing import IO, Any, Protocol
 import redis
 from celery import Celery
 
-from kombu_envelope.deadletter import DeadLetters, ReplayEdit
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.dead_letters import DeadLetters, ReplayEdit
 from support import wait_for
 from support.envelope_streams import envelope_url, pending_count
 from support.peers import FIRST_BUILD_TIMEOUT_S, GO_DIR, NODE, NODE_DIR
@@ -162,7 +162,7 @@ class CeleryPeer:
     ``publish`` is Celery's ``send_task`` (``eta`` for ``schedule_time``, ``expires``, the
     headers ``max_retries``, ``idempotency_key`` and ``x-retry-policy``); ``cancel`` is
     Celery's ``revoke()``, which answers no outcome (``None``); ``replay`` is
-    :class:`kombu_envelope.deadletter.DeadLetters`. Answers are computed when sent.
+    :class:`kombu_envelope.store.dead_letters.DeadLetters`. Answers are computed when sent.
     """
 
     language = "py"
