@@ -45,7 +45,7 @@ from kombu_envelope.kombu.delivery_info import (
 from kombu_envelope.kombu.inbox import F_KOMBU, Inbox
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.outages import retries_seen
+from kombu_envelope.store.outages import is_outage, retries_seen
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
 from kombu_envelope.store.replies import as_text
@@ -151,6 +151,9 @@ class Channel(virtual.Channel):
         #: Messages read by the last blocking read and not delivered yet (see deliver_buffered).
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
         self._wait_only = False
+        #: Whether a blocking read's reply was lost with its connection (see
+        #: finish_blocking_read): the next read first recovers what it may have taken.
+        self._reply_lost = False
         self._registered_liveness = False
         self.queues = Queues(self.client, self.settings)
         self.bindings = Bindings(self.client, self.settings)
@@ -331,8 +334,14 @@ class Channel(virtual.Channel):
                      for message in self.qos._delivered.values())
         known.update(message["properties"]["delivery_info"][INFO_ENTRY_ID]
                      for _queue, message in self._buffer)
-        held = self.client.xreadgroup(self.settings.consumer_group, self.consumer_name,
-                                      dict.fromkeys(streams, "0"))
+        try:
+            held = self.client.xreadgroup(self.settings.consumer_group, self.consumer_name,
+                                          dict.fromkeys(streams, "0"))
+        except ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+            self._recreate_groups()  # Redis lost its data: nothing is held any more
+            return []
         unseen = []
         for stream, entries in held or []:
             entries = [(entry_id, fields) for entry_id, fields in entries
@@ -373,6 +382,11 @@ class Channel(virtual.Channel):
             if not self.consuming or self._buffer:
                 return None
             streams = self._consumed_streams()
+            if self._reply_lost:
+                self._reply_lost = False
+                self._buffer.extend(self.inbox.messages(self._unseen_own_entries(streams, [])))
+                if self._buffer:
+                    return None
             credit = self._credit()
             self._wait_only = credit < len(streams)
             if self._wait_only:
@@ -400,18 +414,29 @@ class Channel(virtual.Channel):
         try:
             reply = self.reader.read_response()
         except ResponseError as exc:
-            if str(exc).startswith("UNBLOCKED"):
-                # A stream read was deleted (a transient reply queue) or the server
-                # changed role: nothing was taken, so read again.
-                logger.info("blocking read ended by Redis (%s); reading again", exc)
+            if str(exc).startswith("NOGROUP"):
+                self._recreate_groups()
                 return 0
-            if not str(exc).startswith("NOGROUP"):
+            if not is_outage(exc):
                 raise
-            self._recreate_groups()
-            return 0
-        except BaseException:
+            # UNBLOCKED (a stream read was deleted, or the server changed role) or a
+            # failover reply: nothing was taken; read again on a new connection, which
+            # finds the primary again (Sentinel asks the sentinels).
+            logger.info("blocking read ended by Redis (%s); reading again", exc)
             self._drop_reader()
-            raise
+            return 0
+        except BaseException as exc:
+            self._drop_reader()
+            if not is_outage(exc):
+                raise
+            # The connection broke or timed out (a failover, a restart): the read may
+            # have taken entries whose reply is lost. Read again on a new connection
+            # (connecting waits for Redis up to outage_tolerance_s, then fails to the
+            # event loop), starting with this consumer's own unseen entries.
+            logger.warning("blocking read lost its connection (%r); reading again on a "
+                           "new one", exc)
+            self._reply_lost = True
+            return 0
         if self._wait_only:  # the reply only says that unread entries exist
             if not self.consuming:
                 return 0

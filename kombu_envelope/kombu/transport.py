@@ -23,7 +23,8 @@ Fields of :class:`kombu_envelope.settings.Settings` (docs/operations.md has thei
 defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_ms``,
 ``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
 ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
-``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``connection_kwargs``,
+``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``wait_replicas`` and
+``wait_timeout_ms`` (WAIT after publishing and settling), ``connection_kwargs``,
 the Sentinel options ``master_name``, ``sentinel_kwargs`` and ``min_other_sentinels``,
 and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
 ``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
@@ -69,6 +70,7 @@ from kombu_envelope.kombu.channel import Channel
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.client import RedisEndpoint, new_client
 from kombu_envelope.store.lease import LeaseKeeper, process_keeper
+from kombu_envelope.store.outages import OUTAGE_ERRORS
 
 
 class Poller:
@@ -161,7 +163,11 @@ class Transport(virtual.Transport):
         heartbeats=False,
     )
 
-    connection_errors, channel_errors = get_redis_error_classes()
+    #: kombu's Redis errors, plus the failover replies redis-py raises as response
+    #: errors (``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``): Celery reconnects on them
+    #: instead of treating them as a broken channel.
+    connection_errors = (*get_redis_error_classes().connection_errors, *OUTAGE_ERRORS)
+    channel_errors = get_redis_error_classes().channel_errors
 
     #: Adapter used when the ``message_adapter`` option is not set.
     default_adapter = MessageAdapter
