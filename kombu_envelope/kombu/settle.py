@@ -23,6 +23,7 @@ from kombu_envelope.kombu.delivery_info import (
 )
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import dead_letter_pending
+from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -64,11 +65,11 @@ class Settler:
         for stream, entry_id in self._pending_acks:
             by_stream.setdefault(stream, []).append(entry_id)
         self._pending_acks = []
-        pipe = self.client.pipeline(transaction=True)
+        pipe = write_pipeline(self.client, self.settings, transaction=True)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.settings.consumer_group, *ids)
             pipe.xdel(stream, *ids)
-        replies = pipe.execute()
+        replies = execute(pipe, self.settings, "ack")
         for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
             if acked < len(ids):
                 # Normal when a task settled its entry itself (dead-lettered it, or
@@ -85,11 +86,14 @@ class Settler:
         if stream is None:
             return
         queue = self.queue_of_stream(stream)
+        pipe = write_pipeline(self.client, self.settings, transaction=False)
         script(self.client, "requeue")(
             keys=[stream, stream, self.settings.keys.queue(queue).dead],
             args=[self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
                   format_rfc3339(utcnow())],
+            client=pipe,
         )
+        execute(pipe, self.settings, "requeue")
 
     def dead_letter_rejected(self, delivery_info: dict[str, Any]) -> None:
         """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""
@@ -122,6 +126,7 @@ class Settler:
         now = format_rfc3339(utcnow())
         for queue in queues:
             keys = self.settings.keys.queue(queue)
+            pipe = write_pipeline(self.client, self.settings, transaction=False)
             for stream in keys.all_streams:
                 try:
                     pending = self.client.xpending_range(
@@ -135,4 +140,5 @@ class Settler:
                 for item in pending:
                     requeue(keys=[stream, stream, keys.dead],
                             args=[self.settings.consumer_group, as_text(item["message_id"]),
-                                  self.consumer_name, 0, 0, 0, now])
+                                  self.consumer_name, 0, 0, 0, now], client=pipe)
+            execute(pipe, self.settings, "requeue")

@@ -25,6 +25,7 @@ from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.failures import Failure, failure_fields
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -47,9 +48,11 @@ def dead_letter_pending(
     args: list[Any] = [settings.consumer_group, entry_id]
     for name, value in fields.items():
         args += [name, value]
-    reply = script(client, "dead_letter")(
-        keys=[stream, settings.keys.queue(queue).dead], args=args
+    pipe = write_pipeline(client, settings, transaction=False)
+    script(client, "dead_letter")(
+        keys=[stream, settings.keys.queue(queue).dead], args=args, client=pipe
     )
+    reply, = execute(pipe, settings, "dead letter")
     if reply:
         client.sadd(settings.keys.dead_queues, queue)
     return as_text(reply) if reply else None
@@ -73,10 +76,10 @@ def dead_letter_envelope(
     for name, value in encode_entry(envelope, settings.gzip_min_bytes,
                                     limits=settings.limits).items():
         fields["raw." + name] = value
-    pipe = client.pipeline(transaction=True)
+    pipe = write_pipeline(client, settings, transaction=True)
     pipe.xadd(settings.keys.queue(queue).dead, fields)
     pipe.sadd(settings.keys.dead_queues, queue)
-    return as_text(pipe.execute()[0])
+    return as_text(execute(pipe, settings, "dead letter")[0])
 
 
 

@@ -21,6 +21,7 @@ from kombu_envelope.envelope import Envelope, check_publishable, utcnow
 from kombu_envelope.keys import QueueKeys, bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
+from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.scripts import script
 
 
@@ -72,15 +73,16 @@ class Publisher:
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         token = os.urandom(8).hex()
         dedupe_ms = settings.publish_dedupe_ms
-        if len(prepared) == 1 and not delayed_queues:
+        if len(prepared) == 1 and not delayed_queues and not settings.wait_replicas:
             # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
-            # sends SCRIPT EXISTS, a second round trip on every single publish.
+            # sends SCRIPT EXISTS, a second round trip on every single publish
+            # (paid with wait_replicas, whose WAIT must share the script's connection).
             keys, envelope, enc, body = prepared[0]
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
                                   keys.delayed_data, keys.published(envelope.task_id)],
                             args=[envelope.task_id, enc, body, token, dedupe_ms])
             return [reply.decode() if isinstance(reply, bytes) else reply]
-        pipe = self.client.pipeline(transaction=False)
+        pipe = write_pipeline(self.client, settings, transaction=False)
         if delayed_queues:
             # Registered on every delayed publish, in the same round trip and before
             # schedule.lua wakes the promoters: a registry lost with a Redis restart
@@ -94,7 +96,7 @@ class Publisher:
             else:
                 schedule_encoded(pipe, self.client, settings, keys, envelope, enc, body,
                                  token=token)
-        replies = pipe.execute()
+        replies = execute(pipe, settings, "publish")
         if delayed_queues:
             replies = replies[1:]  # the SADD
         # enqueue.lua answers the entry id; schedule.lua answers an integer.

@@ -32,6 +32,7 @@ from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.scripts import script
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def replace_pending(client: Any, settings: Settings, attempt: PendingAttempt,
     bucket = bucket_for(envelope.priority)
     enc, body = encode_body(envelope, settings.gzip_min_bytes, limits=settings.limits)
     delayed = not envelope.is_due()
-    pipe = client.pipeline(transaction=False)
+    pipe = write_pipeline(client, settings, transaction=False)
     if delayed:
         pipe.sadd(settings.keys.queues, attempt.queue)  # before retry.lua wakes promoters
     script(client, "retry")(
@@ -105,7 +106,7 @@ def replace_pending(client: Any, settings: Settings, attempt: PendingAttempt,
               envelope.due_ms() if delayed else 0, bucket.value, enc, body,
               settings.keys.wakeup_channel],
         client=pipe)
-    replies = pipe.execute()
+    replies = execute(pipe, settings, "retry")
     attempt.outcome = Replaced.REPLACED if replies[-1] else Replaced.NOT_PENDING
     if attempt.outcome is Replaced.NOT_PENDING and not attempt.publish_if_gone:
         logger.warning("task %s (%s): entry %s of %s is no longer pending (taken over); "
