@@ -18,6 +18,7 @@ from bench.drill.config import ENVELOPE, DrillConfig
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import DeadLetters
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.testing.sentinel import SentinelGroup
 
 
 @dataclass(frozen=True)
@@ -36,21 +37,32 @@ class Broker:
     kind: str
     hostport: str
     prefix: str
+    #: The Sentinel group behind the broker, if any (then ``hostport`` is unused).
+    sentinel: SentinelGroup | None = None
 
     @property
     def label(self) -> str:
-        """``envelope://`` or ``redis:// (stock)``."""
+        """``envelope://``, ``envelope-sentinel://`` or ``redis:// (stock)``."""
+        if self.sentinel is not None:
+            return "envelope-sentinel://"
         return "envelope://" if self.kind == ENVELOPE else "redis:// (stock)"
 
     @property
     def url(self) -> str:
         """The broker URL of the drill's apps."""
+        if self.sentinel is not None:
+            return self.sentinel.url
         return f"{self.kind}://{self.hostport}/0"
 
     def transport_options(self, config: DrillConfig) -> dict[str, Any]:
         """``broker_transport_options`` of the drill's apps."""
         if self.kind == ENVELOPE:
-            return {"key_prefix": self.prefix, "lease_ms": config.lease_ms}
+            options: dict[str, Any] = {"key_prefix": self.prefix, "lease_ms": config.lease_ms,
+                                       "wait_replicas": config.wait_replicas}
+            if self.sentinel is not None:
+                options.update(self.sentinel.transport_options(),
+                               socket_timeout=config.socket_timeout_s)
+            return options
         return {"global_keyprefix": f"{self.prefix}:",
                 "visibility_timeout": config.visibility_timeout_s,
                 "unacked_restore_interval": 1, "unacked_restore_throttle": 1}

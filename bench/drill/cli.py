@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.drill.config import BROKERS, ENVELOPE, LARGE, SMALL, DrillConfig
+from bench.drill.config import (
+    BROKERS,
+    ENVELOPE,
+    LARGE,
+    SENTINEL,
+    SENTINEL_LARGE,
+    SENTINEL_SMALL,
+    SMALL,
+    DrillConfig,
+)
 from bench.drill.run import run_drill
 
 
@@ -50,8 +59,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def configs(args: argparse.Namespace) -> list[DrillConfig]:
-    """One config per chosen broker, from the preset and the options given."""
-    base = SMALL if args.small else LARGE
+    """One config per chosen broker, from the preset and the options given (the
+    Sentinel presets with ``--topology sentinel``, which drills envelope:// only)."""
+    if args.topology == SENTINEL:
+        base = SENTINEL_SMALL if args.small else SENTINEL_LARGE
+        if args.brokers == ",".join(BROKERS):
+            args.brokers = ENVELOPE
+    else:
+        base = SMALL if args.small else LARGE
     changes = {spec.name: tuple(value) if isinstance(value, list) else value
                for spec in dataclasses.fields(DrillConfig)
                if (value := getattr(args, spec.name, None)) is not None}

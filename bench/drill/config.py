@@ -11,6 +11,12 @@ ENVELOPE = "envelope"
 STOCK = "redis"
 BROKERS = (ENVELOPE, STOCK)
 
+#: Deployments of the broker's Redis: one server, or a Sentinel group (a primary,
+#: two replicas, three sentinels).
+SINGLE = "single"
+SENTINEL = "sentinel"
+TOPOLOGIES = (SINGLE, SENTINEL)
+
 
 @dataclass(frozen=True)
 class DrillConfig:
@@ -18,6 +24,20 @@ class DrillConfig:
 
     #: ``envelope`` (kombu-envelope) or ``redis`` (Celery's stock transport).
     broker: str = ENVELOPE
+    #: ``single``: one redis-server, SIGKILLed and restarted from its AOF, and workers
+    #: SIGKILLed. ``sentinel``: a Sentinel group whose primary is SIGKILLed at
+    #: ``redis_kill_at_s`` (and started again ``redis_down_s`` later, to rejoin as a
+    #: replica), then SIGSTOPped at ``stall_at_s`` for ``stall_s``; no worker is killed.
+    topology: str = SINGLE
+    #: ``wait_replicas`` of envelope:// (0: no WAIT).
+    wait_replicas: int = 0
+    #: Sentinel: when the primary of the moment is SIGSTOPped, and for how long (make
+    #: it longer than the lease and than failure detection).
+    stall_at_s: float = 11.0
+    stall_s: float = 5.0
+    #: ``socket_timeout`` of envelope:// on Sentinel (seconds): how soon a command or a
+    #: blocking read sent to a stalled primary gives up and finds the new one.
+    socket_timeout_s: float = 2.0
     #: Tasks the producer tries to publish, at an even pace over ``publish_s``.
     tasks: int = 200
     publish_s: float = 16.0
@@ -49,6 +69,18 @@ class DrillConfig:
     def __post_init__(self) -> None:
         if self.broker not in BROKERS:
             raise ValueError(f"broker must be one of {BROKERS}, not {self.broker!r}")
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, not {self.topology!r}")
+        if self.topology == SENTINEL:
+            if self.broker != ENVELOPE:
+                raise ValueError("the sentinel topology drills envelope:// only")
+            if not (self.redis_kill_at_s + self.redis_down_s <= self.stall_at_s
+                    and self.stall_at_s + self.stall_s < self.publish_s):
+                raise ValueError("on sentinel the primary is killed, restarted, then stalled, "
+                                 "all while publishing: redis_kill_at_s + redis_down_s <= "
+                                 "stall_at_s and stall_at_s + stall_s < publish_s")
+            if self.stall_s * 1000 <= self.lease_ms:
+                raise ValueError("stall_s must be longer than the lease (lease_ms)")
         if self.tasks < 1 or self.workers < 1 or self.concurrency < 1:
             raise ValueError("tasks, workers and concurrency must be at least 1")
         if not 0 <= self.delayed_fraction <= 1:
@@ -58,6 +90,17 @@ class DrillConfig:
                              "it while the producer keeps publishing")
         if self.kill_interval_s <= 0 or self.first_kill_s >= self.publish_s:
             raise ValueError("at least one worker must be killed while publishing")
+
+    @property
+    def sentinel(self) -> bool:
+        """Whether the broker's Redis is a Sentinel group."""
+        return self.topology == SENTINEL
+
+    @property
+    def loss_allowed(self) -> bool:
+        """A failover without WAIT may lose the writes the replicas had not copied yet:
+        the drill then reports the loss rather than fail on it."""
+        return self.sentinel and not self.wait_replicas
 
     @property
     def delayed(self) -> int:
@@ -87,3 +130,11 @@ SMALL = DrillConfig()
 LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,
                     kill_interval_s=5.0, first_kill_s=3.0, redis_kill_at_s=44.0,
                     redis_down_s=3.0, settle_timeout_s=180.0)
+
+#: The suite's Sentinel drill: about a minute.
+SENTINEL_SMALL = SMALL.replace(topology=SENTINEL, publish_s=20.0, redis_kill_at_s=4.0,
+                               redis_down_s=3.0, stall_at_s=11.0, stall_s=5.0)
+
+#: The Sentinel drill whose figures docs/operations.md reports.
+SENTINEL_LARGE = LARGE.replace(topology=SENTINEL, redis_kill_at_s=30.0, redis_down_s=3.0,
+                               stall_at_s=70.0, stall_s=8.0)

@@ -70,11 +70,24 @@ class DrillReport:
     log_problems: Counter[str]
     harness_errors: list[str] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
+    #: Sentinel: per fault (kill, stall), seconds until a new primary took writes.
+    failover_s: dict[str, float] = field(default_factory=dict)
+    #: Per fault, seconds until the first effect of a task published after it.
+    recovery_s: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        """The drill ran as designed, and lost nothing and duplicated no effect."""
-        return not self.harness_errors and self.tally.passed
+        """The drill ran as designed, and lost nothing and duplicated no effect.
+
+        On Sentinel without WAIT a loss is reported, not failed (the replicas may not
+        have copied the last writes), and any worker that exited fails the drill.
+        """
+        tally = self.tally
+        if self.harness_errors or tally.duplicate_effects != tally.duplicates_after_kill:
+            return False
+        if self.config.sentinel and self.exited:
+            return False
+        return self.config.loss_allowed or not tally.lost
 
     def _outage(self) -> tuple[float, float] | None:
         down, up = self.timeline.of("redis-kill"), self.timeline.of("redis-start")
@@ -92,6 +105,8 @@ class DrillReport:
             "redis_restarts": len(self.timeline.of("redis-start")),
             "seconds": round(self.seconds, 1),
             "drain_s": None if self.drain_s is None else round(self.drain_s, 1),
+            "topology": self.config.topology, "wait_replicas": self.config.wait_replicas,
+            "failover_s": self.failover_s, "recovery_s": self.recovery_s,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -139,6 +154,10 @@ class DrillReport:
             f"  worker kills {f['worker_kills']}, workers exited on their own "
             f"{f['worker_exits']}, Redis restarts {f['redis_restarts']}; "
             f"{f['seconds']} s in all, last effect {f['drain_s']} s after the last publish",
+            f"  topology {f['topology']}, wait_replicas {f['wait_replicas']}; new primary "
+            f"after {f['failover_s'] or '-'}; first effect of a task published after each "
+            f"fault after {f['recovery_s'] or '-'} s"
+            + (" (loss reported, not failed: no WAIT)" if self.config.loss_allowed else ""),
             *(f"  duplicate: {n} x {cause}" for cause, n in self.duplicate_causes().most_common()),
             *(f"  exited: {n} x {reason}" for reason, n in self.exit_reasons().most_common()),
         ])

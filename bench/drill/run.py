@@ -2,7 +2,9 @@
 
 1. A ledger Redis (never killed) and a broker Redis with AOF (``appendfsync always``:
    every write Redis acknowledged is on disk when it is SIGKILLed, so what the restart
-   brings back is exactly what clients were told was stored).
+   brings back is exactly what clients were told was stored), or on the ``sentinel``
+   topology a Sentinel group (:class:`~bench.drill.faults.SentinelFailovers` are its
+   faults, and no worker is killed).
 2. ``workers`` prefork workers, all ready before anything is published.
 3. The producer publishes ``tasks`` over ``publish_s``; meanwhile a random worker is
    SIGKILLed (its whole process group) every ``kill_interval_s`` and replaced, and the
@@ -16,13 +18,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import redis
@@ -31,15 +34,16 @@ from celery import Celery
 from bench.drill.app import create_app
 from bench.drill.brokers import Broker
 from bench.drill.config import ENVELOPE, DrillConfig
-from bench.drill.faults import Fleet, RedisOutage, Supervisor, Timeline
+from bench.drill.faults import Fleet, RedisOutage, SentinelFailovers, Supervisor, Timeline
 from bench.drill.ledger import KINDS, Ledger, Record
-from bench.drill.producer import Producer, plan
+from bench.drill.producer import Producer, Published, plan
 from bench.drill.report import DrillReport, log_problems
 from bench.drill.tally import tally
 from bench.drill.workers import DrillWorker
 from bench.sysinfo import machine_info
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.testing.redis_server import PrivateRedisServer
+from kombu_envelope.testing.sentinel import SentinelGroup
 
 #: Longest wait for the first workers to be ready (seconds).
 READY_TIMEOUT_S = 120.0
@@ -61,10 +65,12 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     workdir.mkdir(parents=True, exist_ok=True)
     run = uuid.uuid4().hex[:10]
     rng = random.Random(config.seed)
-    with PrivateRedisServer() as ledger_server, \
-            PrivateRedisServer(appendonly=True) as broker_server:
+    with PrivateRedisServer() as ledger_server, _broker_redis(config) as broker_server:
         ledger = Ledger(redis.Redis.from_url(ledger_server.url), run)
-        broker = Broker(config.broker, f"127.0.0.1:{broker_server.port}", f"drill-{run}")
+        if isinstance(broker_server, SentinelGroup):
+            broker = Broker(config.broker, "", f"drill-{run}", sentinel=broker_server)
+        else:
+            broker = Broker(config.broker, f"127.0.0.1:{broker_server.port}", f"drill-{run}")
         options = broker.transport_options(config)
         timeline = Timeline()
 
@@ -90,20 +96,49 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     return report
 
 
-def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServer,
-           ledger: Ledger, fleet: Fleet, app: Celery, timeline: Timeline,
-           rng: random.Random, log: Log) -> DrillReport:
+@contextlib.contextmanager
+def _broker_redis(config: DrillConfig) -> Iterator[PrivateRedisServer | SentinelGroup]:
+    """The broker's Redis: one server with AOF, or a Sentinel group."""
+    if config.sentinel:
+        with SentinelGroup() as group:
+            yield group
+    else:
+        with PrivateRedisServer(appendonly=True) as server:
+            yield server
+
+
+def _broker_client(broker_server: PrivateRedisServer | SentinelGroup) -> redis.Redis:
+    """A plain client on the broker's Redis (its primary of the moment)."""
+    if isinstance(broker_server, SentinelGroup):
+        return broker_server.client(broker_server.primary)
+    return redis.Redis.from_url(broker_server.url)
+
+
+def _drill(config: DrillConfig, broker: Broker,
+           broker_server: PrivateRedisServer | SentinelGroup, ledger: Ledger, fleet: Fleet,
+           app: Celery, timeline: Timeline, rng: random.Random, log: Log) -> DrillReport:
     tasks = plan(config, rng)
     t0 = time.time() + 0.2
     producer = Producer(app, tasks, config, t0)
+    # On Sentinel the faults are Redis's only: a worker that exits is a finding.
     supervisor = Supervisor(fleet, rng, first_kill_at=t0 + config.first_kill_s,
                             interval_s=config.kill_interval_s,
-                            kill_until=t0 + config.publish_s)
-    outage = RedisOutage(broker_server, timeline, kill_at=t0 + config.redis_kill_at_s,
-                         down_s=config.redis_down_s)
-    log(f"publishing {config.tasks} tasks over {config.publish_s:g} s; a worker killed every "
-        f"{config.kill_interval_s:g} s, Redis down at +{config.redis_kill_at_s:g} s for "
-        f"{config.redis_down_s:g} s")
+                            kill_until=t0 if config.sentinel else t0 + config.publish_s)
+    outage: RedisOutage | SentinelFailovers
+    if isinstance(broker_server, SentinelGroup):
+        outage = SentinelFailovers(broker_server, timeline, kill_at=t0 + config.redis_kill_at_s,
+                                   down_s=config.redis_down_s,
+                                   stall_at=t0 + config.stall_at_s, stall_s=config.stall_s)
+        log(f"publishing {config.tasks} tasks over {config.publish_s:g} s on Sentinel "
+            f"(wait_replicas {config.wait_replicas}); primary SIGKILLed at "
+            f"+{config.redis_kill_at_s:g} s, the next one SIGSTOPped at "
+            f"+{config.stall_at_s:g} s for {config.stall_s:g} s")
+    else:
+        outage = RedisOutage(broker_server, timeline, kill_at=t0 + config.redis_kill_at_s,
+                             down_s=config.redis_down_s)
+        log(f"publishing {config.tasks} tasks over {config.publish_s:g} s; a worker killed "
+            f"every {config.kill_interval_s:g} s, Redis down at +{config.redis_kill_at_s:g} s "
+            f"for {config.redis_down_s:g} s")
     timeline.note("publish-start")
     for thread in (producer, supervisor, outage):
         thread.start()
@@ -130,9 +165,10 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
     timeline.note("workers-stopped")
 
     records = {kind: ledger.records(kind) for kind in KINDS}
-    with redis.Redis.from_url(broker_server.url) as client:
+    with _broker_client(broker_server) as client:
         dead = broker.dead_letters(client)
         leftovers = broker.leftovers(client)
+        broker_url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
     killed_at = {w.hostname: w.killed_at for w in fleet.killed if w.killed_at is not None}
     exited_at = {w.hostname: w.exited_at for w in fleet.exited if w.exited_at is not None}
     counted = tally(producer.published, producer.not_published, records, dead, killed_at,
@@ -146,10 +182,33 @@ def _drill(config: DrillConfig, broker: Broker, broker_server: PrivateRedisServe
         log_problems=log_problems(list(fleet.all.values())),
         harness_errors=_harness_errors(config, producer, supervisor, outage, fleet,
                                        timeline, counted.runs_without_key),
-        machine=machine_info(broker_server.url, None),
+        machine=machine_info(broker_url, None),
+        failover_s=getattr(outage, "failover_s", {}),
+        recovery_s=_recovery(records, producer.published, timeline),
     )
     log(report.summary())
     return report
+
+
+#: The faults whose recovery a drill measures.
+FAULTS = ("redis-kill", "primary-kill", "primary-stall")
+
+
+def _recovery(records: dict[str, list[Record]], published: list[Published],
+              timeline: Timeline) -> dict[str, float | None]:
+    """Per fault, seconds from it to the first effect of a task published after it
+    (None: no such effect)."""
+    effect_at: dict[str, float] = {}
+    for record in records["effects"]:
+        effect_at.setdefault(record["order"], record["t"])
+    found: dict[str, float | None] = {}
+    for fault in FAULTS:
+        for event in timeline.of(fault):
+            times = [effect_at[p.task.order_id] - event.at for p in published
+                     if p.at >= event.at and p.task.countdown is None
+                     and p.task.order_id in effect_at]
+            found[fault] = round(min(times), 2) if times else None
+    return found
 
 
 def _wait_for_effects(ledger: Ledger, orders: set[str], deadline: float) -> bool:
@@ -182,14 +241,23 @@ def _wait_for_quiet(ledger: Ledger, quiet_s: float, deadline: float) -> bool:
 
 
 def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervisor,
-                    outage: RedisOutage, fleet: Fleet, timeline: Timeline,
-                    runs_without_key: int) -> list[str]:
+                    outage: RedisOutage | SentinelFailovers, fleet: Fleet,
+                    timeline: Timeline, runs_without_key: int) -> list[str]:
     """What kept the drill from testing what it claims to (then it fails, saying so)."""
     errors = [f"{name} thread failed: {thread.error!r}"
               for name, thread in (("producer", producer), ("supervisor", supervisor),
                                    ("Redis outage", outage)) if thread.error is not None]
     if producer.is_alive():
         errors.append("the producer did not finish")
+    if config.broker == ENVELOPE and runs_without_key:
+        errors.append(f"{runs_without_key} task runs had no idempotency key: the drill "
+                      "would not test idempotency")
+    if isinstance(outage, SentinelFailovers):
+        if len(timeline.of("new-primary")) < 2 or not timeline.of("primary-resume"):
+            errors.append("the primary was not both killed and stalled with a failover each")
+        elif not any(p.at > timeline.of("primary-resume")[0].at for p in producer.published):
+            errors.append("nothing was published after the stalled primary came back")
+        return errors
     if not fleet.killed:
         errors.append("no worker was killed")
     starts = timeline.of("redis-start")
@@ -201,7 +269,4 @@ def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervi
                           "not loaded")
         if not any(p.at > starts[0].at for p in producer.published):
             errors.append("nothing was published after Redis came back")
-    if config.broker == ENVELOPE and runs_without_key:
-        errors.append(f"{runs_without_key} task runs had no idempotency key: the drill "
-                      "would not test idempotency")
     return errors
