@@ -324,16 +324,14 @@ class Channel(virtual.Channel):
             reply = read(keys=streams, args=args)
         if retries_seen() != retried:
             reply = reply + self._unseen_own_entries(streams, reply)
-        return reply
+        return self._without_held(reply)
 
     def _unseen_own_entries(self, streams: list[str], reply: list[Any]) -> list[Any]:
         """Entries this consumer holds but never saw: a read retried after its reply
         was lost may have taken them (kombu_envelope.store.outages)."""
-        known = {as_text(entry_id) for _stream, entries in reply for entry_id, _ in entries}
-        known.update(message.delivery_info[INFO_ENTRY_ID]
-                     for message in self.qos._delivered.values())
-        known.update(message["properties"]["delivery_info"][INFO_ENTRY_ID]
-                     for _queue, message in self._buffer)
+        known = {(as_text(stream), as_text(entry_id))
+                 for stream, entries in reply for entry_id, _ in entries}
+        known.update(self._held_entries())
         try:
             held = self.client.xreadgroup(self.settings.consumer_group, self.consumer_name,
                                           dict.fromkeys(streams, "0"))
@@ -345,13 +343,43 @@ class Channel(virtual.Channel):
         unseen = []
         for stream, entries in held or []:
             entries = [(entry_id, fields) for entry_id, fields in entries
-                       if fields and as_text(entry_id) not in known]
+                       if fields and (as_text(stream), as_text(entry_id)) not in known]
             if entries:
                 unseen.append([stream, entries])
         if unseen:
             logger.warning("recovered %d entries whose read reply was lost",
                            sum(len(entries) for _, entries in unseen))
         return unseen
+
+    def _held_entries(self) -> set[tuple[str, str]]:
+        """(stream, entry id) of every message this channel delivered and has not
+        settled, or read and not delivered yet."""
+        infos = [message.delivery_info for message in self.qos._delivered.values()]
+        infos += [message["properties"]["delivery_info"] for _queue, message in self._buffer]
+        return {(info[INFO_STREAM], info[INFO_ENTRY_ID]) for info in infos
+                if INFO_STREAM in info}
+
+    def _without_held(self, reply: list[Any]) -> list[Any]:
+        """``reply`` without the entries this channel holds already.
+
+        Redis replicates asynchronously: a primary that fails right after serving a
+        read may leave a replica that never saw it, and once promoted it hands the
+        same entries out again, to this consumer too, while they still run here.
+        """
+        held = self._held_entries()
+        if not held:
+            return reply
+        kept, dropped = [], 0
+        for stream, entries in reply:
+            fresh = [(entry_id, fields) for entry_id, fields in entries
+                     if (as_text(stream), as_text(entry_id)) not in held]
+            dropped += len(entries) - len(fresh)
+            if fresh:
+                kept.append([stream, fresh])
+        if dropped:
+            logger.warning("read %d entries this consumer already holds (a failover lost "
+                           "the read that gave them); not delivered twice", dropped)
+        return kept
 
     def _recreate_groups(self) -> None:
         """After Redis lost its data (restart without persistence), declare groups again."""
@@ -443,7 +471,7 @@ class Channel(virtual.Channel):
             self._buffer.extend(self.inbox.messages(
                 self._read_now(self._consumed_streams(), self._credit())))
             return self.deliver_buffered()
-        self._buffer.extend(self.inbox.messages(reply or []))
+        self._buffer.extend(self.inbox.messages(self._without_held(reply or [])))
         if self._buffer and self.consuming and self._room() > 0:
             self._buffer.extend(self.inbox.messages(
                 self._read_now(self._consumed_streams(), self._room())))
