@@ -23,7 +23,7 @@ from kombu_envelope.kombu.delivery_info import (
 )
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import dead_letter_pending
-from kombu_envelope.store.replication import execute, write_pipeline
+from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -86,14 +86,10 @@ class Settler:
         if stream is None:
             return
         queue = self.queue_of_stream(stream)
-        pipe = write_pipeline(self.client, self.settings, transaction=False)
-        script(self.client, "requeue")(
-            keys=[stream, stream, self.settings.keys.queue(queue).dead],
-            args=[self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
-                  format_rfc3339(utcnow())],
-            client=pipe,
-        )
-        execute(pipe, self.settings, "requeue")
+        run_script(self.client, self.settings, "requeue",
+                   [stream, stream, self.settings.keys.queue(queue).dead],
+                   [self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
+                    format_rfc3339(utcnow())], "requeue")
 
     def dead_letter_rejected(self, delivery_info: dict[str, Any]) -> None:
         """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""

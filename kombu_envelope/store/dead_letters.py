@@ -25,7 +25,7 @@ from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.failures import Failure, failure_fields
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.replication import execute, write_pipeline
+from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -48,11 +48,8 @@ def dead_letter_pending(
     args: list[Any] = [settings.consumer_group, entry_id]
     for name, value in fields.items():
         args += [name, value]
-    pipe = write_pipeline(client, settings, transaction=False)
-    script(client, "dead_letter")(
-        keys=[stream, settings.keys.queue(queue).dead], args=args, client=pipe
-    )
-    reply, = execute(pipe, settings, "dead letter")
+    reply = run_script(client, settings, "dead_letter", [stream, settings.keys.queue(queue).dead],
+                       args, "dead letter")
     if reply:
         client.sadd(settings.keys.dead_queues, queue)
     return as_text(reply) if reply else None

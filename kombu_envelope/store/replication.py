@@ -23,8 +23,9 @@ import threading
 from typing import Any
 
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.scripts import script
 
-__all__ = ["execute", "short_waits", "write_pipeline"]
+__all__ = ["execute", "run_script", "short_waits", "write_pipeline"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,20 @@ def execute(pipe: Any, settings: Settings, step: str) -> list[Any]:
     replies = pipe.execute()
     acknowledged_by(int(replies[-1]), settings, step)
     return list(replies[-2]) if transaction else replies[:-1]
+
+
+def run_script(client: Any, settings: Settings, name: str, keys: list[Any], args: list[Any],
+               step: str) -> Any:
+    """Run script ``name`` once and return its reply, followed by ``WAIT`` when set.
+
+    Without ``wait_replicas`` it is a plain ``EVALSHA``; with it, the script and its
+    ``WAIT`` share a pipeline (and so pay redis-py's ``SCRIPT EXISTS`` round trip).
+    """
+    if not settings.wait_replicas:
+        return script(client, name)(keys=keys, args=args)
+    pipe = write_pipeline(client, settings, transaction=False)
+    script(client, name)(keys=keys, args=args, client=pipe)
+    return execute(pipe, settings, step)[0]
 
 
 def acknowledged_by(replicas: int, settings: Settings, step: str) -> None:
