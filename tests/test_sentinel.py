@@ -10,12 +10,16 @@ defaults) through a SIGKILL and a SIGSTOP of the primary (``python -m bench dril
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import kombu
@@ -25,6 +29,9 @@ from celery import Celery
 from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
 from redis.sentinel import MasterNotFoundError
 from support import wait_for
+from support.workers import PROJECT_ROOT, TESTS_DIR
+from test_connection_options import Certificates
+from test_connection_options import certificates as certificates  # the fixture
 
 import celery_ext  # noqa: F401  (envelope:// for Celery)
 from bench.drill.config import SENTINEL_SMALL
@@ -108,6 +115,69 @@ def test_kombu_connection_on_sentinel_publishes_and_consumes(group: SentinelGrou
     assert received == [{"hello": "sentinel"}]
 
 
+def _environment(**extra: str) -> dict[str, str]:
+    paths = [str(PROJECT_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)),
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+def test_the_standalone_scheduler_and_the_cli_work_on_sentinel(group: SentinelGroup,
+                                                             key_prefix: str) -> None:
+    settings = Settings(key_prefix=key_prefix, master_name=group.master_name,
+                        sentinel_kwargs=group.sentinel_kwargs)
+    client = client_for_url(group.url, settings)
+    soon = datetime.now(timezone.utc) + timedelta(seconds=1)
+    Publisher(client, settings).publish(QUEUE, new_envelope(schedule_time=soon))
+    close_client(client)
+    options = {"key_prefix": key_prefix, **group.transport_options()}
+    cli_env = _environment(DRILL_BROKER_URL=group.url,
+                           DRILL_TRANSPORT_OPTIONS=json.dumps(options))
+    counted = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "bench.drill.app", "envelope", "delayed",
+         "count", "--json"], cwd=PROJECT_ROOT, env=cli_env, capture_output=True, text=True,
+        timeout=60)
+    assert counted.returncode == 0, counted.stderr
+    assert json.loads(counted.stdout) == {QUEUE: 1}
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "kombu_envelope.scheduler", "--url", group.url,
+         "--master-name", group.master_name, "--key-prefix", key_prefix],
+        cwd=PROJECT_ROOT, env=_environment(ENVELOPE_SENTINEL_PASSWORD=group.sentinel_password
+                                           or ""),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with group.client(group.primary) as direct:
+            wait_for(lambda: sum(direct.xlen(s) for s in
+                                 settings.keys.queue(QUEUE).task_streams) >= 1, timeout=20)
+    finally:
+        scheduler.send_signal(signal.SIGTERM)
+        output, _ = scheduler.communicate(timeout=30)
+    assert scheduler.returncode == 0, output
+
+
+def test_sentinel_over_tls_checks_certificates_of_sentinels_and_data_nodes(
+        certificates: Certificates, key_prefix: str) -> None:
+    lines = [f'tls-cert-file "{certificates.cert}"', f'tls-key-file "{certificates.key}"',
+             f'tls-ca-cert-file "{certificates.ca}"', "tls-auth-clients no"]
+    verify = {"ssl_cert_reqs": "required", "ssl_ca_certs": str(certificates.ca)}
+    with SentinelGroup(tls_config=lines, sentinels=3) as tls_group:
+        assert tls_group.url.startswith("envelopes-sentinel://")
+        settings = Settings(key_prefix=key_prefix, master_name=tls_group.master_name,
+                            sentinel_kwargs={"ssl": True, **verify})
+        client = client_for_url(tls_group.url, settings, ssl=verify)
+        try:
+            assert Publisher(client, settings).publish(QUEUE, new_envelope())
+        finally:
+            close_client(client)
+        untrusted = Settings(master_name=tls_group.master_name, outage_tolerance_s=0,
+                             sentinel_kwargs={"ssl": True, "ssl_cert_reqs": "required"})
+        client = client_for_url(tls_group.url, untrusted, ssl=verify)
+        try:
+            with pytest.raises(MasterNotFoundError, match="certificate verify failed"):
+                client.ping()
+        finally:
+            close_client(client)
+
+
 # ---------------------------------------------------------- failover errors
 
 
@@ -187,7 +257,7 @@ def test_celery_publishes_and_acks_under_wait_replicas_are_on_the_replica_on_ret
         primary_with_replica: tuple[PrivateRedisServer, PrivateRedisServer],
         key_prefix: str) -> None:
     primary, replica = primary_with_replica
-    options = {"key_prefix": key_prefix, "wait_replicas": 1, "wait_timeout_ms": 5000}
+    options = {"key_prefix": key_prefix, "wait_replicas": 1, "wait_timeout_ms": 1500}
     settings = Settings.from_transport_options(options)
     app = Celery("ha", broker=f"envelope://{LOOPBACK}:{primary.port}/0")
     app.conf.update(broker_transport_options=options, task_default_queue=QUEUE)
@@ -201,16 +271,32 @@ def test_celery_publishes_and_acks_under_wait_replicas_are_on_the_replica_on_ret
 
         def on_message(body: object, message: kombu.Message) -> None:
             message.ack()
-            lengths.append(on_replica.xlen(stream))
+            if body[1] == {"n": 1}:  # type: ignore[index]  # the replica is paused for n=2
+                lengths.append(on_replica.xlen(stream))
 
         with app.connection_for_read() as conn, \
                 conn.Consumer(kombu.Queue(QUEUE), callbacks=[on_message],
                               accept=["json"]):
             for _ in range(3):
                 conn.drain_events(timeout=5)
+            # Each ack (XACK + XDEL in MULTI, then WAIT) was on the replica on return.
+            assert lengths == [2, 1, 0]
+            app.send_task("ha.effect", kwargs={"n": 2})
+            before = replication.short_waits()
+            with _paused([replica]):  # the ack's own WAIT times out, and says so
+                started = time.monotonic()
+                conn.drain_events(timeout=5)
+                waited = time.monotonic() - started
     app.close()
-    # Each ack (XACK + XDEL in MULTI, then WAIT) was on the replica when it returned.
-    assert lengths == [2, 1, 0]
+    assert waited >= 1.4
+    assert replication.short_waits() == before + 1
+    assert on_replica_eventually_empty(replica, stream)
+
+
+def on_replica_eventually_empty(replica: PrivateRedisServer, stream: str) -> bool:
+    with redis.Redis.from_url(replica.url) as on_replica:
+        wait_for(lambda: on_replica.xlen(stream) == 0, timeout=10)
+    return True
 
 
 # ------------------------------------------------------------------ drills

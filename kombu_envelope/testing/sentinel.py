@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 import redis
@@ -38,6 +39,10 @@ class SentinelGroup:
     :param password: ``requirepass`` of the data nodes (and ``masterauth``), if any.
     :param sentinel_password: ``requirepass`` of the sentinels, if any.
     :param appendonly: AOF (``appendfsync always``) on the data nodes.
+    :param tls_config: ``redis.conf`` lines naming the certificate files (``tls-cert-file``,
+        ``tls-key-file``, ``tls-ca-cert-file``, ``tls-auth-clients no``): every process
+        then speaks TLS only, replication and the sentinels' links included, and
+        :attr:`url` is ``envelopes-sentinel://``.
     :param min_replicas_to_write: ``min-replicas-to-write`` of the data nodes (with
         ``min-replicas-max-lag`` 2 s): a primary cut off from its replicas, like one
         that resumes after a stall, refuses writes (``NOREPLICAS``) instead of taking
@@ -48,7 +53,7 @@ class SentinelGroup:
                  sentinels: int = 3, down_after_ms: int = 1000,
                  failover_timeout_ms: int = 3000, password: str | None = None,
                  sentinel_password: str | None = None, appendonly: bool = False,
-                 min_replicas_to_write: int = 1) -> None:
+                 min_replicas_to_write: int = 1, tls_config: Sequence[str] = ()) -> None:
         if replicas < 1 or sentinels < 1:
             raise ValueError("a Sentinel group needs at least one replica and one sentinel")
         self.master_name = master_name
@@ -57,15 +62,18 @@ class SentinelGroup:
         self.password = password
         self.sentinel_password = sentinel_password
         self.quorum = sentinels // 2 + 1
+        self.tls = bool(tls_config)
+        self._tls_config = [*tls_config, "tls-replication yes"] if self.tls else []
         auth = [f"requirepass {password}", f"masterauth {password}"] if password else []
-        common = [*auth, "repl-diskless-sync yes", "repl-diskless-sync-delay 0",
+        common = [*auth, *self._tls_config, "repl-diskless-sync yes", "repl-diskless-sync-delay 0",
                   "repl-ping-replica-period 1",
                   f"min-replicas-to-write {min_replicas_to_write}", "min-replicas-max-lag 2"]
         #: Every data node, the first primary first; which is primary changes.
-        self.nodes = [PrivateRedisServer(appendonly=appendonly, extra_config=common)
-                      for _ in range(1 + replicas)]
+        self.nodes = [PrivateRedisServer(appendonly=appendonly, extra_config=common,
+                                         tls=self.tls) for _ in range(1 + replicas)]
         self._common = common
-        self.sentinels = [PrivateRedisServer(sentinel=True) for _ in range(sentinels)]
+        self.sentinels = [PrivateRedisServer(sentinel=True, tls=self.tls)
+                          for _ in range(sentinels)]
 
     # -- lifecycle --------------------------------------------------------
 
@@ -96,7 +104,7 @@ class SentinelGroup:
             lines.append(f"sentinel auth-pass {name} {self.password}")
         if self.sentinel_password:
             lines.append(f"requirepass {self.sentinel_password}")
-        return tuple(lines)
+        return (*self._tls_config, *lines)
 
     def stop(self) -> None:
         """Stop every process and remove their directories."""
@@ -123,8 +131,8 @@ class SentinelGroup:
     def url(self) -> str:
         """``envelope-sentinel://127.0.0.1:P1;envelope-sentinel://127.0.0.1:P2;...``."""
         auth = f":{self.password}@" if self.password else ""
-        return ";".join(f"envelope-sentinel://{auth}{LOOPBACK}:{s.port}/0"
-                        for s in self.sentinels)
+        scheme = "envelopes-sentinel" if self.tls else "envelope-sentinel"
+        return ";".join(f"{scheme}://{auth}{LOOPBACK}:{s.port}/0" for s in self.sentinels)
 
     @property
     def sentinel_kwargs(self) -> dict[str, str] | None:
@@ -141,11 +149,17 @@ class SentinelGroup:
     def client(self, node: PrivateRedisServer) -> redis.Redis:
         """A plain client on one data node (for checks, never through Sentinel)."""
         return redis.Redis(host=LOOPBACK, port=node.port, password=self.password,
-                           socket_timeout=2, socket_connect_timeout=2)
+                           socket_timeout=2, socket_connect_timeout=2, **self._ssl)
 
     def _sentinel_client(self, sentinel: PrivateRedisServer) -> redis.Redis:
         return redis.Redis(host=LOOPBACK, port=sentinel.port, password=self.sentinel_password,
-                           socket_timeout=2, socket_connect_timeout=2, decode_responses=True)
+                           socket_timeout=2, socket_connect_timeout=2, decode_responses=True,
+                           **self._ssl)
+
+    @property
+    def _ssl(self) -> dict[str, object]:
+        """TLS of the group's own checks: our servers, on loopback, not verified."""
+        return {"ssl": True, "ssl_cert_reqs": "none"} if self.tls else {}
 
     def primary_port(self) -> int | None:
         """The primary's port as a majority of the running sentinels name it (None: none)."""
