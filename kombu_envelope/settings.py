@@ -135,8 +135,8 @@ class Settings:
     #: come back before it fails (seconds; 0: fail at once). Only commands that are
     #: safe to repeat are retried (see :mod:`kombu_envelope.store.outages`).
     outage_tolerance_s: float = 30.0
-    #: After each publish and each settling write (ack, retry, dead letter, requeue),
-    #: wait until this many replicas have it (``WAIT``; 0: do not wait). Redis
+    #: After each publish, idempotency claim and settling write (ack, done marker, retry,
+    #: dead letter, requeue), wait until this many replicas have it (``WAIT``; 0: do not wait). Redis
     #: replicates asynchronously: without waiting, a failover can lose the last writes
     #: the primary acknowledged.
     wait_replicas: int = 0

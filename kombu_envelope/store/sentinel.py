@@ -62,7 +62,8 @@ class MajoritySentinel(Sentinel):
             try:
                 masters: dict[str, Any] = sentinel.sentinel_masters()
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                problems.append(f"{sentinel} - {exc!r}")
+                where = sentinel.connection_pool.connection_kwargs
+                problems.append(f"{where.get('host')}:{where.get('port')}: {exc}")
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):
