@@ -229,19 +229,26 @@ class SentinelFailovers(threading.Thread):
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
         self.failover_s: dict[str, float] = {}
+        #: Per fault, how many bytes of the primary's writes the most up-to-date replica
+        #: lacked just before it (read from INFO a moment before the signal): what a
+        #: failover without WAIT would have lost had it struck then.
+        self.lag_bytes: dict[str, int | None] = {}
 
     def run(self) -> None:
         try:
             if self.cancelled.wait(max(self.kill_at - time.time(), 0)):
                 return
+            lag = self._replication_lag()
             killed = self.group.kill_primary()
             down = self.timeline.note("primary-kill", f"port {killed.port}")
+            self.lag_bytes["kill"] = lag
             self._promoted("kill", killed.port, down.at)
             time.sleep(max(down.at + self.down_s - time.time(), 0))
             killed.start()
             self.timeline.note("old-primary-start", f"port {killed.port}")
             if self.cancelled.wait(max(self.stall_at - time.time(), 0)):
                 return
+            self.lag_bytes["stall"] = self._replication_lag()
             stalled = self.group.pause_primary()
             stop = self.timeline.note("primary-stall", f"port {stalled.port}, SIGSTOP")
             self._promoted("stall", stalled.port, stop.at)
@@ -251,6 +258,17 @@ class SentinelFailovers(threading.Thread):
         except BaseException as exc:
             self.error = exc
             self.timeline.note("failover-error", repr(exc))
+
+    def _replication_lag(self) -> int | None:
+        """Bytes of the primary's replication stream its best replica has not acknowledged."""
+        try:
+            with self.group.client(self.group.primary) as client:
+                info = client.info("replication")
+        except (redis.RedisError, RuntimeError):
+            return None
+        offsets = [int(v["offset"]) for k, v in info.items()
+                   if k.startswith("slave") and isinstance(v, dict) and "offset" in v]
+        return int(info["master_repl_offset"]) - max(offsets) if offsets else None
 
     def _promoted(self, fault: str, old_port: int, since: float) -> None:
         new = self.group.wait_for_new_primary(old_port)

@@ -74,6 +74,8 @@ class DrillReport:
     failover_s: dict[str, float] = field(default_factory=dict)
     #: Per fault, seconds until the first effect of a task published after it.
     recovery_s: dict[str, float | None] = field(default_factory=dict)
+    #: Sentinel: per fault, replication bytes the best replica lacked just before it.
+    lag_bytes: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -107,6 +109,7 @@ class DrillReport:
             "drain_s": None if self.drain_s is None else round(self.drain_s, 1),
             "topology": self.config.topology, "wait_replicas": self.config.wait_replicas,
             "failover_s": self.failover_s, "recovery_s": self.recovery_s,
+            "replication_lag_bytes": self.lag_bytes,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -156,7 +159,8 @@ class DrillReport:
             f"{f['seconds']} s in all, last effect {f['drain_s']} s after the last publish",
             f"  topology {f['topology']}, wait_replicas {f['wait_replicas']}; new primary "
             f"after {f['failover_s'] or '-'}; first effect of a task published after each "
-            f"fault after {f['recovery_s'] or '-'} s"
+            f"fault after {f['recovery_s'] or '-'} s; replication lag just before each "
+            f"fault {f['replication_lag_bytes'] or '-'} bytes"
             + (" (loss reported, not failed: no WAIT)" if self.config.loss_allowed else ""),
             *(f"  duplicate: {n} x {cause}" for cause, n in self.duplicate_causes().most_common()),
             *(f"  exited: {n} x {reason}" for reason, n in self.exit_reasons().most_common()),

@@ -184,6 +184,7 @@ def _drill(config: DrillConfig, broker: Broker,
                                        timeline, counted.runs_without_key),
         machine=machine_info(broker_url, None),
         failover_s=getattr(outage, "failover_s", {}),
+        lag_bytes=getattr(outage, "lag_bytes", {}),
         recovery_s=_recovery(records, producer.published, timeline),
     )
     log(report.summary())
