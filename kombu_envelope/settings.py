@@ -136,9 +136,9 @@ class Settings:
     #: safe to repeat are retried (see :mod:`kombu_envelope.store.outages`).
     outage_tolerance_s: float = 30.0
     #: After each publish, idempotency claim and settling write (ack, done marker, retry,
-    #: dead letter, requeue), wait until this many replicas have it (``WAIT``; 0: do not wait). Redis
-    #: replicates asynchronously: without waiting, a failover can lose the last writes
-    #: the primary acknowledged.
+    #: dead letter, requeue), wait until this many replicas have it (``WAIT``; 0: do not
+    #: wait). Redis replicates asynchronously: without waiting, a failover can lose the
+    #: last writes the primary acknowledged.
     wait_replicas: int = 0
     #: Longest ``WAIT`` for ``wait_replicas`` (ms; 0: wait forever). A ``WAIT`` answered by
     #: fewer replicas is logged and counted; the write itself stands.

@@ -3,11 +3,12 @@
 Redis replicates asynchronously: a primary answers a write before any replica has
 it, and a failover promotes a replica that may lack the primary's last writes.
 With ``wait_replicas`` set, each publish, each idempotency claim and each settling
-step (ack, done marker, retry, dead letter, requeue) ends with ``WAIT <wait_replicas> <wait_timeout_ms>`` on the
-connection that wrote, in the same pipeline, so the step returns only once that
-many replicas acknowledged it (or the timeout passed). ``WAIT`` counts the writes
-of its own connection, which is why it must share the pipeline (and so the
-connection, also when the pipeline is retried after an outage).
+step (ack, done marker, retry, dead letter, requeue) ends with
+``WAIT <wait_replicas> <wait_timeout_ms>`` on the connection that wrote, in the same
+pipeline, so the step returns only once that many replicas acknowledged it (or the
+timeout passed). ``WAIT`` counts the writes of its own connection, which is why it
+must share the pipeline (and so the connection, also when the pipeline is retried
+after an outage).
 
 A ``MULTI`` cannot end with ``WAIT`` (inside a transaction it does not block), so
 with ``wait_replicas`` a transaction is sent as ``MULTI ... EXEC`` in a plain
