@@ -140,10 +140,11 @@ class OutageRetry(Retry):
                         with_failure_count: bool = False) -> T:
         """Call ``do`` until it succeeds or the outage is ``tolerance_s`` old."""
         failures = 0
+        caught: tuple[type[Exception], ...] = (*self._supported_errors, ResponseError)
         while True:
             try:
                 result = do()
-            except (*self._supported_errors, ResponseError) as error:
+            except caught as error:
                 if not self.has_answered or not is_outage(error):
                     raise
                 if is_retryable is not None and not is_retryable(error):

@@ -60,7 +60,7 @@ class MajoritySentinel(Sentinel):
         problems: list[str] = []
         for sentinel in self.sentinels:
             try:
-                masters: dict[str, Any] = sentinel.sentinel_masters()
+                masters: Any = sentinel.sentinel_masters()
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 where = sentinel.connection_pool.connection_kwargs
                 problems.append(f"{where.get('host')}:{where.get('port')}: {exc}")

@@ -20,6 +20,7 @@ import signal
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 import redis
 
@@ -157,7 +158,7 @@ class SentinelGroup:
                            **self._ssl)
 
     @property
-    def _ssl(self) -> dict[str, object]:
+    def _ssl(self) -> dict[str, Any]:
         """TLS of the group's own checks: our servers, on loopback, not verified."""
         return {"ssl": True, "ssl_cert_reqs": "none"} if self.tls else {}
 
