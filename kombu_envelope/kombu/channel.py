@@ -461,7 +461,7 @@ class Channel(virtual.Channel):
             # have taken entries whose reply is lost. Read again on a new connection
             # (connecting waits for Redis up to outage_tolerance_s, then fails to the
             # event loop), starting with this consumer's own unseen entries.
-            logger.warning("blocking read lost its connection (%r); reading again on a "
+            logger.warning("blocking read lost its connection (%s); reading again on a "
                            "new one", exc)
             self._reply_lost = True
             return 0
