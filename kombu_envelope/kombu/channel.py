@@ -421,12 +421,12 @@ class Channel(virtual.Channel):
                 self._buffer.extend(self.inbox.messages(self._read_now(streams, credit)))
                 if self._buffer:
                     return None  # delivered from the buffer, without waiting
-                self.reader.send_command(
+                self._send_blocking_read(
                     "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
                     "STREAMS", *streams, *self._last_delivered_ids(streams),
                 )
             else:
-                self.reader.send_command(
+                self._send_blocking_read(
                     "XREADGROUP", "GROUP", self.settings.consumer_group, self.consumer_name,
                     "COUNT", credit // len(streams), "BLOCK", self.settings.block_ms,
                     "STREAMS", *streams, *([">"] * len(streams)),
@@ -434,6 +434,17 @@ class Channel(virtual.Channel):
             self._reading = True
         sock = self._reader._sock if self._reader is not None else None
         return sock.fileno() if sock is not None else None
+
+    def _send_blocking_read(self, *command: Any) -> None:
+        """Send ``command`` on the reader, on a new connection if the reader's broke
+        since its last reply (connecting waits for Redis up to outage_tolerance_s)."""
+        try:
+            self.reader.send_command(*command)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            self._drop_reader()
+            self.reader.send_command(*command)
 
     def finish_blocking_read(self) -> int:
         """Read the reply of the blocking read and deliver its first message (the others
