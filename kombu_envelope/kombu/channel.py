@@ -446,17 +446,17 @@ class Channel(virtual.Channel):
         if reader is None:
             reader = self._readers[queue] = QueueReader(queue, streams)
         count = share // len(streams)
-        if count < 1:
-            command: tuple[Any, ...] = (
-                "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
-                "STREAMS", *streams, *self._last_delivered_ids(list(streams)))
-            reserved, wait_only = 0, True
-        else:
-            command = ("XREADGROUP", "GROUP", self.settings.consumer_group,
-                       self.consumer_name, "COUNT", count, "BLOCK", self.settings.block_ms,
-                       "STREAMS", *streams, *([">"] * len(streams)))
-            reserved, wait_only = count * len(streams), False
         try:
+            if count < 1:
+                command: tuple[Any, ...] = (
+                    "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
+                    "STREAMS", *streams, *self._last_delivered_ids(list(streams)))
+                reserved, wait_only = 0, True
+            else:
+                command = ("XREADGROUP", "GROUP", self.settings.consumer_group,
+                           self.consumer_name, "COUNT", count, "BLOCK", self.settings.block_ms,
+                           "STREAMS", *streams, *([">"] * len(streams)))
+                reserved, wait_only = count * len(streams), False
             self._send_blocking_read(reader, command, reserved, wait_only)
         except Exception as exc:
             if not self._on_cluster or not (is_outage(exc) or isinstance(exc, CLUSTER_REDIRECTS)):
