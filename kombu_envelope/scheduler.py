@@ -3,12 +3,19 @@
 For deployments without Python workers (every Python worker runs one)::
 
     python -m kombu_envelope.scheduler --url redis://localhost:6379/0
+
+Behind Sentinel, the sentinels' own password is read from the environment variable
+``ENVELOPE_SENTINEL_PASSWORD`` (never from the command line, which others can see)::
+
+    python -m kombu_envelope.scheduler --master-name mymaster \
+        --url "envelope-sentinel://:pw@s1:26379;envelope-sentinel://s2:26379"
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -18,6 +25,9 @@ from kombu_envelope.store.client import client_for_url
 from kombu_envelope.store.promoter import DEFAULT_BATCH, Promoter
 
 logger = logging.getLogger(__name__)
+
+#: Environment variable holding the sentinels' password (``requirepass`` of the sentinels).
+SENTINEL_PASSWORD_ENV = "ENVELOPE_SENTINEL_PASSWORD"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -33,7 +43,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    settings = Settings(key_prefix=args.key_prefix, master_name=args.master_name)
+    sentinel_password = os.environ.get(SENTINEL_PASSWORD_ENV)
+    settings = Settings(key_prefix=args.key_prefix, master_name=args.master_name,
+                        sentinel_kwargs={"password": sentinel_password}
+                        if sentinel_password else None)
     client = client_for_url(args.url, settings)
     promoter = Promoter(lambda: client, settings, batch=args.batch)
     stop = threading.Event()

@@ -135,6 +135,14 @@ class Settings:
     #: come back before it fails (seconds; 0: fail at once). Only commands that are
     #: safe to repeat are retried (see :mod:`kombu_envelope.store.outages`).
     outage_tolerance_s: float = 30.0
+    #: After each publish, idempotency claim and settling write (ack, done marker, retry,
+    #: dead letter, requeue), wait until this many replicas have it (``WAIT``; 0: do not
+    #: wait). Redis replicates asynchronously: without waiting, a failover can lose the
+    #: last writes the primary acknowledged.
+    wait_replicas: int = 0
+    #: Longest ``WAIT`` for ``wait_replicas`` (ms; 0: wait forever). A ``WAIT`` answered by
+    #: fewer replicas is logged and counted; the write itself stands.
+    wait_timeout_ms: int = 1_000
     # redis-py connection options, named and meant as on kombu's redis:// transport.
     #: Seconds to wait for a reply on command connections (None: forever).
     socket_timeout: float | None = None
@@ -170,6 +178,9 @@ class Settings:
             value = getattr(self, name)
             if not _accepts(hint, value):
                 problems[name] = f"must be {_describe(hint)}, not {value!r}"
+        for name in ("wait_replicas", "wait_timeout_ms"):
+            if isinstance(getattr(self, name), int) and getattr(self, name) < 0:
+                problems[name] = f"must be 0 or more, not {getattr(self, name)!r}"
         if problems:
             raise InvalidTransportOption(problems)
 

@@ -8,8 +8,13 @@ tasks, duplicate effects and redelivered starts, on ``envelope://`` or on Celery
 stock ``redis://``.
 
 Run it with ``python -m bench drill`` (``--help`` for the sizes); the suite runs a
-small one (``tests/test_fault_drill.py``). Modules: :mod:`~bench.drill.config` (the
-sizes), :mod:`~bench.drill.app` (the Celery app of the workers),
+small one (``tests/test_fault_drill.py``). ``--topology sentinel`` drills a Sentinel
+group instead: its primary SIGKILLed, then the next one SIGSTOPped for longer than the
+lease, with or without ``--wait-replicas`` (``tests/test_sentinel.py`` runs small ones);
+``--topology cluster`` drills a Redis Cluster: a primary SIGKILLed, a replica promoted
+with ``CLUSTER FAILOVER`` and a queue's slot moved (``--topology single|sentinel|cluster``).
+Modules: :mod:`~bench.drill.config` (the sizes), :mod:`~bench.drill.app` (the Celery app
+of the workers),
 :mod:`~bench.drill.ledger` (what the tasks record), :mod:`~bench.drill.brokers`
 (what differs between the two brokers), :mod:`~bench.drill.workers`,
 :mod:`~bench.drill.faults`, :mod:`~bench.drill.producer`, :mod:`~bench.drill.tally`

@@ -18,6 +18,7 @@ from bench.drill.config import ENVELOPE, DrillConfig
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import DeadLetters
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.testing.sentinel import SentinelGroup
 
 
 @dataclass(frozen=True)
@@ -31,17 +32,20 @@ class DeadLetterRecord:
 
 @dataclass(frozen=True)
 class Broker:
-    """The broker a drill runs on, behind a Redis at ``host:port``."""
+    """The broker a drill runs on: its URL (one Redis, a Sentinel group or a Cluster)."""
 
     kind: str
     #: The broker URL of the drill's apps.
     url: str
     prefix: str
     queues: tuple[str, ...] = (QUEUE,)
+    #: The Sentinel group behind the broker, if any (``url`` is then the group's).
+    sentinel: SentinelGroup | None = None
 
     @property
     def label(self) -> str:
-        """``envelope://``, ``envelope-cluster://`` or ``redis:// (stock)``."""
+        """``envelope://``, ``envelope-sentinel://``, ``envelope-cluster://`` or
+        ``redis:// (stock)``."""
         if self.kind != ENVELOPE:
             return "redis:// (stock)"
         return self.url.split("//", 1)[0] + "//"
@@ -49,7 +53,12 @@ class Broker:
     def transport_options(self, config: DrillConfig) -> dict[str, Any]:
         """``broker_transport_options`` of the drill's apps."""
         if self.kind == ENVELOPE:
-            return {"key_prefix": self.prefix, "lease_ms": config.lease_ms}
+            options: dict[str, Any] = {"key_prefix": self.prefix, "lease_ms": config.lease_ms,
+                                       "wait_replicas": config.wait_replicas}
+            if self.sentinel is not None:
+                options.update(self.sentinel.transport_options(),
+                               socket_timeout=config.socket_timeout_s)
+            return options
         return {"global_keyprefix": f"{self.prefix}:",
                 "visibility_timeout": config.visibility_timeout_s,
                 "unacked_restore_interval": 1, "unacked_restore_throttle": 1}

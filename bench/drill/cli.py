@@ -15,7 +15,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.drill.config import BROKERS, CLUSTER, ENVELOPE, LARGE, SMALL, DrillConfig
+from bench.drill.config import (
+    BROKERS,
+    CLUSTER,
+    ENVELOPE,
+    LARGE,
+    SENTINEL,
+    SENTINEL_LARGE,
+    SENTINEL_SMALL,
+    SMALL,
+    TOPOLOGIES,
+    DrillConfig,
+)
 from bench.drill.run import run_drill
 
 
@@ -43,15 +54,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         nargs = None
         if isinstance(default, tuple):
             kind, nargs = type(default[0]), 2
+        choices = TOPOLOGIES if spec.name == "topology" else None
         parser.add_argument(f"--{spec.name.replace('_', '-')}", type=kind, nargs=nargs,
-                            default=None, help=f"default {default} (small: "
-                                               f"{getattr(SMALL, spec.name)})")
+                            default=None, choices=choices,
+                            help=f"default {default} (small: {getattr(SMALL, spec.name)})"
+                                 + (f"; one of {'|'.join(TOPOLOGIES)}" if choices else ""))
     return parser.parse_args(argv)
 
 
 def configs(args: argparse.Namespace) -> list[DrillConfig]:
-    """One config per chosen broker, from the preset and the options given."""
-    base = SMALL if args.small else LARGE
+    """One config per chosen broker, from the preset and the options given (the
+    Sentinel presets with ``--topology sentinel``; ``--topology sentinel`` and
+    ``--topology cluster`` drill envelope:// only)."""
+    if args.topology == SENTINEL:
+        base = SENTINEL_SMALL if args.small else SENTINEL_LARGE
+        if args.brokers == ",".join(BROKERS):
+            args.brokers = ENVELOPE
+    else:
+        base = SMALL if args.small else LARGE
     changes = {spec.name: tuple(value) if isinstance(value, list) else value
                for spec in dataclasses.fields(DrillConfig)
                if (value := getattr(args, spec.name, None)) is not None}

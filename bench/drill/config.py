@@ -10,11 +10,13 @@ from typing import Any
 ENVELOPE = "envelope"
 STOCK = "redis"
 BROKERS = (ENVELOPE, STOCK)
-#: Where the broker's data lives: one redis-server, or a Cluster of three primaries with
-#: one replica each (envelope:// only).
+#: Where the broker's data lives: one redis-server, a Sentinel group (a primary, two
+#: replicas, three sentinels), or a Cluster of three primaries with one replica each
+#: (the last two envelope:// only).
 SINGLE = "single"
+SENTINEL = "sentinel"
 CLUSTER = "cluster"
-TOPOLOGIES = (SINGLE, CLUSTER)
+TOPOLOGIES = (SINGLE, SENTINEL, CLUSTER)
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,25 @@ class DrillConfig:
 
     #: ``envelope`` (kombu-envelope) or ``redis`` (Celery's stock transport).
     broker: str = ENVELOPE
+    #: ``single``: one redis-server, SIGKILLed and restarted from its AOF, and workers
+    #: SIGKILLed. ``sentinel``: a Sentinel group whose primary is SIGKILLed at
+    #: ``redis_kill_at_s`` (and started again ``redis_down_s`` later, to rejoin as a
+    #: replica), then SIGSTOPped at ``stall_at_s`` for ``stall_s``; no worker is killed.
+    #: ``cluster``: the Cluster's faults: the primary of the first queue is SIGKILLed at
+    #: ``primary_kill_at_s`` (its replica takes over), a replica of another primary is
+    #: promoted with ``CLUSTER FAILOVER`` at ``failover_at_s``, and the first queue's
+    #: slot is moved to another primary at ``reshard_at_s``; the single Redis's kill and
+    #: restart (``redis_*``) do not apply.
+    topology: str = SINGLE
+    #: ``wait_replicas`` of envelope:// (0: no WAIT).
+    wait_replicas: int = 0
+    #: Sentinel: when the primary of the moment is SIGSTOPped, and for how long (make
+    #: it longer than the lease and than failure detection).
+    stall_at_s: float = 11.0
+    stall_s: float = 5.0
+    #: ``socket_timeout`` of envelope:// on Sentinel (seconds): how soon a command or a
+    #: blocking read sent to a stalled primary gives up and finds the new one.
+    socket_timeout_s: float = 2.0
     #: Tasks the producer tries to publish, at an even pace over ``publish_s``.
     tasks: int = 200
     publish_s: float = 16.0
@@ -50,12 +71,6 @@ class DrillConfig:
     settle_timeout_s: float = 60.0
     #: Seed of every random choice (delayed tasks, countdowns, work, victims).
     seed: int = 9
-    #: ``single`` or ``cluster``. On a Cluster the faults are the Cluster's: the primary
-    #: of the first queue is SIGKILLed at ``primary_kill_at_s`` (its replica takes
-    #: over), a replica of another primary is promoted with ``CLUSTER FAILOVER`` at
-    #: ``failover_at_s``, and the first queue's slot is moved to another primary at
-    #: ``reshard_at_s``; the single Redis's kill and restart (``redis_*``) do not apply.
-    topology: str = SINGLE
     #: Queues the tasks are spread over (round robin); on a Cluster, over every shard.
     queues: int = 1
     primary_kill_at_s: float = 4.0
@@ -77,6 +92,16 @@ class DrillConfig:
                 < self.publish_s):
             raise ValueError("the Cluster's faults must come in the order primary kill, "
                              "failover, resharding, all while publishing")
+        if self.topology == SENTINEL:
+            if self.broker != ENVELOPE:
+                raise ValueError("the sentinel topology drills envelope:// only")
+            if not (self.redis_kill_at_s + self.redis_down_s <= self.stall_at_s
+                    and self.stall_at_s + self.stall_s < self.publish_s):
+                raise ValueError("on sentinel the primary is killed, restarted, then stalled, "
+                                 "all while publishing: redis_kill_at_s + redis_down_s <= "
+                                 "stall_at_s and stall_at_s + stall_s < publish_s")
+            if self.stall_s * 1000 <= self.lease_ms:
+                raise ValueError("stall_s must be longer than the lease (lease_ms)")
         if self.tasks < 1 or self.workers < 1 or self.concurrency < 1:
             raise ValueError("tasks, workers and concurrency must be at least 1")
         if not 0 <= self.delayed_fraction <= 1:
@@ -86,6 +111,17 @@ class DrillConfig:
                              "it while the producer keeps publishing")
         if self.kill_interval_s <= 0 or self.first_kill_s >= self.publish_s:
             raise ValueError("at least one worker must be killed while publishing")
+
+    @property
+    def sentinel(self) -> bool:
+        """Whether the broker's Redis is a Sentinel group."""
+        return self.topology == SENTINEL
+
+    @property
+    def loss_allowed(self) -> bool:
+        """A failover without WAIT may lose the writes the replicas had not copied yet:
+        the drill then reports the loss rather than fail on it."""
+        return self.sentinel and not self.wait_replicas
 
     @property
     def delayed(self) -> int:
@@ -118,3 +154,11 @@ SMALL_CLUSTER = DrillConfig(topology=CLUSTER, queues=3)
 LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,
                     kill_interval_s=5.0, first_kill_s=3.0, redis_kill_at_s=44.0,
                     redis_down_s=3.0, settle_timeout_s=180.0)
+
+#: The suite's Sentinel drill: about a minute.
+SENTINEL_SMALL = SMALL.replace(topology=SENTINEL, publish_s=20.0, redis_kill_at_s=4.0,
+                               redis_down_s=3.0, stall_at_s=11.0, stall_s=5.0)
+
+#: The Sentinel drill whose figures docs/operations.md reports.
+SENTINEL_LARGE = LARGE.replace(topology=SENTINEL, redis_kill_at_s=30.0, redis_down_s=3.0,
+                               stall_at_s=70.0, stall_s=8.0)

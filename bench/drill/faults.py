@@ -1,6 +1,7 @@
 """The drill's faults: workers SIGKILLed and replaced, the broker's Redis SIGKILLed and
-restarted from its AOF (or, on a Cluster, a primary killed, a replica promoted and a
-slot moved); and the timeline of what happened when."""
+restarted from its AOF, a Sentinel group's primary killed and stalled, or, on a Cluster,
+a primary killed, a replica promoted and a slot moved; and the timeline of what
+happened when."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bench.drill.ledger import Ledger
 from bench.drill.workers import DrillWorker
 from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
+from kombu_envelope.testing.sentinel import SentinelGroup
 
 #: How often the supervisor looks at its workers (seconds).
 CHECK_INTERVAL_S = 0.2
@@ -281,3 +283,78 @@ class ClusterFaults(threading.Thread):
         """Wait for the faults to be over (or cancel those that have not begun)."""
         self.cancelled.set()
         self.join(timeout=120)
+
+
+class SentinelFailovers(threading.Thread):
+    """A Sentinel group's primary SIGKILLed at ``kill_at`` (started again ``down_s`` later,
+    to rejoin as a replica), then the primary of the moment SIGSTOPped at ``stall_at`` for
+    ``stall_s`` (a network stall longer than the lease) and resumed.
+
+    ``failover_s`` holds, per fault, the seconds from the fault until the sentinels
+    named a new primary that accepts writes.
+    """
+
+    def __init__(self, group: SentinelGroup, timeline: Timeline, *, kill_at: float,
+                 down_s: float, stall_at: float, stall_s: float) -> None:
+        super().__init__(name="drill-sentinel-failovers", daemon=True)
+        self.group = group
+        self.timeline = timeline
+        self.kill_at, self.down_s = kill_at, down_s
+        self.stall_at, self.stall_s = stall_at, stall_s
+        self.cancelled = threading.Event()
+        self.error: BaseException | None = None
+        self.failover_s: dict[str, float] = {}
+        #: Per fault, how many bytes of the primary's writes the most up-to-date replica
+        #: lacked just before it (read from INFO a moment before the signal): what a
+        #: failover without WAIT would have lost had it struck then.
+        self.lag_bytes: dict[str, int | None] = {}
+
+    def run(self) -> None:
+        try:
+            if self.cancelled.wait(max(self.kill_at - time.time(), 0)):
+                return
+            lag = self._replication_lag()
+            killed = self.group.kill_primary()
+            down = self.timeline.note("primary-kill", f"port {killed.port}")
+            self.lag_bytes["kill"] = lag
+            self._promoted("kill", killed.port, down.at)
+            time.sleep(max(down.at + self.down_s - time.time(), 0))
+            killed.start()
+            self.timeline.note("old-primary-start", f"port {killed.port}")
+            if self.cancelled.wait(max(self.stall_at - time.time(), 0)):
+                return
+            self.lag_bytes["stall"] = self._replication_lag()
+            stalled = self.group.pause_primary()
+            stop = self.timeline.note("primary-stall", f"port {stalled.port}, SIGSTOP")
+            self._promoted("stall", stalled.port, stop.at)
+            time.sleep(max(stop.at + self.stall_s - time.time(), 0))
+            self.group.resume(stalled)
+            self.timeline.note("primary-resume", f"port {stalled.port}, SIGCONT")
+        except BaseException as exc:
+            self.error = exc
+            self.timeline.note("failover-error", repr(exc))
+
+    def _replication_lag(self) -> int | None:
+        """Bytes of the primary's replication stream its best replica has not acknowledged."""
+        try:
+            with self.group.client(self.group.primary) as client:
+                info = client.info("replication")
+        except (redis.RedisError, RuntimeError):
+            return None
+        offsets = [int(v["offset"]) for k, v in info.items()
+                   if k.startswith("slave") and isinstance(v, dict) and "offset" in v]
+        return int(info["master_repl_offset"]) - max(offsets) if offsets else None
+
+    def _promoted(self, fault: str, old_port: int, since: float) -> None:
+        new = self.group.wait_for_new_primary(old_port)
+        self.failover_s[fault] = round(time.time() - since, 2)
+        self.timeline.note("new-primary", f"port {new.port}, {self.failover_s[fault]} s "
+                                          f"after the {fault}")
+
+    def finish(self) -> None:
+        """Wait for the faults to be over (or cancel those not begun)."""
+        self.cancelled.set()
+        self.join(timeout=90)
+        for node in self.group.nodes:  # never leave a node stopped
+            if node.is_running():
+                self.group.resume(node)

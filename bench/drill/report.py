@@ -78,6 +78,12 @@ class DrillReport:
     fault_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: Cluster drills: the queues whose primary was SIGKILLed.
     killed_queues: list[str] = field(default_factory=list)
+    #: Sentinel: per fault (kill, stall), seconds until a new primary took writes.
+    failover_s: dict[str, float] = field(default_factory=dict)
+    #: Per fault, seconds until the first effect of a task published after it.
+    recovery_s: dict[str, float | None] = field(default_factory=dict)
+    #: Sentinel: per fault, replication bytes the best replica lacked just before it.
+    lag_bytes: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -86,12 +92,17 @@ class DrillReport:
         On a Cluster, without ``WAIT``, the writes a SIGKILLed primary had not yet sent
         to its replica are lost with it: the drill passes when every lost task is one
         of those (:meth:`lost_outside_window` is empty) and no effect was duplicated.
+        On Sentinel without WAIT a loss is reported, not failed (the replicas may not
+        have copied the last writes), and any worker that exited fails the drill.
         """
-        if not self.fault_spans:
-            return not self.harness_errors and self.tally.passed
         tally = self.tally
-        return (not self.harness_errors and not self.lost_outside_window()
-                and tally.duplicate_effects == tally.duplicates_after_kill)
+        if self.harness_errors or tally.duplicate_effects != tally.duplicates_after_kill:
+            return False
+        if self.fault_spans:
+            return not self.lost_outside_window()
+        if self.config.sentinel:
+            return not self.exited and (self.config.loss_allowed or not tally.lost)
+        return tally.passed
 
     def lost_in_window(self) -> list[str]:
         """Lost orders of a queue of the SIGKILLed primary, published from
@@ -109,7 +120,7 @@ class DrillReport:
         explained = set(self.lost_in_window())
         return [order for order in self.tally.lost if order not in explained]
 
-    def recovery_s(self) -> dict[str, float]:
+    def whole_again_s(self) -> dict[str, float]:
         """Per Cluster fault: seconds from its start to the Cluster whole again."""
         return {kind: round(end - began, 1) for kind, (began, end) in self.fault_spans.items()}
 
@@ -129,7 +140,11 @@ class DrillReport:
             "redis_restarts": len(self.timeline.of("redis-start")),
             "seconds": round(self.seconds, 1),
             "drain_s": None if self.drain_s is None else round(self.drain_s, 1),
-            **({"recovery_s": self.recovery_s(), "lost_with_primary": len(self.lost_in_window()),
+            "topology": self.config.topology, "wait_replicas": self.config.wait_replicas,
+            "failover_s": self.failover_s, "recovery_s": self.recovery_s,
+            "replication_lag_bytes": self.lag_bytes,
+            **({"whole_again_s": self.whole_again_s(),
+                "lost_with_primary": len(self.lost_in_window()),
                 "lost_otherwise": len(self.lost_outside_window())} if self.fault_spans else {}),
         }
 
@@ -178,9 +193,14 @@ class DrillReport:
             f"  worker kills {f['worker_kills']}, workers exited on their own "
             f"{f['worker_exits']}, Redis restarts {f['redis_restarts']}; "
             f"{f['seconds']} s in all, last effect {f['drain_s']} s after the last publish",
+            f"  topology {f['topology']}, wait_replicas {f['wait_replicas']}; new primary "
+            f"after {f['failover_s'] or '-'}; first effect of a task published after each "
+            f"fault after {f['recovery_s'] or '-'} s; replication lag just before each "
+            f"fault {f['replication_lag_bytes'] or '-'} bytes"
+            + (" (loss reported, not failed: no WAIT)" if self.config.loss_allowed else ""),
             *([f"  Cluster: {f['lost_with_primary']} lost with the SIGKILLed primary (the "
                f"replication window), {f['lost_otherwise']} lost otherwise; whole again after "
-               + ", ".join(f"{kind} {s} s" for kind, s in f["recovery_s"].items())]
+               + ", ".join(f"{kind} {s} s" for kind, s in f["whole_again_s"].items())]
               if self.fault_spans else []),
             *(f"  duplicate: {n} x {cause}" for cause, n in self.duplicate_causes().most_common()),
             *(f"  exited: {n} x {reason}" for reason, n in self.exit_reasons().most_common()),

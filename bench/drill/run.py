@@ -2,7 +2,9 @@
 
 1. A ledger Redis (never killed) and a broker Redis with AOF (``appendfsync always``:
    every write Redis acknowledged is on disk when it is SIGKILLed, so what the restart
-   brings back is exactly what clients were told was stored).
+   brings back is exactly what clients were told was stored), or on the ``sentinel``
+   topology a Sentinel group (:class:`~bench.drill.faults.SentinelFailovers` are its
+   faults, and no worker is killed).
 2. ``workers`` prefork workers, all ready before anything is published.
 3. The producer publishes ``tasks`` over ``publish_s``; meanwhile a random worker is
    SIGKILLed (its whole process group) every ``kill_interval_s`` and replaced, and the
@@ -16,14 +18,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
@@ -31,9 +35,16 @@ from celery import Celery
 from bench.drill.app import create_app
 from bench.drill.brokers import Broker
 from bench.drill.config import CLUSTER, ENVELOPE, DrillConfig
-from bench.drill.faults import ClusterFaults, Fleet, RedisOutage, Supervisor, Timeline
+from bench.drill.faults import (
+    ClusterFaults,
+    Fleet,
+    RedisOutage,
+    SentinelFailovers,
+    Supervisor,
+    Timeline,
+)
 from bench.drill.ledger import KINDS, Ledger, Record
-from bench.drill.producer import Producer, plan, queue_names
+from bench.drill.producer import Producer, Published, plan, queue_names
 from bench.drill.report import DrillReport, log_problems
 from bench.drill.tally import tally
 from bench.drill.workers import DrillWorker
@@ -42,6 +53,7 @@ from kombu_envelope.store.client import client_for_url, close_client
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
+from kombu_envelope.testing.sentinel import SentinelGroup
 
 #: Longest wait for the first workers to be ready (seconds).
 READY_TIMEOUT_S = 120.0
@@ -65,10 +77,14 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     rng = random.Random(config.seed)
     with PrivateRedisServer() as ledger_server, _broker_redis(config) as broker_redis:
         ledger = Ledger(redis.Redis.from_url(ledger_server.url), run)
-        url = (broker_redis.url if isinstance(broker_redis, PrivateRedisCluster)
-               else f"{config.broker}://127.0.0.1:{broker_redis.port}/0")
         queues = tuple(queue_names(config))
-        broker = Broker(config.broker, url, f"drill-{run}", queues)
+        if isinstance(broker_redis, SentinelGroup):
+            broker = Broker(config.broker, broker_redis.url, f"drill-{run}", queues,
+                            sentinel=broker_redis)
+        else:
+            url = (broker_redis.url if isinstance(broker_redis, PrivateRedisCluster)
+                   else f"{config.broker}://127.0.0.1:{broker_redis.port}/0")
+            broker = Broker(config.broker, url, f"drill-{run}", queues)
         options = broker.transport_options(config)
         timeline = Timeline()
 
@@ -95,40 +111,88 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     return report
 
 
-def _broker_redis(config: DrillConfig) -> PrivateRedisServer | PrivateRedisCluster:
-    """The broker's Redis: one server with AOF, or a Cluster of three primaries with a
-    replica each (no AOF: a primary's data survives it only on its replica)."""
-    if config.topology == CLUSTER:
-        return PrivateRedisCluster()
-    return PrivateRedisServer(appendonly=True)
+#: The broker's Redis under drill: one server, a Sentinel group or a Cluster.
+BrokerRedis = PrivateRedisServer | SentinelGroup | PrivateRedisCluster
 
 
-def _drill(config: DrillConfig, broker: Broker,
-           broker_redis: PrivateRedisServer | PrivateRedisCluster, ledger: Ledger,
+@contextlib.contextmanager
+def _broker_redis(config: DrillConfig) -> Iterator[BrokerRedis]:
+    """The broker's Redis: one server with AOF, a Sentinel group, or a Cluster of three
+    primaries with a replica each (no AOF: a primary's data survives it only on its
+    replica)."""
+    if config.sentinel:
+        with SentinelGroup() as group:
+            yield group
+    elif config.topology == CLUSTER:
+        with PrivateRedisCluster() as cluster:
+            yield cluster
+    else:
+        with PrivateRedisServer(appendonly=True) as server:
+            yield server
+
+
+@contextlib.contextmanager
+def _broker_client(broker_redis: BrokerRedis, broker: Broker) -> Iterator[Any]:
+    """A client on the broker's Redis (behind Sentinel, a plain one on its primary of
+    the moment)."""
+    if isinstance(broker_redis, SentinelGroup):
+        with broker_redis.client(broker_redis.primary) as plain:
+            yield plain
+        return
+    client = client_for_url(broker.url)
+    try:
+        yield client
+    finally:
+        close_client(client)
+
+
+def _a_port(broker_redis: BrokerRedis) -> int:
+    """The port of a data node of the broker's Redis (its primary behind Sentinel)."""
+    if isinstance(broker_redis, PrivateRedisCluster):
+        return broker_redis.primaries()[0]
+    if isinstance(broker_redis, SentinelGroup):
+        return broker_redis.primary.port
+    return broker_redis.port
+
+
+def _drill(config: DrillConfig, broker: Broker, broker_redis: BrokerRedis, ledger: Ledger,
            fleet: Fleet, app: Celery, timeline: Timeline, rng: random.Random, log: Log
            ) -> DrillReport:
     tasks = plan(config, rng)
     t0 = time.time() + 0.2
     producer = Producer(app, tasks, config, t0)
+    # On Sentinel the faults are Redis's only: a worker that exits is a finding.
     supervisor = Supervisor(fleet, rng, first_kill_at=t0 + config.first_kill_s,
                             interval_s=config.kill_interval_s,
-                            kill_until=t0 + config.publish_s)
-    outage: RedisOutage | ClusterFaults
-    if isinstance(broker_redis, PrivateRedisCluster):
-        outage = ClusterFaults(
-            broker_redis, timeline,
-            queue_keys={queue: f"{broker.prefix}:{{{queue}}}:normal" for queue in broker.queues},
-            kill_at=t0 + config.primary_kill_at_s, failover_at=t0 + config.failover_at_s,
-            reshard_at=t0 + config.reshard_at_s)
-        faults = (f"a primary SIGKILLed at +{config.primary_kill_at_s:g} s, a CLUSTER FAILOVER "
-                  f"at +{config.failover_at_s:g} s, a resharding at +{config.reshard_at_s:g} s")
+                            kill_until=t0 if config.sentinel else t0 + config.publish_s)
+    outage: RedisOutage | SentinelFailovers | ClusterFaults
+    if isinstance(broker_redis, SentinelGroup):
+        outage = SentinelFailovers(broker_redis, timeline, kill_at=t0 + config.redis_kill_at_s,
+                                   down_s=config.redis_down_s,
+                                   stall_at=t0 + config.stall_at_s, stall_s=config.stall_s)
+        log(f"publishing {config.tasks} tasks over {config.publish_s:g} s on Sentinel "
+            f"(wait_replicas {config.wait_replicas}); primary SIGKILLed at "
+            f"+{config.redis_kill_at_s:g} s, the next one SIGSTOPped at "
+            f"+{config.stall_at_s:g} s for {config.stall_s:g} s")
     else:
-        outage = RedisOutage(broker_redis, timeline, kill_at=t0 + config.redis_kill_at_s,
-                             down_s=config.redis_down_s)
-        faults = f"Redis down at +{config.redis_kill_at_s:g} s for {config.redis_down_s:g} s"
-    log(f"publishing {config.tasks} tasks over {config.publish_s:g} s to "
-        f"{len(broker.queues)} queue(s); a worker killed every {config.kill_interval_s:g} s, "
-        f"{faults}")
+        if isinstance(broker_redis, PrivateRedisCluster):
+            outage = ClusterFaults(
+                broker_redis, timeline,
+                queue_keys={queue: f"{broker.prefix}:{{{queue}}}:normal"
+                            for queue in broker.queues},
+                kill_at=t0 + config.primary_kill_at_s, failover_at=t0 + config.failover_at_s,
+                reshard_at=t0 + config.reshard_at_s)
+            faults = (f"a primary SIGKILLed at +{config.primary_kill_at_s:g} s, a CLUSTER "
+                      f"FAILOVER at +{config.failover_at_s:g} s, a resharding at "
+                      f"+{config.reshard_at_s:g} s")
+        else:
+            outage = RedisOutage(broker_redis, timeline, kill_at=t0 + config.redis_kill_at_s,
+                                 down_s=config.redis_down_s)
+            faults = (f"Redis down at +{config.redis_kill_at_s:g} s for "
+                      f"{config.redis_down_s:g} s")
+        log(f"publishing {config.tasks} tasks over {config.publish_s:g} s to "
+            f"{len(broker.queues)} queue(s) (wait_replicas {config.wait_replicas}); a worker "
+            f"killed every {config.kill_interval_s:g} s, {faults}")
     timeline.note("publish-start")
     for thread in (producer, supervisor, outage):
         thread.start()
@@ -155,12 +219,9 @@ def _drill(config: DrillConfig, broker: Broker,
     timeline.note("workers-stopped")
 
     records = {kind: ledger.records(kind) for kind in KINDS}
-    client = client_for_url(broker.url)
-    try:
+    with _broker_client(broker_redis, broker) as client:
         dead = broker.dead_letters(client)
         leftovers = broker.leftovers(client)
-    finally:
-        close_client(client)
     killed_at = {w.hostname: w.killed_at for w in fleet.killed if w.killed_at is not None}
     exited_at = {w.hostname: w.exited_at for w in fleet.exited if w.exited_at is not None}
     counted = tally(producer.published, producer.not_published, records, dead, killed_at,
@@ -177,15 +238,33 @@ def _drill(config: DrillConfig, broker: Broker,
         machine=machine_info(f"redis://127.0.0.1:{_a_port(broker_redis)}/0", None),
         fault_spans=outage.spans if isinstance(outage, ClusterFaults) else {},
         killed_queues=outage.killed_queues if isinstance(outage, ClusterFaults) else [],
+        failover_s=getattr(outage, "failover_s", {}),
+        lag_bytes=getattr(outage, "lag_bytes", {}),
+        recovery_s=_recovery(records, producer.published, timeline),
     )
     log(report.summary())
     return report
 
 
-def _a_port(broker_redis: PrivateRedisServer | PrivateRedisCluster) -> int:
-    if isinstance(broker_redis, PrivateRedisCluster):
-        return broker_redis.primaries()[0]
-    return broker_redis.port
+#: The faults whose recovery a drill measures.
+FAULTS = ("redis-kill", "primary-kill", "primary-stall")
+
+
+def _recovery(records: dict[str, list[Record]], published: list[Published],
+              timeline: Timeline) -> dict[str, float | None]:
+    """Per fault, seconds from it to the first effect of a task published after it
+    (None: no such effect)."""
+    effect_at: dict[str, float] = {}
+    for record in records["effects"]:
+        effect_at.setdefault(record["order"], record["t"])
+    found: dict[str, float | None] = {}
+    for fault in FAULTS:
+        for event in timeline.of(fault):
+            times = [effect_at[p.task.order_id] - event.at for p in published
+                     if p.at >= event.at and p.task.countdown is None
+                     and p.task.order_id in effect_at]
+            found[fault] = round(min(times), 2) if times else None
+    return found
 
 
 def _wait_for_effects(ledger: Ledger, orders: set[str], deadline: float) -> bool:
@@ -218,19 +297,25 @@ def _wait_for_quiet(ledger: Ledger, quiet_s: float, deadline: float) -> bool:
 
 
 def _harness_errors(config: DrillConfig, producer: Producer, supervisor: Supervisor,
-                    outage: RedisOutage | ClusterFaults, fleet: Fleet, timeline: Timeline,
-                    runs_without_key: int) -> list[str]:
+                    outage: RedisOutage | SentinelFailovers | ClusterFaults, fleet: Fleet,
+                    timeline: Timeline, runs_without_key: int) -> list[str]:
     """What kept the drill from testing what it claims to (then it fails, saying so)."""
     errors = [f"{name} thread failed: {thread.error!r}"
               for name, thread in (("producer", producer), ("supervisor", supervisor),
                                    ("Redis faults", outage)) if thread.error is not None]
     if producer.is_alive():
         errors.append("the producer did not finish")
-    if not fleet.killed:
-        errors.append("no worker was killed")
     if config.broker == ENVELOPE and runs_without_key:
         errors.append(f"{runs_without_key} task runs had no idempotency key: the drill "
                       "would not test idempotency")
+    if isinstance(outage, SentinelFailovers):
+        if len(timeline.of("new-primary")) < 2 or not timeline.of("primary-resume"):
+            errors.append("the primary was not both killed and stalled with a failover each")
+        elif not any(p.at > timeline.of("primary-resume")[0].at for p in producer.published):
+            errors.append("nothing was published after the stalled primary came back")
+        return errors
+    if not fleet.killed:
+        errors.append("no worker was killed")
     if isinstance(outage, ClusterFaults):
         missing = [kind for kind, _at in outage.plan if kind not in outage.spans]
         if missing:

@@ -31,7 +31,6 @@ from typing import Any
 
 from kombu.transport import virtual
 from redis.cluster import RedisCluster
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from kombu_envelope.kombu.adapter import MessageAdapter
@@ -49,7 +48,7 @@ from kombu_envelope.kombu.readers import QueueReader
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.cluster import CLUSTER_REDIRECTS, forget_slot_owner
-from kombu_envelope.store.outages import retries_seen
+from kombu_envelope.store.outages import is_outage, retries_seen
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
 from kombu_envelope.store.replies import as_text
@@ -341,28 +340,62 @@ class Channel(virtual.Channel):
             reply = read(keys=streams, args=args)
         if retries_seen() != retried:
             reply = reply + self._unseen_own_entries(streams, reply)
-        return reply
+        return self._without_held(reply)
 
     def _unseen_own_entries(self, streams: list[str], reply: list[Any]) -> list[Any]:
         """Entries this consumer holds but never saw: a read retried after its reply
         was lost may have taken them (kombu_envelope.store.outages)."""
-        known = {as_text(entry_id) for _stream, entries in reply for entry_id, _ in entries}
-        known.update(message.delivery_info[INFO_ENTRY_ID]
-                     for message in self.qos._delivered.values())
-        known.update(message["properties"]["delivery_info"][INFO_ENTRY_ID]
-                     for _queue, message in self._buffer)
-        held = self.client.xreadgroup(self.settings.consumer_group, self.consumer_name,
-                                      dict.fromkeys(streams, "0"))
+        known = {(as_text(stream), as_text(entry_id))
+                 for stream, entries in reply for entry_id, _ in entries}
+        known.update(self._held_entries())
+        try:
+            held = self.client.xreadgroup(self.settings.consumer_group, self.consumer_name,
+                                          dict.fromkeys(streams, "0"))
+        except ResponseError as exc:
+            if not str(exc).startswith("NOGROUP"):
+                raise
+            self._recreate_groups()  # Redis lost its data: nothing is held any more
+            return []
         unseen = []
         for stream, entries in held or []:
             entries = [(entry_id, fields) for entry_id, fields in entries
-                       if fields and as_text(entry_id) not in known]
+                       if fields and (as_text(stream), as_text(entry_id)) not in known]
             if entries:
                 unseen.append([stream, entries])
         if unseen:
             logger.warning("recovered %d entries whose read reply was lost",
                            sum(len(entries) for _, entries in unseen))
         return unseen
+
+    def _held_entries(self) -> set[tuple[str, str]]:
+        """(stream, entry id) of every message this channel delivered and has not
+        settled, or read and not delivered yet."""
+        infos = [message.delivery_info for message in self.qos._delivered.values()]
+        infos += [message["properties"]["delivery_info"] for _queue, message in self._buffer]
+        return {(info[INFO_STREAM], info[INFO_ENTRY_ID]) for info in infos
+                if INFO_STREAM in info}
+
+    def _without_held(self, reply: list[Any]) -> list[Any]:
+        """``reply`` without the entries this channel holds already.
+
+        Redis replicates asynchronously: a primary that fails right after serving a
+        read may leave a replica that never saw it, and once promoted it hands the
+        same entries out again, to this consumer too, while they still run here.
+        """
+        held = self._held_entries()
+        if not held:
+            return reply
+        kept, dropped = [], 0
+        for stream, entries in reply:
+            fresh = [(entry_id, fields) for entry_id, fields in entries
+                     if (as_text(stream), as_text(entry_id)) not in held]
+            dropped += len(entries) - len(fresh)
+            if fresh:
+                kept.append([stream, fresh])
+        if dropped:
+            logger.warning("read %d entries this consumer already holds (a failover lost "
+                           "the read that gave them); not delivered twice", dropped)
+        return kept
 
     def _recreate_groups(self) -> None:
         """After Redis lost its data (restart without persistence), declare groups again."""
@@ -382,10 +415,20 @@ class Channel(virtual.Channel):
         A queue whose share is smaller than its number of streams waits with a
         blocking XREAD from the group's last-delivered ids instead, which takes
         nothing; its reply makes the channel take exactly the credit with read.lua.
+
+        A reader whose last reply was lost with its connection first recovers the
+        entries that read may have taken (this consumer's own, never delivered).
         """
         queues = self._consumed_queues()
         for gone in set(self._readers) - set(queues):
             self._readers.pop(gone).drop()
+        if self.consuming and not self._buffer:
+            for reader in self._readers.values():
+                if reader.reply_lost and not reader.reading:
+                    reader.reply_lost = False
+                    streams = list(reader.streams)
+                    self._buffer.extend(self.inbox.messages(
+                        self._unseen_own_entries(streams, [])))
         if self.consuming and not self._buffer:
             idle = [queue for queue in queues
                     if queue not in self._readers or not self._readers[queue].reading]
@@ -405,20 +448,35 @@ class Channel(virtual.Channel):
         count = share // len(streams)
         try:
             if count < 1:
-                reader.send(self.client, "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
-                            "STREAMS", *streams, *self._last_delivered_ids(list(streams)),
-                            reserved=0, wait_only=True)
+                command: tuple[Any, ...] = (
+                    "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
+                    "STREAMS", *streams, *self._last_delivered_ids(list(streams)))
+                reserved, wait_only = 0, True
             else:
-                reader.send(self.client, "XREADGROUP", "GROUP", self.settings.consumer_group,
-                            self.consumer_name, "COUNT", count, "BLOCK", self.settings.block_ms,
-                            "STREAMS", *streams, *([">"] * len(streams)),
-                            reserved=count * len(streams), wait_only=False)
-        except (RedisConnectionError, *CLUSTER_REDIRECTS) as exc:
-            if not self._on_cluster:
+                command = ("XREADGROUP", "GROUP", self.settings.consumer_group,
+                           self.consumer_name, "COUNT", count, "BLOCK", self.settings.block_ms,
+                           "STREAMS", *streams, *([">"] * len(streams)))
+                reserved, wait_only = count * len(streams), False
+            self._send_blocking_read(reader, command, reserved, wait_only)
+        except Exception as exc:
+            if not self._on_cluster or not (is_outage(exc) or isinstance(exc, CLUSTER_REDIRECTS)):
                 raise
             self._lost_slot_owner(reader, exc)
 
-    def _lost_slot_owner(self, reader: QueueReader, exc: Exception) -> None:
+    def _send_blocking_read(self, reader: QueueReader, command: tuple[Any, ...],
+                            reserved: int, wait_only: bool) -> None:
+        """Send ``command`` on ``reader``, on a new connection if the reader's broke
+        since its last reply (connecting waits for Redis up to outage_tolerance_s;
+        behind Sentinel it asks the sentinels where the primary is now)."""
+        try:
+            reader.send(self.client, *command, reserved=reserved, wait_only=wait_only)
+        except Exception as exc:
+            if not is_outage(exc) or self._on_cluster:
+                raise  # on a Cluster, _start_read reads the slot map again first
+            reader.drop()
+            reader.send(self.client, *command, reserved=reserved, wait_only=wait_only)
+
+    def _lost_slot_owner(self, reader: QueueReader, exc: BaseException) -> None:
         """A Cluster node stopped serving ``reader``'s queue (it failed over, the slot
         moved, or it is unreachable): read the slot map again; the read is sent again
         to the slot's owner on the next turn."""
@@ -430,39 +488,57 @@ class Channel(virtual.Channel):
 
     def finish_blocking_read(self, reader: QueueReader) -> int:
         """Read the reply of ``reader``'s blocking read and deliver its first message (the
-        others wait in the buffer); return messages delivered."""
+        others wait in the buffer); return messages delivered.
+
+        A failover never stops consuming: a redirect or failover reply took nothing, so
+        the read is sent again on a new connection (to the slot's new owner on a
+        Cluster, to the primary the sentinels name behind Sentinel); a connection that
+        broke or timed out may have lost a reply that took entries, so the reader
+        first recovers this consumer's unseen entries (see start_blocking_reads).
+        """
         wait_only = reader.wait_only
         try:
             reply = reader.reply()
         except ResponseError as exc:
-            if str(exc).startswith("UNBLOCKED"):
-                # A stream read was deleted (a transient reply queue) or the server
-                # changed role: nothing was taken, so read again.
-                logger.info("blocking read ended by Redis (%s); reading again", exc)
+            if str(exc).startswith("NOGROUP"):
+                self._recreate_groups()
                 return 0
             if isinstance(exc, CLUSTER_REDIRECTS) and self._on_cluster:
                 self._lost_slot_owner(reader, exc)
                 return 0
-            if not str(exc).startswith("NOGROUP"):
-                reader.drop()
-                raise
-            self._recreate_groups()
-            return 0
-        except RedisConnectionError as exc:
-            if not self._on_cluster:
-                reader.drop()
-                raise
-            self._lost_slot_owner(reader, exc)
-            return 0
-        except BaseException:
             reader.drop()
-            raise
+            if not is_outage(exc):
+                raise
+            # UNBLOCKED (a stream read was deleted, or the server changed role) or a
+            # failover reply: nothing was taken; read again on a new connection, which
+            # finds the primary again (Sentinel asks the sentinels).
+            logger.info("blocking read ended by Redis (%s); reading again (queue %s)",
+                        exc, reader.queue)
+            if self._on_cluster:
+                forget_slot_owner(self.client)
+                self.retry_reads_soon = True
+            return 0
+        except BaseException as exc:
+            reader.drop()
+            if not is_outage(exc):
+                raise
+            # The connection broke or timed out (a failover, a restart): the read may
+            # have taken entries whose reply is lost. Read again on a new connection
+            # (connecting waits for Redis up to outage_tolerance_s, then fails to the
+            # event loop), starting with this consumer's own unseen entries.
+            reader.reply_lost = True
+            if self._on_cluster:
+                self._lost_slot_owner(reader, exc)
+            else:
+                logger.warning("blocking read lost its connection (%s); reading again on a "
+                               "new one (queue %s)", exc, reader.queue)
+            return 0
         if wait_only:  # the reply only says that unread entries exist
             if not self.consuming:
                 return 0
             self._buffer.extend(self._read_queues(self._room()))
             return self.deliver_buffered()
-        self._buffer.extend(self.inbox.messages(reply or []))
+        self._buffer.extend(self.inbox.messages(self._without_held(reply or [])))
         if reply and self.consuming and self._room() > 0:
             # The queue that answered may hold more: top the buffer up from it alone
             # (the other queues have their own reads in flight).

@@ -183,7 +183,8 @@ class Inbox:
         entry pending, and scheduling it again once it is taken over is absorbed by
         the publish token ``entry:<entry id>``.
         """
-        batch = Batch(self.client).first("sadd", self.keys.queues, queue)
+        batch = Batch(self.client, self.settings, "reschedule").first(
+            "sadd", self.keys.queues, queue)
         schedule_encoded(batch, self.settings, keys, envelope,
                          fields.get(F_ENCODING.encode(), fields.get(F_ENCODING)),
                          fields.get(F_BODY.encode(), fields.get(F_BODY)),

@@ -6,8 +6,10 @@ never spans two. Each :class:`QueueReader` owns a connection to the node that
 serves its queue's slot; the transport's poller waits on all of their sockets
 at once, on kombu's hub or in ``drain_events``.
 
-A reader whose node stopped serving the slot (a resharding, a failover) is
-dropped and connects again to the slot's new owner when it is next armed.
+A reader whose node stopped serving the slot (a resharding, a failover), whose
+connection broke or timed out, or that was answered ``UNBLOCKED`` or a failover
+reply is dropped and connects again when it is next armed: to the slot's new
+owner on a Cluster, to the primary the sentinels name behind Sentinel.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class QueueReader:
         self.wait_only = False
         #: The most entries the read in flight may take (its COUNT times its streams).
         self.reserved = 0
+        #: Whether the last read's reply was lost with its connection (a failover, a
+        #: restart): it may have taken entries, which the channel recovers before the
+        #: next read (docs/protocol.md, section 5, outages).
+        self.reply_lost = False
 
     def send(self, client: Any, *command: Any, reserved: int, wait_only: bool) -> int | None:
         """Send a blocking read (connecting first if needed); return its socket's fd."""

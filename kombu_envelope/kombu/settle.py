@@ -22,9 +22,10 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_STREAM,
 )
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.dead_letters import dead_letter_pending
+from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
-from kombu_envelope.store.scripts import script
 
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
@@ -77,11 +78,14 @@ class Settler:
         self._ack_in_one_slot({stream: ids})
 
     def _ack_in_one_slot(self, by_stream: dict[str, list[str]]) -> None:
-        pipe = self.client.pipeline(transaction=True)
+        """One MULTI on the streams of one queue, then ``WAIT`` with ``wait_replicas``
+        on the connection that ran it (on a Cluster, to the node of the queue's slot)."""
+        pipe = write_pipeline(self.client, self.settings, transaction=True,
+                              key=next(iter(by_stream)))
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.settings.consumer_group, *ids)
             pipe.xdel(stream, *ids)
-        replies = pipe.execute()
+        replies = execute(pipe, self.settings, "ack")
         for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
             if acked < len(ids):
                 # Normal when a task settled its entry itself (dead-lettered it, or
@@ -98,11 +102,10 @@ class Settler:
         if stream is None:
             return
         queue = self.queue_of_stream(stream)
-        script(self.client, "requeue")(
-            keys=[stream, stream, self.settings.keys.queue(queue).dead],
-            args=[self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
-                  format_rfc3339(utcnow())],
-        )
+        run_script(self.client, self.settings, "requeue",
+                   [stream, stream, self.settings.keys.queue(queue).dead],
+                   [self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
+                    format_rfc3339(utcnow())], "requeue")
 
     def dead_letter_rejected(self, delivery_info: dict[str, Any]) -> None:
         """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""
@@ -130,11 +133,13 @@ class Settler:
                      dead_id, failure.failure_class.value, failure.reason)
 
     def requeue_own_pending(self, queues: Iterable[str]) -> None:
-        """Put back at once every entry of ``queues`` this consumer still holds."""
-        requeue = script(self.client, "requeue")
+        """Put back at once every entry of ``queues`` this consumer still holds: one
+        batch of requeue.lua calls per queue (its slot), ending with ``WAIT`` when
+        ``wait_replicas`` is set."""
         now = format_rfc3339(utcnow())
         for queue in queues:
             keys = self.settings.keys.queue(queue)
+            batch = Batch(self.client, self.settings, "requeue")
             for stream in keys.all_streams:
                 try:
                     pending = self.client.xpending_range(
@@ -146,6 +151,7 @@ class Settler:
                         raise
                     continue  # the queue was deleted (a reply queue): nothing to give back
                 for item in pending:
-                    requeue(keys=[stream, stream, keys.dead],
-                            args=[self.settings.consumer_group, as_text(item["message_id"]),
+                    batch.script("requeue", [stream, stream, keys.dead],
+                                 [self.settings.consumer_group, as_text(item["message_id"]),
                                   self.consumer_name, 0, 0, 0, now])
+            batch.execute()

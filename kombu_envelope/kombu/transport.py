@@ -25,7 +25,8 @@ Fields of :class:`kombu_envelope.settings.Settings` (docs/operations.md has thei
 defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_ms``,
 ``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
 ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
-``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``connection_kwargs``,
+``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``wait_replicas`` and
+``wait_timeout_ms`` (WAIT after publishing and settling), ``connection_kwargs``,
 the Sentinel options ``master_name``, ``sentinel_kwargs`` and ``min_other_sentinels``,
 and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
 ``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
@@ -75,6 +76,7 @@ from kombu_envelope.settings import Settings
 from kombu_envelope.store.client import AnyRedis, RedisEndpoint, close_client, new_client
 from kombu_envelope.store.cluster import CLUSTER_REDIRECTS
 from kombu_envelope.store.lease import LeaseKeeper, process_keeper
+from kombu_envelope.store.outages import OUTAGE_ERRORS
 
 #: Pause before a Cluster reader that lost its node tries again (seconds): a failover
 #: takes seconds, and the event loop must not spin meanwhile.
@@ -175,10 +177,13 @@ class Transport(virtual.Transport):
         heartbeats=False,
     )
 
-    connection_errors, channel_errors = get_redis_error_classes()
-    #: A Cluster between two owners of a slot, or none reachable, is a lost connection
-    #: to Celery and kombu (they reconnect), never a failure of the channel.
-    connection_errors = (*connection_errors, *CLUSTER_REDIRECTS, RedisClusterException)
+    #: kombu's Redis errors, plus the failover replies redis-py raises as response
+    #: errors (``READONLY``, ``TRYAGAIN``, ``CLUSTERDOWN``) and a Cluster between two
+    #: owners of a slot, or with none reachable: a lost connection to Celery and kombu
+    #: (they reconnect), never a failure of the channel.
+    connection_errors = (*get_redis_error_classes().connection_errors, *OUTAGE_ERRORS,
+                         *CLUSTER_REDIRECTS, RedisClusterException)
+    channel_errors = get_redis_error_classes().channel_errors
 
     #: Adapter used when the ``message_adapter`` option is not set.
     default_adapter = MessageAdapter

@@ -20,6 +20,17 @@ A step that must land before the others (a registry's ``SADD``, docs/protocol.md
 section 2) is queued with :meth:`first`. One Redis runs a pipeline in order, so it
 goes first in the same round trip; a Cluster pipeline writes to every node before
 reading any reply, in no order across nodes, so there it is sent on its own first.
+
+With ``wait_replicas`` (:mod:`kombu_envelope.store.replication`) a batch ends with
+``WAIT`` on the connection that wrote: on one Redis (and behind Sentinel) one ``WAIT``
+at the end of the pipeline, on a Cluster one per node the batch wrote to, addressed
+to that node, which redis-py sends last on that node's connection. A call sent again
+after ``NOSCRIPT`` goes in a second batch with its own ``WAIT``. What a Cluster
+batch does not wait for, and why: the :meth:`first` steps (registry ``SADD``\\ s sent
+on their own, whose connection is gone when they answer; a registry lost in a
+failover is rebuilt by the next store, section 2), and a step redis-py's Cluster
+pipeline sent again on its own after ``MOVED``, ``ASK`` or a lost connection (it
+goes through the client's pool, not the connection the ``WAIT`` follows).
 """
 
 from __future__ import annotations
@@ -29,16 +40,25 @@ from typing import Any
 from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from kombu_envelope.store.scripts import script
+from kombu_envelope.settings import Settings
+from kombu_envelope.store.scripts import script, script_source
 
 __all__ = ["Batch"]
 
 
 class Batch:
-    """Commands and script calls for one round trip; :meth:`execute` answers in order."""
+    """Commands and script calls for one round trip; :meth:`execute` answers in order.
 
-    def __init__(self, client: Any) -> None:
+    ``settings`` with ``wait_replicas`` make the batch end with ``WAIT`` (module
+    docstring); ``step`` names the write in the log of a short ``WAIT``.
+    """
+
+    def __init__(self, client: Any, settings: Settings | None = None,
+                 step: str = "write") -> None:
         self.client = client
+        self.settings = settings
+        self.step = step
+        self._cluster = isinstance(client, RedisCluster)
         self._pipe = client.pipeline(transaction=False)
         self._calls: dict[int, tuple[str, list[Any], list[Any]]] = {}
         self._size = 0
@@ -46,13 +66,19 @@ class Batch:
         #: pipeline's first commands are first() steps.
         self._first: list[tuple[str, tuple[Any, ...]]] = []
         self._first_in_pipe = 0
+        #: On a Cluster, the nodes the batch writes to (by name): each gets a WAIT.
+        self._nodes: dict[str, Any] = {}
+
+    @property
+    def _wait(self) -> int:
+        return self.settings.wait_replicas if self.settings is not None else 0
 
     def first(self, name: str, *args: Any) -> Batch:
         """Queue a command that lands before every other step (call it before them);
         its reply is not among those :meth:`execute` returns."""
         if self._size > self._first_in_pipe:
             raise RuntimeError("Batch.first() after other steps")
-        if isinstance(self.client, RedisCluster):
+        if self._cluster:
             self._first.append((name, args))
         else:
             self.command(name, *args)
@@ -60,8 +86,12 @@ class Batch:
         return self
 
     def command(self, name: str, *args: Any) -> Batch:
-        """Queue one command (any the pipeline has, e.g. ``"xack"``)."""
+        """Queue one command (any the pipeline has, e.g. ``"xack"``) whose first
+        argument is its key."""
         getattr(self._pipe, name)(*args)
+        if self._cluster and self._wait and args:
+            node = self.client.get_node_from_key(args[0])
+            self._nodes[node.name] = node
         self._size += 1
         return self
 
@@ -69,10 +99,12 @@ class Batch:
         """Queue a call of script ``name`` (``kombu_envelope/lua/<name>.lua``)."""
         sha = script(self.client, name).sha
         options = {}
-        if isinstance(self.client, RedisCluster) and keys:
+        if self._cluster and keys:
             # Named here, the node is not asked (COMMAND GETKEYS, a round trip per call)
             # which keys the call has; a MOVED reply routes it again by its keys.
-            options["target_nodes"] = self.client.get_node_from_key(keys[0])
+            node = self.client.get_node_from_key(keys[0])
+            options["target_nodes"] = node
+            self._nodes[node.name] = node
         self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args, **options)
         self._calls[self._size] = (name, keys, args)
         self._size += 1
@@ -81,13 +113,56 @@ class Batch:
     def execute(self) -> list[Any]:
         """Send everything; return the reply of each step but :meth:`first`'s, in order
         (raises the first error)."""
+        from kombu_envelope.store.replication import acknowledged_by
+
         for name, first_args in self._first:
             getattr(self.client, name)(*first_args)
+        waits = 0
+        if self._wait and self._size:
+            assert self.settings is not None
+            wait = ("WAIT", self.settings.wait_replicas, self.settings.wait_timeout_ms)
+            if self._cluster:
+                for node in self._nodes.values():
+                    self._pipe.execute_command(*wait, target_nodes=node)
+                    waits += 1
+            else:
+                self._pipe.execute_command(*wait)
+                waits = 1
         replies: list[Any] = list(self._pipe.execute(raise_on_error=False))
-        for index, (name, keys, args) in self._calls.items():
-            if isinstance(replies[index], NoScriptError):
-                replies[index] = script(self.client, name)(keys=keys, args=args)
+        wait_replies = replies[len(replies) - waits:] if waits else []
+        replies = replies[:len(replies) - waits]
+        for reply in wait_replies:
+            if isinstance(reply, Exception):
+                raise reply  # the WAIT's connection broke: the step is retried as an outage
+            assert self.settings is not None
+            acknowledged_by(_replicas(reply), self.settings, self.step)
+        missing = [index for index in self._calls if isinstance(replies[index], NoScriptError)]
+        if missing:
+            if self._wait:
+                # Sent again in a batch of their own, so that a WAIT follows them too.
+                for name in {self._calls[index][0] for index in missing}:
+                    self.client.script_load(script_source(name))
+                again = Batch(self.client, self.settings, self.step)
+                for index in missing:
+                    name, keys, args = self._calls[index]
+                    again.script(name, keys, args)
+                for index, reply in zip(missing, again.execute()):
+                    replies[index] = reply
+            else:
+                for index in missing:
+                    name, keys, args = self._calls[index]
+                    replies[index] = script(self.client, name)(keys=keys, args=args)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         return replies[self._first_in_pipe:]
+
+
+def _replicas(reply: Any) -> int:
+    """The replica count of a ``WAIT`` reply (a Cluster client that sent it to every
+    primary answers a mapping or list: the fewest counts)."""
+    if isinstance(reply, dict):
+        return min(int(value) for value in reply.values())
+    if isinstance(reply, list):
+        return min(int(value) for value in reply)
+    return int(reply)

@@ -5,8 +5,9 @@ Where Redis is comes from a URL (or a kombu connection, which parsed one):
 * ``envelope://[user:password@]host[:port][/db]``: one Redis; ``envelopes://`` over TLS
   (``redis://`` and ``rediss://`` are read the same way, for tools outside kombu).
 * ``envelope-sentinel://[user:password@]host[:26379][/db];envelope-sentinel://host2...``:
-  the primary of the Sentinel group named by the ``master_name`` option, found through
-  any of the listed sentinels (kombu's ``sentinel://`` convention).
+  the primary of the Sentinel group named by the ``master_name`` option, the one a
+  majority of the listed sentinels name (kombu's ``sentinel://`` convention; see
+  :mod:`kombu_envelope.store.sentinel`).
   ``envelopes-sentinel://`` connects to the data nodes over TLS; the sentinels'
   own credentials and TLS come from the ``sentinel_kwargs`` option.
 * ``envelope-cluster://[user:password@]host[:port];envelope-cluster://host2...``: a Redis
@@ -30,12 +31,12 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
-from redis.sentinel import Sentinel
 
 from kombu_envelope.errors import InvalidTransportOption
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.cluster import EnvelopeCluster
 from kombu_envelope.store.outages import OutageRetry
+from kombu_envelope.store.sentinel import MajoritySentinel, PrimaryConnection, PrimarySSLConnection
 
 __all__ = [
     "DEFAULT_PORTS", "SCHEMES", "AnyRedis", "Deployment", "RedisEndpoint", "client_for_url",
@@ -220,11 +221,12 @@ def new_client(endpoint: RedisEndpoint, settings: Settings) -> AnyRedis:
                 "<name> ...`) for an envelope-sentinel:// URL")})
         if endpoint.tls:
             kwargs["ssl"] = True
-        sentinel = Sentinel(list(endpoint.nodes), sentinel_kwargs=settings.sentinel_kwargs,
+        sentinel = MajoritySentinel(list(endpoint.nodes), sentinel_kwargs=settings.sentinel_kwargs,
                             min_other_sentinels=settings.min_other_sentinels,
                             db=endpoint.db, **kwargs)
         primary: redis.Redis = sentinel.master_for(
-            settings.master_name, max_connections=settings.max_connections)
+            settings.master_name, max_connections=settings.max_connections,
+            connection_class=PrimarySSLConnection if endpoint.tls else PrimaryConnection)
         return primary
     (host, port), = endpoint.nodes
     if endpoint.tls:

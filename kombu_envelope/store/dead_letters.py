@@ -25,6 +25,7 @@ from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.failures import Failure, failure_fields
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -48,9 +49,8 @@ def dead_letter_pending(
     for name, value in fields.items():
         args += [name, value]
     client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
-    reply = script(client, "dead_letter")(
-        keys=[stream, settings.keys.queue(queue).dead], args=args
-    )
+    reply = run_script(client, settings, "dead_letter", [stream, settings.keys.queue(queue).dead],
+                       args, "dead letter")
     return as_text(reply) if reply else None
 
 
@@ -73,7 +73,12 @@ def dead_letter_envelope(
                                     limits=settings.limits).items():
         fields["raw." + name] = value
     client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
-    return as_text(client.xadd(settings.keys.queue(queue).dead, fields))
+    dead = settings.keys.queue(queue).dead
+    if not settings.wait_replicas:
+        return as_text(client.xadd(dead, fields))
+    pipe = write_pipeline(client, settings, transaction=False, key=dead)
+    pipe.xadd(dead, fields)
+    return as_text(execute(pipe, settings, "dead letter")[0])
 
 
 

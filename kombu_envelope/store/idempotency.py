@@ -22,8 +22,8 @@ from typing import Any
 
 from kombu_envelope.envelope import format_rfc3339, utcnow
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.replication import run_script
 from kombu_envelope.store.replies import as_text
-from kombu_envelope.store.scripts import script
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class Idempotency:
               timeout_ms: int | None = None, replace: str = "") -> Claim:
         """One call of ``idem_begin.lua`` (``replace``: the dead holder to take over)."""
         key = self.settings.keys.idempotency(task_type, idempotency_key)
-        reply = script(self.client, "idem_begin")(
-            keys=[key], args=[holder, self.claim_ms(timeout_ms), replace])
+        reply = run_script(self.client, self.settings, "idem_begin", [key],
+                           [holder, self.claim_ms(timeout_ms), replace], "idempotency claim")
         state = ClaimState(as_text(reply[0]))
         other = as_text(reply[1]) if len(reply) > 1 else None
         return Claim(state, key, holder, other, replace or None)
@@ -105,7 +105,8 @@ class Idempotency:
         """
         args = [claim.holder, "done" if succeeded else "release",
                 int(self.done_ttl_s * 1000), format_rfc3339(now or utcnow())]
-        settled = bool(script(self.client, "idem_finish")(keys=[claim.key], args=args))
+        settled = bool(run_script(self.client, self.settings, "idem_finish", [claim.key], args,
+                                  "idempotency done marker"))
         if not settled:
             logger.warning("idempotency key %s was taken over while %r held it; "
                            "the task may have run twice", claim.key, claim.holder)

@@ -17,13 +17,21 @@ safe:
   or reply) is repeated as it is: one of them may then arrive twice, which
   Celery's events and remote control tolerate.
 
-The blocking ``XREADGROUP`` a channel keeps on its own connection is never
-retried: its failure reaches the event loop, whose owner (Celery) reconnects.
+A failover is an outage too (:data:`FAILOVER_ERRORS`, :func:`is_outage`): a primary
+that was demoted answers ``READONLY`` (a Sentinel-managed connection then drops itself and asks the
+sentinels again), a Cluster between two owners of a slot answers ``TRYAGAIN`` or
+``CLUSTERDOWN``, and an old primary that lost its replicas refuses writes with
+``NOREPLICAS`` when ``min-replicas-to-write`` is set; none of them ran the command, so
+it is tried again. ``LOADING`` is redis-py's ``BusyLoadingError``, a connection error.
+
+The blocking read a channel keeps on its own connection is not retried here: the
+channel opens a new connection and reads again (:mod:`kombu_envelope.kombu.channel`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -31,7 +39,15 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -50,6 +66,37 @@ _seen = threading.local()
 
 #: Errors that no waiting cures.
 _REFUSED = (AuthenticationError, AuthorizationError)
+
+#: Replies of a node that is not (or not yet) the primary of the keys: the command
+#: did not run, and runs once the new primary is found. ``CLUSTERDOWN`` and
+#: ``MASTERDOWN`` are ``ClusterDownError``; ``SlotNotCoveredError`` is a Cluster client
+#: whose slot map names no owner for the key's slot (one failed and no replica took over yet).
+FAILOVER_ERRORS: tuple[type[Exception], ...] = (ReadOnlyError, ClusterDownError, TryAgainError,
+                                                SlotNotCoveredError)
+
+#: Every error that means "Redis is away or changing roles": what kombu and Celery
+#: must see as a connection error (the transport's ``connection_errors``).
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, socket.timeout,
+    *FAILOVER_ERRORS)
+
+#: Error replies that redis-py raises as plain response errors and that mean "not
+#: now, not here": ``NOREPLICAS`` (a primary configured with ``min-replicas-to-write``
+#: that lost its replicas, as an old primary does after a stall), ``UNBLOCKED`` (a
+#: blocking read ended because a stream it waited on was deleted or the server
+#: changed role), and the failover replies by their text.
+#: (In a pipeline redis-py prefixes the reply with the command that got it.)
+_OUTAGE_REPLY = re.compile(r"(?:^|of pipeline caused error: )(?:NOREPLICAS|UNBLOCKED|READONLY|"
+                           r"TRYAGAIN|CLUSTERDOWN|MASTERDOWN|LOADING)\b")
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether ``error`` means Redis is away or between roles (not a bad command)."""
+    if isinstance(error, _REFUSED):
+        return False
+    if isinstance(error, OUTAGE_ERRORS):
+        return True
+    return isinstance(error, ResponseError) and _OUTAGE_REPLY.search(str(error)) is not None
 
 
 def retries_seen() -> int:
@@ -76,8 +123,7 @@ class OutageRetry(Retry):
 
     def __init__(self, tolerance_s: float) -> None:
         super().__init__(ExponentialBackoff(cap=MAX_BACKOFF_S, base=FIRST_BACKOFF_S), -1,
-                         (RedisConnectionError, RedisTimeoutError, ConnectionError,
-                          TimeoutError, socket.timeout))
+                         OUTAGE_ERRORS)
         self.tolerance_s = tolerance_s
         #: When the current outage began (time.monotonic()), None while Redis answers.
         self.down_since: float | None = None
@@ -97,11 +143,12 @@ class OutageRetry(Retry):
                         with_failure_count: bool = False) -> T:
         """Call ``do`` until it succeeds or the outage is ``tolerance_s`` old."""
         failures = 0
+        caught: tuple[type[Exception], ...] = (*self._supported_errors, ResponseError)
         while True:
             try:
                 result = do()
-            except self._supported_errors as error:
-                if not self.has_answered or isinstance(error, _REFUSED):
+            except caught as error:
+                if not self.has_answered or not is_outage(error):
                     raise
                 if is_retryable is not None and not is_retryable(error):
                     raise

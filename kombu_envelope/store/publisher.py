@@ -78,15 +78,17 @@ class Publisher:
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         token = os.urandom(8).hex()
         dedupe_ms = settings.publish_dedupe_ms
-        if len(prepared) == 1 and not delayed_queues:
+        if len(prepared) == 1 and not delayed_queues and not settings.wait_replicas:
             # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
-            # sends SCRIPT EXISTS, a second round trip on every single publish.
+            # sends SCRIPT EXISTS, a second round trip on every single publish. With
+            # wait_replicas the WAIT must share the script's connection: a Batch, whose
+            # raw EVALSHA needs no SCRIPT EXISTS either.
             keys, envelope, enc, body = prepared[0]
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
                                   keys.delayed_data, keys.published(envelope.task_id)],
                             args=[envelope.task_id, enc, body, token, dedupe_ms])
             return [reply.decode() if isinstance(reply, bytes) else reply]
-        batch = Batch(self.client)
+        batch = Batch(self.client, settings, "publish")  # WAIT with wait_replicas
         if delayed_queues:
             # Registered on every delayed publish, before schedule.lua wakes the
             # promoters (a SADD of its own: the registry is in another slot): a registry

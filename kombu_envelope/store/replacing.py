@@ -96,7 +96,7 @@ def replace_pending(client: Any, settings: Settings, attempt: PendingAttempt,
     bucket = bucket_for(envelope.priority)
     enc, body = encode_body(envelope, settings.gzip_min_bytes, limits=settings.limits)
     delayed = not envelope.is_due()
-    batch = Batch(client)
+    batch = Batch(client, settings, "retry")  # WAIT with wait_replicas
     if delayed:  # its own SADD, before retry.lua wakes promoters
         batch.first("sadd", settings.keys.queues, attempt.queue)
     batch.script("retry", [attempt.stream, keys.stream(bucket), keys.delayed, keys.delayed_data],

@@ -146,6 +146,7 @@ class PrivateRedisServer:
         startup_timeout: float = 15.0,
         shutdown_timeout: float = 10.0,
         tls: bool = False,
+        sentinel: bool = False,
     ) -> None:
         """Configure (but do not start) a server.
 
@@ -162,6 +163,9 @@ class PrivateRedisServer:
             ``tls-ca-cert-file``) and leave client certificates optional
             (``tls-auth-clients no`` or ``optional``): the readiness PING and the
             SHUTDOWN of :meth:`stop` connect without one.
+        :param sentinel: run a Redis Sentinel (``redis-server <conf> --sentinel``);
+            ``extra_config`` holds its ``sentinel ...`` lines. Sentinel rewrites its
+            config file, which stays in ``data_dir``.
         """
         if port is not None:
             if port == _RESERVED_PORT:
@@ -170,6 +174,7 @@ class PrivateRedisServer:
                 raise ValueError(f"invalid port: {port!r}")
         self.appendonly = appendonly
         self.tls = tls
+        self.sentinel = sentinel
         self.extra_config: tuple[str, ...] = tuple(extra_config)
         self.startup_timeout = startup_timeout
         self.shutdown_timeout = shutdown_timeout
@@ -355,9 +360,11 @@ class PrivateRedisServer:
             f"dir {_quote(str(self.data_dir))}",
             f"logfile {_quote(str(self.log_path))}",
             "loglevel notice",
-            'save ""',
-            f"appendonly {'yes' if self.appendonly else 'no'}",
-            "appendfsync always",
+            *([] if self.sentinel else [
+                'save ""',
+                f"appendonly {'yes' if self.appendonly else 'no'}",
+                "appendfsync always",
+            ]),
             *self.extra_config,
         ]
         return "\n".join(lines) + "\n"
@@ -372,7 +379,8 @@ class PrivateRedisServer:
 
     def _spawn(self, binary: str) -> None:
         conf = self.data_dir / "redis.conf"
-        conf.write_text(self._config_text())
+        if not (self.sentinel and conf.exists()):  # a sentinel keeps what it learnt
+            conf.write_text(self._config_text())
         try:
             log_offset = self.log_path.stat().st_size
         except OSError:
@@ -380,7 +388,7 @@ class PrivateRedisServer:
         self._output = (self.data_dir / "redis.stdout").open("wb")
         try:
             self._proc = subprocess.Popen(
-                [binary, str(conf)],
+                [binary, str(conf), *(["--sentinel"] if self.sentinel else [])],
                 cwd=self.data_dir,
                 stdin=subprocess.DEVNULL,
                 stdout=self._output,
@@ -409,7 +417,7 @@ class PrivateRedisServer:
                 raise RuntimeError(f"redis-server exited with status {code} during startup")
             with contextlib.suppress(OSError):  # ssl.SSLError included
                 reply = _send_command(self.port, "PING", timeout=0.5, tls=self.tls)
-                if reply.startswith(b"+PONG"):
+                if reply.startswith((b"+PONG", b"-NOAUTH")):  # NOAUTH: up, with requirepass
                     return
             if time.monotonic() >= deadline:
                 raise RuntimeError(
