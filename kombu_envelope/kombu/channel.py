@@ -142,7 +142,7 @@ class Channel(virtual.Channel):
             # retries (kombu's redis transport does the same).
             self.client.ping()
         except Exception:
-            if not isinstance(self.client, RedisCluster):
+            if not self._on_cluster:  # a Cluster client is the transport's, shared
                 self.client.close()
             raise
         self.adapter: MessageAdapter = transport.adapter

@@ -73,7 +73,6 @@ class Publisher:
         delayed_queues = sorted(
             {keys.queue for keys, envelope, _, _ in prepared if not envelope.is_due(now)}
         )
-        enqueue = script(self.client, "enqueue")
         # One token for every try of this call: a try repeated after a lost reply
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         token = os.urandom(8).hex()
@@ -84,6 +83,7 @@ class Publisher:
             # wait_replicas the WAIT must share the script's connection: a Batch, whose
             # raw EVALSHA needs no SCRIPT EXISTS either.
             keys, envelope, enc, body = prepared[0]
+            enqueue = script(self.client, "enqueue")
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
                                   keys.delayed_data, keys.published(envelope.task_id)],
                             args=[envelope.task_id, enc, body, token, dedupe_ms])
