@@ -41,7 +41,7 @@ def test_a_malformed_entry_and_a_redelivery_limit_entry_match_the_schema(
     # Given a malformed entry consumed by a plain kombu consumer (dead_letter.lua) and an
     # entry whose consumer died too often (requeue.lua)
     keys = KeySpace(key_prefix).queue(QUEUE)
-    settings = Settings(key_prefix=key_prefix, lease_ms=1, max_redeliveries=1)
+    settings = Settings(key_prefix=key_prefix, lease_ms=300, max_redeliveries=1)
     with connect(redis_url, key_prefix) as conn:
         conn.SimpleQueue(QUEUE).close()  # declares the groups
         redis_client.xadd(keys.task_streams[1], {"v": "1", "enc": "json", "body": b"\xff{"})

@@ -8,13 +8,14 @@ docs/protocol.md, section 9. Before running, a worker claims
   marker kept ``done_ttl_s``) or failure (the claim is released for a retry);
 * ``done``: the effect already happened: do not run, count a duplicate;
 * ``busy``: another consumer runs it. :meth:`Idempotency.claim` takes the
-  claim over when that consumer's liveness key is gone; otherwise the caller
-  defers the task.
+  claim over when that consumer's liveness key is gone and stays gone for one
+  renewal interval; otherwise the caller defers the task.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -22,6 +23,7 @@ from typing import Any
 
 from kombu_envelope.envelope import format_rfc3339, utcnow
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.outages import AnsweredAtOnce
 from kombu_envelope.store.replication import run_script
 from kombu_envelope.store.replies import as_text
 
@@ -81,16 +83,28 @@ class Idempotency:
         other = as_text(reply[1]) if len(reply) > 1 else None
         return Claim(state, key, holder, other, replace or None)
 
-    def holder_alive(self, holder: str) -> bool:
-        """True while the consumer of ``holder`` keeps its liveness key."""
-        consumer = holder.split(" ", 1)[0]
-        return bool(self.client.exists(self.settings.keys.consumer(consumer)))
+    def holder_gone(self, holder: str) -> bool:
+        """True when the consumer of ``holder`` has no liveness key, and still has none
+        one renewal interval (``lease_ms / 3``) later, both looks answered at once.
+
+        A live holder whose key expired while Redis was away sets it again within
+        that interval (docs/protocol.md, section 9).
+        """
+        key = self.settings.keys.consumer(holder.split(" ", 1)[0])
+        interval_s = self.settings.lease_ms / 3000
+        for look in range(2):
+            if look:
+                time.sleep(interval_s)
+            watch = AnsweredAtOnce(interval_s)
+            if self.client.exists(key) or watch.waited():
+                return False
+        return True
 
     def claim(self, task_type: str, idempotency_key: str, holder: str, *,
               timeout_ms: int | None = None) -> Claim:
         """Claim the key, taking it over from a holder whose consumer died."""
         claim = self.begin(task_type, idempotency_key, holder, timeout_ms=timeout_ms)
-        if claim.state is ClaimState.BUSY and claim.other and not self.holder_alive(claim.other):
+        if claim.state is ClaimState.BUSY and claim.other and self.holder_gone(claim.other):
             logger.warning("idempotency key %s: holder %r is dead; taking the claim over",
                            claim.key, claim.other)
             claim = self.begin(task_type, idempotency_key, holder, timeout_ms=timeout_ms,

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from kombu_envelope.failures import Failure, FailureClass, failure_fields
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.outages import AnsweredAtOnce, is_outage
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -49,14 +50,19 @@ def reclaim_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
 
     A consumer is dead when its liveness key is gone; an entry is taken back
     only once it has been idle for ``lease_ms``. Returns how many entries
-    were requeued (or dead-lettered after ``max_redeliveries``).
+    were requeued (or dead-lettered after ``max_redeliveries``). Raises
+    :class:`~kombu_envelope.store.outages.WaitedForRedis` when the liveness
+    checks of a stream waited for Redis (its keys may have expired meanwhile).
     """
     keys = settings.keys.queue(queue)
     moved = 0
     for stream in keys.all_streams:
+        watch = AnsweredAtOnce(settings.lease_ms / 3000)
         try:
             summary = client.xpending(stream, settings.consumer_group)
-        except RedisError:  # no stream or no group yet: nothing is pending
+        except RedisError as error:  # no stream or no group yet: nothing is pending
+            if is_outage(error):
+                raise
             continue
         owners = [as_text(c["name"]) for c in summary.get("consumers") or []]
         if not owners:
@@ -64,7 +70,9 @@ def reclaim_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
         pipe = client.pipeline(transaction=False)
         for owner in owners:
             pipe.exists(settings.keys.consumer(owner))
-        for owner, is_alive in zip(owners, pipe.execute()):
+        alive = pipe.execute()
+        watch.check(f"the liveness checks of {stream}")
+        for owner, is_alive in zip(owners, alive):
             if not is_alive:
                 moved += _requeue_owned_by(client, settings, queue, stream, owner)
     return moved
@@ -148,7 +156,8 @@ class LeaseKeeper:
 
     After Redis was unreachable, live consumers have not renewed yet and look dead
     for a moment; so the keeper takes over entries only once it has renewed
-    successfully for two intervals in a row.
+    successfully for two intervals in a row, each renewal answered at once (one
+    that waited through an outage starts the count again).
     """
 
     def __init__(self, client_factory: Callable[[], Any], settings: Settings) -> None:
@@ -225,12 +234,16 @@ class LeaseKeeper:
             if consumers is None:
                 return
             rounds += 1
+            watch = AnsweredAtOnce(interval_s)
             try:
                 renew(self.client, self.settings, consumers)
             except RedisError:
                 renewed_in_a_row = 0
                 logger.warning("lease renewal failed; retrying in %.1f s", interval_s,
                                exc_info=True)
+                continue
+            if watch.waited():  # Redis was away: others may not have renewed yet
+                renewed_in_a_row = 0
                 continue
             renewed_in_a_row += 1
             if renewed_in_a_row < 2:

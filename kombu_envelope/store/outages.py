@@ -104,6 +104,36 @@ def retries_seen() -> int:
     return int(getattr(_seen, "count", 0))
 
 
+class WaitedForRedis(RedisConnectionError):
+    """A step whose commands waited for Redis: what it read about liveness is stale."""
+
+
+class AnsweredAtOnce:
+    """Whether the current thread's commands since this watch began were answered at once.
+
+    A command answered at once was neither retried through an outage
+    (:func:`retries_seen`) nor answered later than ``within_s`` after the watch
+    began. Liveness read after a wait is not trusted (docs/protocol.md, sections 5
+    and 9): during an outage every liveness key may have expired, and live
+    consumers need one renewal interval to set theirs again.
+    """
+
+    def __init__(self, within_s: float) -> None:
+        self.within_s = within_s
+        self._retries = retries_seen()
+        self._began = time.monotonic()
+
+    def waited(self) -> bool:
+        """True when a command since the watch began waited for Redis."""
+        return (retries_seen() != self._retries
+                or time.monotonic() - self._began > self.within_s)
+
+    def check(self, what: str) -> None:
+        """Raise :class:`WaitedForRedis` naming ``what`` when a command waited."""
+        if self.waited():
+            raise WaitedForRedis(f"{what} waited for Redis; its liveness checks are not trusted")
+
+
 class OutageRetry(Retry):
     """redis-py ``Retry`` bounded by time, not by count, shared by a pool's connections.
 
