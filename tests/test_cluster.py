@@ -30,6 +30,7 @@ from support.workers import CeleryWorker
 from kombu_envelope import Envelope, Publisher
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store import replication
 from kombu_envelope.store.client import AnyRedis, client_for_url, close_client
 from kombu_envelope.store.dead_letters import DeadLetters
 from kombu_envelope.store.delayed import CancelOutcome, DelayedTasks
@@ -197,6 +198,54 @@ def test_cancel_and_revoke_reach_delayed_tasks_on_any_shard(setup: Setup) -> Non
     effects = setup.effects()
     assert f"{first}:cancelled" not in effects
     assert f"{second}:revoked" not in effects
+
+
+def test_wait_replicas_waits_on_each_shard_for_its_own_replica(setup: Setup) -> None:
+    """``wait_replicas`` on a Cluster: a publish returns once the replica of its queue's
+    shard holds it, and a stalled replica delays (and is counted for) only its shard."""
+    cluster, (first, second) = setup.cluster, setup.queues
+    settings = Settings(key_prefix=setup.prefix, wait_replicas=1, wait_timeout_ms=1000)
+    client = client_for_url(cluster.url, settings)
+    publisher = Publisher(client, settings)
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+
+    def replica_of(queue: str) -> redis.Redis:
+        primary = cluster.owner_of(cluster.keyslot(f"{setup.prefix}:{{{queue}}}:normal"))
+        (port,) = cluster.replicas_of(primary)
+        return cluster.client(port)
+
+    try:
+        items = [(queue, Envelope.new(task_type="cluster.record", payload={"order_id": queue},
+                                      schedule_time=later)) for queue in (first, second)]
+        before = replication.short_waits()
+        publisher.publish_many(items)
+        for queue, envelope in items:  # on the replica the moment the call returned
+            with closing(replica_of(queue)) as replica:
+                replica.execute_command("READONLY")
+                assert replica.zscore(setup.settings.keys.queue(queue).delayed,
+                                      envelope.task_id) is not None
+        assert replication.short_waits() == before
+
+        stalled = replica_of(second)
+        stalled_port = stalled.connection_pool.connection_kwargs["port"]
+        stalled.close()
+        cluster.pause(stalled_port)
+        try:
+            publisher.publish(first, Envelope.new(task_type="cluster.record",
+                                                  payload={"order_id": first},
+                                                  schedule_time=later))
+            assert replication.short_waits() == before  # the other shard's replica answers
+            started = time.monotonic()
+            publisher.publish(second, Envelope.new(task_type="cluster.record",
+                                                   payload={"order_id": second},
+                                                   schedule_time=later))
+            assert time.monotonic() - started >= 0.9
+        finally:
+            cluster.resume(stalled_port)
+        assert replication.short_waits() == before + 1
+        cluster.wait_ok()
+    finally:
+        close_client(client)
 
 
 def test_resharding_a_busy_queue_keeps_the_worker_consuming(setup: Setup) -> None:
