@@ -146,14 +146,25 @@ class PrivateRedisCluster:
         return self
 
     def _wait_replicas_known(self) -> None:
-        """Wait until every node lists every replica (they join after the slots)."""
+        """Wait until every node lists every replica (they join after the slots) and every
+        primary's replicas are in sync (``WAIT`` counts them from then on)."""
         expected = len(self.servers) - len(self.servers) // (1 + self.replicas_per_primary)
         deadline = time.monotonic() + self.startup_timeout
         while any(sum(1 for node in self.nodes(port) if node.primary_id) != expected
-                  for port in self.ports):
+                  for port in self.ports) or not self._replicas_online():
             if time.monotonic() >= deadline:
                 raise RuntimeError("the replicas did not join the cluster in time")
             time.sleep(0.05)
+
+    def _replicas_online(self) -> bool:
+        for port in self.primaries():
+            with contextlib.closing(self.client(port)) as client:
+                info: dict[str, Any] = client.info("replication")
+            online = [name for name, value in info.items() if name.startswith("slave")
+                      and isinstance(value, dict) and value.get("state") == "online"]
+            if len(online) < self.replicas_per_primary:
+                return False
+        return True
 
     def close(self) -> None:
         """Stop every node and remove their directories."""
