@@ -90,6 +90,9 @@ abstract class Link implements AutoCloseable {
     /** Called with an error a step met: lets the link find the new primary after a failover. */
     abstract void recover(Throwable error);
 
+    /** Whether the connection is up now (a command sent while it is down waits for the reconnection). */
+    abstract boolean isOpen();
+
     /**
      * Runs {@code write} on the primary of {@code key}, then {@code WAIT}s for the replicas asked
      * for on the same connection; fewer replicas than asked is logged, the write stands.
@@ -190,6 +193,11 @@ abstract class Link implements AutoCloseable {
         }
 
         @Override
+        boolean isOpen() {
+            return conn.isOpen();
+        }
+
+        @Override
         public void close() {
             conn.close();
         }
@@ -250,6 +258,11 @@ abstract class Link implements AutoCloseable {
             } catch (RuntimeException e) {
                 LOG.debug("refreshing the cluster's slot map failed: {}", e.toString());
             }
+        }
+
+        @Override
+        boolean isOpen() {
+            return conn.isOpen();
         }
 
         @Override

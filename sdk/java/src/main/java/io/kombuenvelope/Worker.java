@@ -12,7 +12,6 @@ import io.lettuce.core.RedisBusyException;
 import io.lettuce.core.RedisClient;
 import io.lettuce.core.RedisException;
 import io.lettuce.core.ScriptOutputType;
-import io.lettuce.core.SetArgs;
 import io.lettuce.core.StreamMessage;
 import io.lettuce.core.TransactionResult;
 import io.lettuce.core.XGroupCreateArgs;
@@ -93,7 +92,7 @@ public final class Worker implements AutoCloseable {
     private final ScheduledExecutorService lease;
     private final AtomicBoolean stopping = new AtomicBoolean();
     private final AtomicInteger inFlight = new AtomicInteger();
-    private final AtomicInteger renewalsInARow = new AtomicInteger();
+    private final Liveness liveness;
     private volatile Thread loop;
     private volatile long lastForget;
     private volatile boolean recoverPending = true;
@@ -121,6 +120,8 @@ public final class Worker implements AutoCloseable {
         this.pid = String.valueOf(ProcessHandle.current().pid());
         this.consumer = b.consumer != null ? b.consumer
                 : host.replace(' ', '_') + "-" + pid + "-" + UUID.randomUUID().toString().substring(0, 8);
+        this.liveness = new Liveness(client, link, keys, consumer, Redis.b(host + " " + pid + " " + LANGUAGE),
+                b.leaseMs);
         this.credit = new Semaphore(b.concurrency);
         this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + name));
         this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + name));
@@ -161,8 +162,8 @@ public final class Worker implements AutoCloseable {
             return this;
         }
         ensureGroups();
-        renew();
-        long every = Math.max(1, cfg.leaseMs / 3);
+        liveness.renew();
+        long every = liveness.intervalMs();
         lease.scheduleWithFixedDelay(this::leaseTick, every, every, TimeUnit.MILLISECONDS);
         if (cfg.runPromoter) {
             promoter = Promoter.builder().client(client).prefix(cfg.prefix).build().start();
@@ -198,16 +199,18 @@ public final class Worker implements AutoCloseable {
 
     // --- liveness ---------------------------------------------------------------------------
 
-    private void renew() {
-        redis().set(keys.consumer(consumer), Redis.b(host + " " + pid + " " + LANGUAGE),
-                SetArgs.Builder.px(cfg.leaseMs));
-    }
-
+    /**
+     * Renews the liveness key and, after two renewals in a row answered at once, takes over dead
+     * consumers' entries; a renewal or takeover command that waited for Redis stops that round.
+     */
     private void leaseTick() {
         try {
-            renew();
-            int n = renewalsInARow.incrementAndGet();
-            if (n >= 2 && !stopping.get() && cfg.takeOver) {
+            if (!liveness.renew()) {
+                LOG.info("the liveness key was renewed late; no takeover until two renewals in a row "
+                        + "are answered at once");
+                return;
+            }
+            if (liveness.mayTakeOver() && !stopping.get() && cfg.takeOver) {
                 takeOverDeadConsumers();
                 long now = System.currentTimeMillis();
                 if (now - lastForget >= cfg.forgetEvery.toMillis()) {
@@ -215,16 +218,18 @@ public final class Worker implements AutoCloseable {
                     forgetDeadConsumers();
                 }
             }
+        } catch (Liveness.Waited e) {
+            LOG.warn("takeover round stopped: {}", e.getMessage());
         } catch (RuntimeException e) {
-            renewalsInARow.set(0);
             link.recover(e);
-            LOG.warn("renewing the liveness key failed: {}", e.toString());
+            LOG.warn("renewing the liveness key or taking over failed: {}", e.toString());
         }
     }
 
     /**
      * Puts back the entries of consumers whose liveness key is gone (section 5), counting a
      * redelivery; after {@code maxRedeliveries} they are dead-lettered as {@code redelivery_limit}.
+     * Throws {@link Liveness.Waited} when one of its commands waited for Redis: the round stops.
      */
     int takeOverDeadConsumers() {
         int moved = 0;
@@ -239,7 +244,7 @@ public final class Worker implements AutoCloseable {
         for (String stream : keys.taskStreams(queue)) {
             PendingMessages summary;
             try {
-                summary = redis().xpending(stream, cfg.group);
+                summary = liveness.prompt("reading the pending summary", () -> redis().xpending(stream, cfg.group));
             } catch (RedisException e) {
                 continue;
             }
@@ -247,22 +252,25 @@ public final class Worker implements AutoCloseable {
                 continue;
             }
             for (String owner : summary.getConsumerMessageCount().keySet()) {
-                if (owner.equals(consumer) || redis().exists(keys.consumer(owner)) > 0) {
+                if (owner.equals(consumer) || liveness.alive(owner)) {
                     continue;
                 }
-                List<PendingMessage> idle = redis().xpending(stream, XPendingArgs.Builder
-                        .xpending(Consumer.from(cfg.group, owner), Range.create("-", "+"), Limit.from(100))
-                        .idle(Duration.ofMillis(cfg.leaseMs)));
+                List<PendingMessage> idle = liveness.prompt("reading the entries of " + owner, () -> redis().xpending(
+                        stream, XPendingArgs.Builder.xpending(Consumer.from(cfg.group, owner), Range.create("-", "+"),
+                                Limit.from(100)).idle(Duration.ofMillis(cfg.leaseMs))));
                 if (!idle.isEmpty()) {
                     // requeue.lua may dead-letter: the registry first, on its own (section 2).
-                    redis().sadd(keys.deadQueues(), Redis.b(queue));
+                    liveness.prompt("registering the dead-letter queue",
+                            () -> redis().sadd(keys.deadQueues(), Redis.b(queue)));
                 }
                 for (PendingMessage m : idle) {
                     String now = Timestamp.now().toString();
-                    byte[] r = link.write(stream, node -> Scripts.run(node, "requeue", ScriptOutputType.VALUE,
-                            List.of(stream, stream, keys.dead(queue)), cfg.group, m.getId(), owner, cfg.leaseMs, 1,
-                            cfg.maxRedeliveries, now, "queue", queue, "language", LANGUAGE, "host", host, "pid", pid,
-                            "consumer", owner, "first_failure_at", now, "last_failure_at", now));
+                    Liveness.Look look = liveness.look("taking over entry " + m.getId());
+                    byte[] r = link.write(stream, node -> look.timed(() -> Scripts.run(node, "requeue",
+                            ScriptOutputType.VALUE, List.of(stream, stream, keys.dead(queue)), cfg.group, m.getId(),
+                            owner, cfg.leaseMs, 1, cfg.maxRedeliveries, now, "queue", queue, "language", LANGUAGE,
+                            "host", host, "pid", pid, "consumer", owner, "first_failure_at", now,
+                            "last_failure_at", now)));
                     String answer = Redis.s(r);
                     if (answer != null) {
                         moved++;
@@ -274,6 +282,7 @@ public final class Worker implements AutoCloseable {
                             LOG.warn("took over entry {} of dead consumer {}", m.getId(), owner);
                         }
                     }
+                    look.check();
                 }
             }
         }
@@ -282,7 +291,8 @@ public final class Worker implements AutoCloseable {
 
     /**
      * Removes dead consumers that hold nothing and were idle for {@code forgetAfter} (an hour),
-     * with forget_consumer.lua, never with a bare XGROUP DELCONSUMER (section 5).
+     * with forget_consumer.lua, never with a bare XGROUP DELCONSUMER (section 5). Throws
+     * {@link Liveness.Waited} when a look at a liveness key waited for Redis.
      */
     @SuppressWarnings("unchecked")
     int forgetDeadConsumers() {
@@ -305,7 +315,7 @@ public final class Worker implements AutoCloseable {
                 long pending = kv.get("pending") instanceof Number ? ((Number) kv.get("pending")).longValue() : 1;
                 long idle = kv.get("idle") instanceof Number ? ((Number) kv.get("idle")).longValue() : 0;
                 if (name == null || name.equals(consumer) || pending > 0 || idle < idleMs
-                        || redis().exists(keys.consumer(name)) > 0) {
+                        || liveness.alive(name)) {
                     continue;
                 }
                 Long r = Scripts.run(redis(), "forget_consumer", ScriptOutputType.INTEGER, List.of(stream), cfg.group,
@@ -775,13 +785,7 @@ public final class Worker implements AutoCloseable {
                 String other = Redis.s(res.get(1));
                 int sp = other.lastIndexOf(' ');
                 String owner = sp >= 0 ? other.substring(0, sp) : other;
-                boolean alive;
-                try {
-                    alive = redis().exists(keys.consumer(owner)) > 0;
-                } catch (RuntimeException ex) {
-                    alive = true;
-                }
-                if (!alive && round == 0) {
+                if (round == 0 && holderGone(owner)) {
                     LOG.warn("idempotency holder {} is dead; taking the claim over", other);
                     replace = other;
                     continue;
@@ -793,6 +797,23 @@ public final class Worker implements AutoCloseable {
         }
         replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
         return null;
+    }
+
+    /**
+     * Whether the holder of a busy claim is dead, looked at twice one renewal interval apart
+     * (section 9); a look that waited for Redis or failed, or an interruption, answers no.
+     */
+    private boolean holderGone(String owner) {
+        try {
+            return liveness.holderGone(owner);
+        } catch (Liveness.Waited ex) {
+            LOG.warn("the idempotency holder's liveness is not trusted: {}", ex.getMessage());
+        } catch (InterruptedException ex) {
+            Thread.currentThread().interrupt();
+        } catch (RuntimeException ex) {
+            LOG.warn("looking at the idempotency holder's liveness key failed: {}", ex.toString());
+        }
+        return false;
     }
 
     /** How long an idempotency claim of {@code env} lasts unless renewed, in ms. */
@@ -1191,8 +1212,9 @@ public final class Worker implements AutoCloseable {
     private void finishClose() {
         lease.shutdownNow();
         handlerThreads.shutdownNow();
+        liveness.close();
         try {
-            redis().del(keys.consumer(consumer));
+            liveness.delete();
         } catch (RuntimeException e) {
             LOG.warn("deleting the liveness key failed: {}", e.toString());
         }

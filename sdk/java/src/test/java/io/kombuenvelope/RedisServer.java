@@ -26,9 +26,18 @@ final class RedisServer {
         return new RedisServer(fixedPort);
     }
 
+    /**
+     * A server of its own in {@code dir} (a new directory when null) on {@code fixedPort} (a free
+     * one when 0) that appends every write to its AOF and syncs it at once, so a SIGKILL loses
+     * nothing and a server started again on the same port and directory has every entry back.
+     */
+    static RedisServer durable(int fixedPort, Path dir) throws IOException, InterruptedException {
+        return new RedisServer(fixedPort, dir, (d, port) -> List.of("--appendonly", "yes", "--appendfsync", "always"));
+    }
+
     /** A server of its own on a free port, with more arguments ({@code --replicaof ...}, {@code --cluster-enabled yes}). */
     static RedisServer startWith(String... args) throws IOException, InterruptedException {
-        return new RedisServer(0, (dir, port) -> List.of(args));
+        return new RedisServer(0, null, (dir, port) -> List.of(args));
     }
 
     /**
@@ -38,7 +47,7 @@ final class RedisServer {
      */
     static RedisServer sentinel(String masterName, int masterPort, String dataPassword, String password)
             throws IOException, InterruptedException {
-        return new RedisServer(0, (dir, port) -> {
+        return new RedisServer(0, null, (dir, port) -> {
             Path conf = dir.resolve("sentinel.conf");
             Files.writeString(conf, String.join("\n",
                     "requirepass " + password,
@@ -57,11 +66,11 @@ final class RedisServer {
     }
 
     private RedisServer(int fixedPort) throws IOException, InterruptedException {
-        this(fixedPort, (dir, port) -> List.of());
+        this(fixedPort, null, (dir, port) -> List.of());
     }
 
-    private RedisServer(int fixedPort, Kind kind) throws IOException, InterruptedException {
-        dir = Files.createTempDirectory("kombu-envelope-redis");
+    private RedisServer(int fixedPort, Path inDir, Kind kind) throws IOException, InterruptedException {
+        dir = inDir != null ? inDir : Files.createTempDirectory("kombu-envelope-redis");
         String bin = System.getProperty("kombuenvelope.redis.server", "redis-server");
         IOException last = null;
         for (int attempt = 0; attempt < 5; attempt++) {
@@ -101,6 +110,11 @@ final class RedisServer {
             }
         }
         return shared;
+    }
+
+    /** The directory holding its files (AOF, log). */
+    Path dir() {
+        return dir;
     }
 
     String uri() {
@@ -158,12 +172,17 @@ final class RedisServer {
         } catch (InterruptedException e) {
             process.destroyForcibly();
         }
-        File[] files = dir.toFile().listFiles();
+        delete(dir.toFile());
+    }
+
+    /** Deletes a file, or a directory with what it holds (an AOF lives in a directory of its own). */
+    private static void delete(File f) {
+        File[] files = f.listFiles();
         if (files != null) {
-            for (File f : files) {
-                f.delete();
+            for (File c : files) {
+                delete(c);
             }
         }
-        dir.toFile().delete();
+        f.delete();
     }
 }

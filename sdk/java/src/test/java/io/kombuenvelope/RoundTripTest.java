@@ -559,8 +559,8 @@ class RoundTripTest {
         redis.set(keys.idempotency("pay", "k1"), "running other someid".getBytes());
         AtomicInteger ran = new AtomicInteger();
         try (Producer p = producer();
-             Worker w = worker().deferDelay(Duration.ofMillis(300)).handler("pay", t -> ran.incrementAndGet())
-                     .build().start()) {
+             Worker w = worker().deferDelay(Duration.ofMillis(300)).lease(Duration.ofMillis(1500))
+                     .handler("pay", t -> ran.incrementAndGet()).build().start()) {
             p.publish(Envelope.builder("pay").idempotencyKey("k1").build());
             Thread.sleep(600);
             assertEquals(0, ran.get(), "ran while another live consumer held the key");
