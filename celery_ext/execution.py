@@ -328,7 +328,9 @@ class ExecutionShell:
         key = attempt.headers.get(KEY_HEADER)
         if not key:
             return None
-        holder = Idempotency.holder(attempt.delivery.consumer, attempt.request.id)
+        # The entry id tells apart two entries of one task run by two pool processes.
+        holder = Idempotency.holder(attempt.delivery.consumer, attempt.request.id,
+                                    attempt.delivery.entry_id)
         return self._idempotency().claim(attempt.task.name, str(key), holder,
                                          timeout_ms=attempt.timeout_ms)
 

@@ -24,6 +24,7 @@ from support.workers import CeleryWorker
 from celery_ext import metrics
 from celery_ext.time_limits import soft_time_limit
 from kombu_envelope.envelope import Envelope, parse_rfc3339
+from kombu_envelope.keys import Bucket
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.publisher import Publisher
 
@@ -106,6 +107,27 @@ def test_a_duplicate_waits_while_the_first_runs(app: Celery, worker: CeleryWorke
     assert second.get(timeout=RESULT_TIMEOUT) is None
     assert counter(redis_client, prefix, "effects", "o-2") == 1
     assert counter(redis_client, prefix, "started", "o-2") == 1
+
+
+def test_two_entries_of_one_task_in_two_pool_processes_have_one_effect(
+        app: Celery, worker: CeleryWorker, redis_client: redis.Redis, prefix: str) -> None:
+    """A failover that lost an ack or a promotion can leave two entries of one task; the
+    prefork processes share the consumer, so the claim's holder names the entry."""
+    effect = app.tasks["reliable.effect"]
+    redis_client.set(probe_key(prefix, "hold", "o-3"), 1)
+    first = effect.delay("o-3", hold=True)
+    wait_for(lambda: counter(redis_client, prefix, "started", "o-3"), message=worker.log_tail)
+    stream = Settings(key_prefix=prefix).keys.queue("celery").stream(Bucket.NORMAL)
+    ((_, fields),) = [(entry_id, fields) for entry_id, fields in redis_client.xrange(stream)
+                      if Envelope.parse(fields[b"body"]).task_id == first.id]
+    redis_client.xadd(stream, fields)  # the same task again, as a second entry
+    wait_for(lambda: f"{first.id}] not run now: its idempotency key is held"
+             in worker.log_text(), message=worker.log_tail)
+    redis_client.delete(probe_key(prefix, "hold", "o-3"))
+    wait_for(lambda: f"{first.id}] is a duplicate" in worker.log_text(), timeout=RESULT_TIMEOUT,
+             message=worker.log_tail)
+    assert counter(redis_client, prefix, "effects", "o-3") == 1
+    assert counter(redis_client, prefix, "started", "o-3") == 1
 
 
 def test_redelivered_after_a_kill_has_its_effect_once(redis_url: str, key_prefix: str,

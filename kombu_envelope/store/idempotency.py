@@ -2,7 +2,8 @@
 
 docs/protocol.md, section 9. Before running, a worker claims
 ``<prefix>:idem:<task_type>:<key>`` with ``idem_begin.lua`` as holder
-``"<consumer> <task_id>"``:
+``"<consumer> <task_id>"`` (a Celery worker, whose pool processes share a consumer,
+adds the entry id):
 
 * ``acquired``: run, then :meth:`Idempotency.finish` with success (a done
   marker kept ``done_ttl_s``) or failure (the claim is released for a retry);
@@ -65,9 +66,10 @@ class Idempotency:
         self.done_ttl_s = done_ttl_s
 
     @staticmethod
-    def holder(consumer: str, task_id: str) -> str:
-        """The holder of a claim: ``"<consumer> <task_id>"``."""
-        return f"{consumer} {task_id}"
+    def holder(consumer: str, task_id: str, entry_id: str | None = None) -> str:
+        """The holder of a claim: ``"<consumer> <task_id>"``, and `` <entry_id>`` when
+        several processes run the attempts of one consumer (docs/protocol.md, section 9)."""
+        return f"{consumer} {task_id} {entry_id}" if entry_id else f"{consumer} {task_id}"
 
     def claim_ms(self, timeout_ms: int | None) -> int:
         """How long a claim lasts: ``timeout_ms + lease_ms``, or one hour."""
