@@ -47,6 +47,7 @@ import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, isRedisAway, retryWhileAway } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
+import { Renewals, WaitedForRedis } from './renewals.js';
 import { registerThen } from './registry.js';
 import { ReplicaWait } from './replicas.js';
 import {
@@ -228,7 +229,7 @@ export class Worker extends EventEmitter {
     });
     this.running = false;
     this.recoverAt = null;
-    this.renewedInARow = 0;
+    this.renewals = new Renewals(Math.max(1, Math.floor(o.leaseMs / 3)));
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
     for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
       if (typeof spec === 'function') this.register(taskType, spec);
@@ -284,6 +285,9 @@ export class Worker extends EventEmitter {
     this.reader = this.client('reader');
     this.leaseClient = this.client('lease');
     this.scripts = new Scripts(this.cmd);
+    // Takeovers trust what these two answer only when it came at once (renewals.js).
+    this.renewals.watch(this.cmd);
+    this.renewals.watch(this.leaseClient);
     const backend = this.opts.resultBackend;
     // A given client is used as it is (and left open); one opened here is closed by stop().
     if (backend !== null && !isRedisClient(backend)) this.resultClient = this.client('results', backend);
@@ -294,7 +298,7 @@ export class Worker extends EventEmitter {
     await this.ensureGroups();
     await this.renew();
     this.running = true;
-    const tick = Math.max(1, Math.floor(this.opts.leaseMs / 3));
+    const tick = this.renewals.intervalMs;
     this.leaseTimer = setInterval(() => {
       this.renew().catch((err) => this.log.warn('liveness renewal failed', { err }));
     }, tick);
@@ -331,15 +335,14 @@ export class Worker extends EventEmitter {
     }
   }
 
-  /** Mark this consumer alive for another lease; counts the renewals in a row that succeeded. */
+  /**
+   * Mark this consumer alive for another lease. Only renewals answered at once
+   * count toward a takeover: one that waited for Redis starts the count again.
+   */
   async renew() {
-    try {
-      await this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
-      this.renewedInARow += 1;
-    } catch (err) {
-      this.renewedInARow = 0;
-      throw err;
-    }
+    const counted = await this.renewals.renew(this.leaseClient,
+      () => this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs));
+    if (!counted) this.log.info('a liveness renewal waited for Redis; takeovers wait for two renewals answered at once');
   }
 
   // ---------------------------------------------------------------- reading
@@ -776,14 +779,31 @@ export class Worker extends EventEmitter {
     // idem_begin.lua is re-entrant for its holder: safe to repeat.
     const begin = (replacing) => this.retrying('idempotency claim', log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
     let [state, value] = await begin('');
-    if (state === 'busy') {
-      const owner = value.slice(0, value.lastIndexOf(' '));
-      if (!(await this.cmd.exists(this.keys.consumer(owner)))) {
-        log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
-        [state, value] = await begin(value);
-      }
+    if (state === 'busy' && (await this.holderIsDead(value, log))) {
+      log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
+      [state, value] = await begin(value);
     }
     return { state, value, key, holder, claimMs };
+  }
+
+  /**
+   * Whether the consumer of `holder` ("<consumer> <task_id>") is dead (section
+   * 9, busy): its liveness key is gone at two looks one renewal interval apart,
+   * neither look waited for Redis, and this consumer's own renewals are
+   * answered at once. A live holder whose key expired during an outage renews
+   * it within that interval once Redis answers again.
+   */
+  async holderIsDead(holder, log) {
+    const key = this.keys.consumer(holder.slice(0, holder.lastIndexOf(' ')));
+    const look = () => this.renewals.time(this.cmd, () => this.cmd.exists(key));
+    const first = await look();
+    if (first.value) return false;
+    await sleep(this.renewals.intervalMs);
+    const second = await look();
+    if (second.value) return false;
+    const trusted = !first.waited && !second.waited && this.renewals.trusted;
+    if (!trusted) log.info('the holder of the idempotency claim looked dead right after Redis was away; treated as busy', { holder });
+    return trusted;
   }
 
   async finishClaim(claim, how, log) {
@@ -969,52 +989,63 @@ export class Worker extends EventEmitter {
 
   /**
    * Requeue the entries held by consumers whose liveness key is gone (idle for
-   * a lease), and forget dead consumers that hold nothing. Returns how many
-   * entries were moved (requeued or dead-lettered).
+   * a lease), and forget dead consumers that hold nothing. Only after two
+   * renewals in a row answered at once, and a command of the round that waited
+   * for Redis stops it (renewals.js). Returns how many entries were moved
+   * (requeued or dead-lettered).
    */
   async takeOver() {
-    const { group, leaseMs, takeoverBatch, maxRedeliveries } = this.opts;
-    let moved = 0;
-    for (const stream of this.queueKeys.taskStreams) {
-      let summary;
-      try {
-        summary = await this.cmd.xpending(stream, group);
-      } catch {
-        continue; // no stream or group yet
+    const before = this.stats.taken_over;
+    try {
+      for (const stream of this.queueKeys.taskStreams) {
+        if (!this.renewals.trusted) break; // right after Redis was away: live consumers may not have renewed yet
+        await this.takeOverStream(stream);
+        await this.forgetDeadConsumers(stream);
       }
-      for (const [owner, count] of summary?.[3] ?? []) {
-        if (owner === this.consumer) {
-          this.checkOwnPending(stream, Number(count));
-          continue;
-        }
-        // Not right after Redis was away (a failover): live consumers may not have renewed yet.
-        if (this.renewedInARow < 2 || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
-        const items = await this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner);
-        // requeue.lua may dead-letter an entry (redelivery_limit): the queue is listed first.
-        if (items.length) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
-        for (const [id] of items) {
-          // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
-          // the consumer is the one that died holding the entry.
-          const now = Timestamp.now().toString();
-          const who = ['queue', this.opts.queue, 'language', LANGUAGE, 'host', this.host, 'pid', String(process.pid),
-            'consumer', owner, 'first_failure_at', now, 'last_failure_at', now];
-          const reply = await this.scripts.run('requeue', [stream, stream, this.queueKeys.dead],
-            [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who]);
-          if (!reply) continue;
-          moved += 1;
-          const dead = String(reply).startsWith('dead:');
-          if (dead) {
-            await this.redeliveryLimitResult(String(reply).slice('dead:'.length));
-          }
-          this.log.warn(dead
-            ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
-            : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
-        }
-      }
-      await this.forgetDeadConsumers(stream);
+    } catch (err) {
+      if (!(err instanceof WaitedForRedis)) throw err;
+      this.log.warn('a takeover check waited for Redis; this round stops until two renewals are answered at once', { err });
     }
-    this.stats.taken_over += moved;
-    return moved;
+    return this.stats.taken_over - before;
+  }
+
+  /** The takeover of one stream's entries held by dead consumers. */
+  async takeOverStream(stream) {
+    const { group, leaseMs, takeoverBatch, maxRedeliveries } = this.opts;
+    const checked = (what, command) => this.renewals.check(what, this.cmd, command);
+    let summary;
+    try {
+      summary = await checked('XPENDING', () => this.cmd.xpending(stream, group));
+    } catch (err) {
+      if (err instanceof WaitedForRedis) throw err;
+      return; // no stream or group yet
+    }
+    for (const [owner, count] of summary?.[3] ?? []) {
+      if (owner === this.consumer) {
+        this.checkOwnPending(stream, Number(count));
+        continue;
+      }
+      if (await checked('the liveness check', () => this.cmd.exists(this.keys.consumer(owner)))) continue;
+      const items = await checked('XPENDING', () => this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner));
+      // requeue.lua may dead-letter an entry (redelivery_limit): the queue is listed first.
+      if (items.length) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
+      for (const [id] of items) {
+        // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
+        // the consumer is the one that died holding the entry.
+        const now = Timestamp.now().toString();
+        const who = ['queue', this.opts.queue, 'language', LANGUAGE, 'host', this.host, 'pid', String(process.pid),
+          'consumer', owner, 'first_failure_at', now, 'last_failure_at', now];
+        const reply = await checked('requeue.lua', () => this.scripts.run('requeue', [stream, stream, this.queueKeys.dead],
+          [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who]));
+        if (!reply) continue;
+        this.stats.taken_over += 1;
+        const dead = String(reply).startsWith('dead:');
+        if (dead) await this.redeliveryLimitResult(String(reply).slice('dead:'.length));
+        this.log.warn(dead
+          ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
+          : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
+      }
+    }
   }
 
   /**
@@ -1048,7 +1079,7 @@ export class Worker extends EventEmitter {
     for (const c of consumers) {
       const name = text(c.name);
       if (name === this.consumer || Number(c.pending) > 0 || Number(c.idle) < idleMs) continue;
-      if (await this.cmd.exists(this.keys.consumer(name))) continue;
+      if (await this.renewals.check('the liveness check', this.cmd, () => this.cmd.exists(this.keys.consumer(name)))) continue;
       const forgotten = await this.scripts.run('forget_consumer', [stream], [this.opts.group, name, idleMs]);
       if (Number(forgotten) === 1) this.log.info('forgot a dead consumer that held nothing', { stream, owner: name, idle_ms: Number(c.idle) });
     }
