@@ -1,10 +1,13 @@
 // A worker shell that follows docs/protocol.md sections 5-10.
 //
-//   - joins consumer group `workers` on the queue's high/normal/low streams;
+//   - reads one queue or several, in their configured order; joins consumer
+//     group `workers` on each queue's high/normal/low streams;
 //   - keeps <prefix>:consumer:<consumer> alive every lease/3 from a timer;
-//   - reads most urgent first with read.lua (an exact count, never blocking);
-//     when nothing is there it waits with XREAD BLOCK from the group's
-//     last-delivered ids on a dedicated connection, which takes nothing;
+//     only renewals answered at once count toward a takeover (renewals.js);
+//   - reads queue by queue with read.lua (an exact count, the credit left,
+//     most urgent stream first, never blocking); when nothing is there it
+//     waits with XREAD BLOCK from the group's last-delivered ids, one wait per
+//     queue on a connection of its own, which takes nothing;
 //   - per read (section 5.1): decodes and validates every entry, a malformed
 //     one goes to the dead-letter stream with its raw bytes (never dropped,
 //     never left pending); moves entries that are not due yet to the delayed
@@ -43,10 +46,12 @@ import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js
 import { readDeadLetter } from './deadletters.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isExpired } from './envelope.js';
 import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
+/** @typedef {import('./keys.js').QueueKeys} QueueKeys */
 import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, isRedisAway, retryWhileAway } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
+import { Renewals, WaitedForRedis } from './renewals.js';
 import { registerThen } from './registry.js';
 import { ReplicaWait } from './replicas.js';
 import {
@@ -143,6 +148,21 @@ function positiveInt(name, value, { allowZero = false } = {}) {
 }
 
 /**
+ * The queue names of the options: `queues` (in their order) or `queue`, not both.
+ * @param {{ queue?: string, queues?: string[] }} o
+ */
+function queueNames(o) {
+  if (o.queue !== undefined && o.queues !== undefined) throw new Error('give queue or queues, not both');
+  if (o.queues === undefined) {
+    if (!o.queue) throw new Error('a queue is required');
+    return [o.queue];
+  }
+  if (!Array.isArray(o.queues) || o.queues.length === 0) throw new Error('queues must be a non-empty array of queue names');
+  if (new Set(o.queues).size !== o.queues.length) throw new Error(`queues must not repeat a name: ${JSON.stringify(o.queues)}`);
+  return [...o.queues];
+}
+
+/**
  * Handlers given to the Worker constructor: task_type -> function, or
  * task_type -> { handler, payloadVersions, timeoutMs }.
  * A handler's value (or what its promise resolves to) is the task's result,
@@ -153,7 +173,7 @@ function positiveInt(name, value, { allowZero = false } = {}) {
  * @typedef {{ handler: Handler, payloadVersions?: number[], timeoutMs?: number | null }} HandlerSpec
  * @typedef {{ envelope: any, taskId: string, traceId: string, attempt: number,
  *   signal: AbortSignal, log: any, redis: any, keys: KeySpace }} TaskContext
- * @typedef {{ connection?: any, redis?: any, queue?: string, prefix?: string, group?: string,
+ * @typedef {{ connection?: any, redis?: any, queue?: string, queues?: string[], prefix?: string, group?: string,
  *   leaseMs?: number, blockMs?: number, concurrency?: number, prefetch?: number | null,
  *   fastRetries?: number, backoffMs?: number, maxBackoffMs?: number, retryConcurrency?: number,
  *   maxRedeliveries?: number, deferMs?: number, shutdownGraceMs?: number, limits?: object,
@@ -172,6 +192,10 @@ export class Worker extends EventEmitter {
    *   new Worker(queue, handlers, { connection, concurrency, ... })  // starts at once unless autorun: false
    *   new Worker({ redis, queue, concurrency, ... })                  // then worker.register(...) and await worker.start()
    *
+   * A worker reads one queue (`queue`), or several: `queues: [q1, q2]` or
+   * new Worker([q1, q2], handlers, options), served in that order (an earlier
+   * queue first, with the credit left for the next one, as Celery's -Q).
+   *
    * connection (or redis): an ioredis client, Sentinel-managed or not, or a
    * Cluster (each role gets a duplicate() of it), a Redis URL (redis://,
    * rediss://, redis-sentinel://, redis-cluster://: src/url.js), or ioredis options.
@@ -186,14 +210,15 @@ export class Worker extends EventEmitter {
    * 'failed' (envelope, error, { retrying, delayMs }) for every failed attempt,
    * 'dead' (envelope | null, failure) for every dead-lettered entry,
    * 'error' (error) when autorun could not start, 'closed' (stats).
-   * @param {string | WorkerOptions} queueOrOptions
+   * @param {string | string[] | WorkerOptions} queueOrOptions
    * @param {Record<string, Handler | HandlerSpec>} [handlers]
    * @param {WorkerOptions} [options]
    */
   constructor(queueOrOptions, handlers, options) {
     super();
-    const modern = typeof queueOrOptions === 'string';
-    const given = modern ? { autorun: true, ...(options ?? {}), queue: queueOrOptions } : { ...(queueOrOptions ?? {}) };
+    const modern = typeof queueOrOptions === 'string' || Array.isArray(queueOrOptions);
+    const named = typeof queueOrOptions === 'string' ? { queue: queueOrOptions } : { queues: queueOrOptions };
+    const given = modern ? { autorun: true, ...(options ?? {}), ...named } : { ...(queueOrOptions ?? {}) };
     if (given.connection !== undefined) {
       if (given.redis !== undefined) throw new Error('give connection or redis, not both');
       given.redis = given.connection;
@@ -202,7 +227,8 @@ export class Worker extends EventEmitter {
     const autorun = given.autorun === true;
     delete given.autorun;
     const o = { ...WORKER_DEFAULTS, ...Object.fromEntries(Object.entries(given).filter(([, v]) => v !== undefined)) };
-    if (!o.queue) throw new Error('a queue is required');
+    o.queues = queueNames(o);
+    delete o.queue;
     for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs']) {
       positiveInt(name, o[name]);
     }
@@ -210,17 +236,21 @@ export class Worker extends EventEmitter {
     if (o.prefetch !== null) positiveInt('prefetch', o.prefetch);
     this.opts = o;
     this.keys = new KeySpace(o.prefix);
-    this.queueKeys = this.keys.queue(o.queue);
+    /** @type {QueueKeys[]} The queues read, in their configured order (an earlier one is served first). */
+    this.queues = o.queues.map((name) => this.keys.queue(name));
+    this.queueOfStream = new Map(this.queues.flatMap((qk) => qk.taskStreams.map((stream) => [stream, qk])));
     this.host = os.hostname();
     // No spaces: the idempotency holder is "<consumer> <task_id>".
     this.consumer = o.consumer ?? `${this.host.replace(/\s/g, '_')}-${process.pid}-${crypto.randomBytes(4).toString('hex')}`;
     if (/\s/.test(this.consumer)) throw new Error(`consumer name ${JSON.stringify(this.consumer)} must not contain spaces`);
-    this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queue: o.queue });
+    this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queues: o.queues });
+    this.queueLogs = new Map(this.queues.map((qk) => [qk, this.log.child({ queue: qk.queue })]));
     this.replicas = new ReplicaWait({ replicas: o.waitReplicas, timeoutMs: o.waitTimeoutMs, log: this.log });
     this.handlers = new Map();
     this.inflight = new Map(); // "<stream> <id>" -> { entry, abort, promise }
     this.waiting = []; // read, not started (most urgent first)
     this.held = new Set(); // "<stream> <id>" of waiting and running entries
+    this.waits = new Map(); // QueueKeys -> its blocking wait in flight
     this.claiming = new Set(); // idempotency keys claimed by attempts running here
     this.abandoned = new AbandonedClaims({
       renew: async (claim) => (await this.scripts.run('idem_begin', [claim.key], [claim.holder, claim.claimMs, '']))[0],
@@ -228,7 +258,7 @@ export class Worker extends EventEmitter {
     });
     this.running = false;
     this.recoverAt = null;
-    this.renewedInARow = 0;
+    this.renewals = new Renewals(Math.max(1, Math.floor(o.leaseMs / 3)));
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
     for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
       if (typeof spec === 'function') this.register(taskType, spec);
@@ -281,9 +311,13 @@ export class Worker extends EventEmitter {
   async start() {
     if (this.running) return;
     this.cmd = this.client('cmd');
-    this.reader = this.client('reader');
+    // One blocking wait per queue, each on its own connection (on a Cluster, to the node of its slot).
+    this.readers = new Map(this.queues.map((qk) => [qk, this.client('reader')]));
     this.leaseClient = this.client('lease');
     this.scripts = new Scripts(this.cmd);
+    // Takeovers trust what these two answer only when it came at once (renewals.js).
+    this.renewals.watch(this.cmd);
+    this.renewals.watch(this.leaseClient);
     const backend = this.opts.resultBackend;
     // A given client is used as it is (and left open); one opened here is closed by stop().
     if (backend !== null && !isRedisClient(backend)) this.resultClient = this.client('results', backend);
@@ -294,7 +328,7 @@ export class Worker extends EventEmitter {
     await this.ensureGroups();
     await this.renew();
     this.running = true;
-    const tick = Math.max(1, Math.floor(this.opts.leaseMs / 3));
+    const tick = this.renewals.intervalMs;
     this.leaseTimer = setInterval(() => {
       this.renew().catch((err) => this.log.warn('liveness renewal failed', { err }));
     }, tick);
@@ -320,9 +354,9 @@ export class Worker extends EventEmitter {
     this.notify('ready');
   }
 
-  /** XGROUP CREATE ... MKSTREAM on every task stream, ignoring BUSYGROUP. */
+  /** XGROUP CREATE ... MKSTREAM on every task stream of every queue, ignoring BUSYGROUP. */
   async ensureGroups() {
-    for (const stream of this.queueKeys.taskStreams) {
+    for (const stream of this.queueOfStream.keys()) {
       try {
         await this.cmd.xgroup('CREATE', stream, this.opts.group, '0', 'MKSTREAM');
       } catch (err) {
@@ -331,15 +365,14 @@ export class Worker extends EventEmitter {
     }
   }
 
-  /** Mark this consumer alive for another lease; counts the renewals in a row that succeeded. */
+  /**
+   * Mark this consumer alive for another lease. Only renewals answered at once
+   * count toward a takeover: one that waited for Redis starts the count again.
+   */
   async renew() {
-    try {
-      await this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs);
-      this.renewedInARow += 1;
-    } catch (err) {
-      this.renewedInARow = 0;
-      throw err;
-    }
+    const counted = await this.renewals.renew(this.leaseClient,
+      () => this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs));
+    if (!counted) this.log.info('a liveness renewal waited for Redis; takeovers wait for two renewals answered at once');
   }
 
   // ---------------------------------------------------------------- reading
@@ -399,20 +432,45 @@ export class Worker extends EventEmitter {
     return entries;
   }
 
-  /** Exactly up to n new entries, most urgent stream first, without blocking. */
-  async readNow(n) {
-    const reply = await this.scripts.runBuffer('read', this.queueKeys.taskStreams, [this.opts.group, this.consumer, n]);
-    return Worker.entriesOf(reply);
+  /**
+   * Exactly up to `credit` new entries without blocking: read.lua queue by queue
+   * in their order with the credit left (one call never spans two queues),
+   * most urgent stream first within a queue.
+   */
+  async readNow(credit) {
+    const entries = [];
+    for (const qk of this.queues) {
+      if (entries.length >= credit) break;
+      const reply = await this.scripts.runBuffer('read', qk.taskStreams, [this.opts.group, this.consumer, credit - entries.length]);
+      entries.push(...Worker.entriesOf(reply));
+    }
+    return entries;
   }
 
   /**
-   * Wait up to blockMs, on the dedicated reading connection, until a task stream
-   * has entries the group has not delivered: XREAD BLOCK from the group's
-   * last-delivered ids takes nothing, so the next read.lua takes exactly the
-   * credit whatever the Redis version and however many streams have entries.
+   * Wait up to blockMs until a task stream of some queue has entries the group
+   * has not delivered. Each queue keeps one wait in flight on its own
+   * connection; a wait still blocked when another queue woke the worker is
+   * waited on again next time, never sent twice.
    */
   async waitForEntries() {
-    const streams = this.queueKeys.taskStreams;
+    for (const qk of this.queues) {
+      if (this.waits.has(qk)) continue;
+      const wait = this.waitOn(qk).finally(() => this.waits.delete(qk));
+      wait.catch(() => {}); // settled after the worker stopped waiting (shutdown): nothing to report
+      this.waits.set(qk, wait);
+    }
+    await Promise.race(this.waits.values());
+  }
+
+  /**
+   * XREAD BLOCK on the streams of one queue from the group's last-delivered
+   * ids: it takes nothing, so the next read.lua takes exactly the credit
+   * whatever the Redis version and however many streams have entries.
+   * @param {QueueKeys} qk
+   */
+  async waitOn(qk) {
+    const streams = qk.taskStreams;
     const pipeline = this.cmd.pipeline();
     for (const stream of streams) pipeline.xinfo('GROUPS', stream);
     const ids = [];
@@ -422,17 +480,24 @@ export class Worker extends EventEmitter {
       if (!group) throw new Error(`NOGROUP: group ${this.opts.group} is missing on ${streams[i]}`);
       ids.push(text(group['last-delivered-id']));
     }
-    await this.reader.xread('COUNT', 1, 'BLOCK', this.opts.blockMs, 'STREAMS', ...streams, ...ids);
+    await this.readers.get(qk).xread('COUNT', 1, 'BLOCK', this.opts.blockMs, 'STREAMS', ...streams, ...ids);
   }
 
-  /** After an error: entries this consumer read but did not settle are handled again. */
+  /** After an error: entries this consumer read but did not settle are handled again, queue by queue. */
   async recoverOwnPending() {
-    const streams = this.queueKeys.taskStreams;
-    const reply = await this.cmd.xreadgroupBuffer(
-      'GROUP', this.opts.group, this.consumer, 'COUNT', 1000, 'STREAMS', ...streams, ...streams.map(() => '0'));
-    const entries = Worker.entriesOf(reply).filter((e) => !this.held.has(`${e.stream} ${e.id}`));
-    if (entries.length) this.log.warn('handling again entries left pending by an error', { count: entries.length });
-    await this.admit(entries);
+    for (const qk of this.queues) {
+      const streams = qk.taskStreams;
+      const reply = await this.cmd.xreadgroupBuffer(
+        'GROUP', this.opts.group, this.consumer, 'COUNT', 1000, 'STREAMS', ...streams, ...streams.map(() => '0'));
+      const entries = Worker.entriesOf(reply).filter((e) => !this.held.has(`${e.stream} ${e.id}`));
+      if (entries.length) this.queueLogs.get(qk).warn('handling again entries left pending by an error', { count: entries.length });
+      await this.admit(entries);
+    }
+  }
+
+  /** The queue of one of this worker's task streams. */
+  queueOf(stream) {
+    return this.queueOfStream.get(stream);
   }
 
   /**
@@ -502,7 +567,7 @@ export class Worker extends EventEmitter {
     entry.env = env;
     entry.taskId = env.task_id;
     entry.traceId = env.trace_id;
-    entry.log = this.log.child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type, stream: entry.stream, entry_id: entry.id });
+    entry.log = this.queueLogs.get(this.queueOf(entry.stream)).child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type, stream: entry.stream, entry_id: entry.id });
     const nowMs = Date.now();
     if (dueMs(env, nowMs) > nowMs) {
       await this.scheduleEntry(entry, fields, env, entry.log);
@@ -776,14 +841,31 @@ export class Worker extends EventEmitter {
     // idem_begin.lua is re-entrant for its holder: safe to repeat.
     const begin = (replacing) => this.retrying('idempotency claim', log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
     let [state, value] = await begin('');
-    if (state === 'busy') {
-      const owner = value.slice(0, value.lastIndexOf(' '));
-      if (!(await this.cmd.exists(this.keys.consumer(owner)))) {
-        log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
-        [state, value] = await begin(value);
-      }
+    if (state === 'busy' && (await this.holderIsDead(value, log))) {
+      log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
+      [state, value] = await begin(value);
     }
     return { state, value, key, holder, claimMs };
+  }
+
+  /**
+   * Whether the consumer of `holder` ("<consumer> <task_id>") is dead (section
+   * 9, busy): its liveness key is gone at two looks one renewal interval apart,
+   * neither look waited for Redis, and this consumer's own renewals are
+   * answered at once. A live holder whose key expired during an outage renews
+   * it within that interval once Redis answers again.
+   */
+  async holderIsDead(holder, log) {
+    const key = this.keys.consumer(holder.slice(0, holder.lastIndexOf(' ')));
+    const look = () => this.renewals.time(this.cmd, () => this.cmd.exists(key));
+    const first = await look();
+    if (first.value) return false;
+    await sleep(this.renewals.intervalMs);
+    const second = await look();
+    if (second.value) return false;
+    const trusted = !first.waited && !second.waited && this.renewals.trusted;
+    if (!trusted) log.info('the holder of the idempotency claim looked dead right after Redis was away; treated as busy', { holder });
+    return trusted;
   }
 
   async finishClaim(claim, how, log) {
@@ -839,8 +921,8 @@ export class Worker extends EventEmitter {
    * stores it once), then the ack.
    */
   async scheduleEntry(entry, fields, env, log) {
-    const qk = this.queueKeys;
-    await this.settle('move to the delayed set', qk.delayed, log, () => registerThen(this.cmd, this.keys.queues, this.opts.queue,
+    const qk = this.queueOf(entry.stream);
+    await this.settle('move to the delayed set', qk.delayed, log, () => registerThen(this.cmd, this.keys.queues, qk.queue,
       () => this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(env.task_id)],
         [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'),
           this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS])));
@@ -851,7 +933,7 @@ export class Worker extends EventEmitter {
 
   /** Replace the pending entry by `next` (retry.lua), now or after delayMs. */
   async replace(entry, next, delayMs, log) {
-    const qk = this.queueKeys;
+    const qk = this.queueOf(entry.stream);
     const bucket = bucketFor(next.priority);
     const { enc, body } = encodeBody(next, { gzipMinBytes: this.opts.gzipMinBytes, limits: this.opts.limits });
     const due = delayMs > 0 && next.schedule_time !== null ? Timestamp.parse(next.schedule_time).epochMs : 0;
@@ -859,17 +941,17 @@ export class Worker extends EventEmitter {
     const run = () => this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
       [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup]);
     const stored = await this.settle('replace the entry', entry.stream, log,
-      () => (due ? registerThen(this.cmd, this.keys.queues, this.opts.queue, run) : run()));
+      () => (due ? registerThen(this.cmd, this.keys.queues, qk.queue, run) : run()));
     if (!stored) log.warn('the entry was no longer pending (taken over); its next attempt was not stored by this consumer');
   }
 
-  failureFields(failure, env) {
+  failureFields(failure, env, queue) {
     const now = Timestamp.now().toString();
     const fields = {
       dlq: '1',
       failure_class: failure.failure_class,
       reason: failure.reason,
-      queue: this.opts.queue,
+      queue,
       dead_at: now,
       language: LANGUAGE,
       host: this.host,
@@ -893,10 +975,11 @@ export class Worker extends EventEmitter {
    */
   async deadLetter(entry, env, log, failure) {
     if (env?.ext) await this.failureResult(env, failure, log);
+    const qk = this.queueOf(entry.stream);
     const args = [this.opts.group, entry.id];
-    for (const [name, value] of this.failureFields(failure, env)) args.push(name, typeof value === 'string' ? value : String(value));
-    const deadId = await this.settle('dead-letter', this.queueKeys.dead, log, () => registerThen(
-      this.cmd, this.keys.deadQueues, this.opts.queue, () => this.scripts.run('dead_letter', [entry.stream, this.queueKeys.dead], args)));
+    for (const [name, value] of this.failureFields(failure, env, qk.queue)) args.push(name, typeof value === 'string' ? value : String(value));
+    const deadId = await this.settle('dead-letter', qk.dead, log, () => registerThen(
+      this.cmd, this.keys.deadQueues, qk.queue, () => this.scripts.run('dead_letter', [entry.stream, qk.dead], args)));
     if (!deadId) {
       log.warn('the entry was no longer pending (taken over, or a retried dead letter had landed); not dead-lettered by this consumer', { failure_class: failure.failure_class });
       return;
@@ -915,12 +998,12 @@ export class Worker extends EventEmitter {
   }
 
   /** The FAILURE result of a task requeue.lua dead-lettered as redelivery_limit, read back from its dead-letter entry. */
-  async redeliveryLimitResult(deadId) {
-    const [item] = await this.cmd.xrangeBuffer(this.queueKeys.dead, deadId, deadId);
+  async redeliveryLimitResult(qk, deadId) {
+    const [item] = await this.cmd.xrangeBuffer(qk.dead, deadId, deadId);
     if (!item) return;
-    const { envelope: env, fields } = readDeadLetter(this.opts.queue, text(item[0]), item[1], this.opts.limits);
+    const { envelope: env, fields } = readDeadLetter(qk.queue, text(item[0]), item[1], this.opts.limits);
     if (!env) return; // not a decodable task: no result to write
-    const log = this.log.child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type });
+    const log = this.queueLogs.get(qk).child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type });
     await this.failureResult(env, { failure_class: 'redelivery_limit', reason: fields.reason }, log);
   }
 
@@ -928,7 +1011,7 @@ export class Worker extends EventEmitter {
     const partial = err.partial ?? {};
     const str = (v) => (typeof v === 'string' && v.length <= 512 ? v : undefined);
     const known = { task_id: str(partial.task_id), task_type: str(partial.task_type) };
-    const log = this.log.child({
+    const log = this.queueLogs.get(this.queueOf(entry.stream)).child({
       task_id: known.task_id ?? null, trace_id: str(partial.trace_id) ?? null, stream: entry.stream, entry_id: entry.id,
     });
     await this.deadLetter(entry, known, log, {
@@ -948,11 +1031,12 @@ export class Worker extends EventEmitter {
         // malformed: its ids stay unknown; the next reader dead-letters it
       }
     }
-    const reply = await this.scripts.run('requeue', [entry.stream, entry.stream, this.queueKeys.dead],
+    const qk = this.queueOf(entry.stream);
+    const reply = await this.scripts.run('requeue', [entry.stream, entry.stream, qk.dead],
       [this.opts.group, entry.id, this.consumer, 0, 0, 0, Timestamp.now().toString()]);
     if (reply) {
       this.stats.requeued += 1;
-      this.log.info('entry put back in its stream', {
+      this.queueLogs.get(qk).info('entry put back in its stream', {
         why, stream: entry.stream, entry_id: entry.id, new_id: reply, task_id: entry.taskId ?? null, trace_id: entry.traceId ?? null,
       });
     }
@@ -969,52 +1053,64 @@ export class Worker extends EventEmitter {
 
   /**
    * Requeue the entries held by consumers whose liveness key is gone (idle for
-   * a lease), and forget dead consumers that hold nothing. Returns how many
-   * entries were moved (requeued or dead-lettered).
+   * a lease), and forget dead consumers that hold nothing. Only after two
+   * renewals in a row answered at once, and a command of the round that waited
+   * for Redis stops it (renewals.js). Returns how many entries were moved
+   * (requeued or dead-lettered).
    */
   async takeOver() {
-    const { group, leaseMs, takeoverBatch, maxRedeliveries } = this.opts;
-    let moved = 0;
-    for (const stream of this.queueKeys.taskStreams) {
-      let summary;
-      try {
-        summary = await this.cmd.xpending(stream, group);
-      } catch {
-        continue; // no stream or group yet
+    const before = this.stats.taken_over;
+    try {
+      for (const [stream, qk] of this.queueOfStream) {
+        if (!this.renewals.trusted) break; // right after Redis was away: live consumers may not have renewed yet
+        await this.takeOverStream(qk, stream);
+        await this.forgetDeadConsumers(qk, stream);
       }
-      for (const [owner, count] of summary?.[3] ?? []) {
-        if (owner === this.consumer) {
-          this.checkOwnPending(stream, Number(count));
-          continue;
-        }
-        // Not right after Redis was away (a failover): live consumers may not have renewed yet.
-        if (this.renewedInARow < 2 || (await this.cmd.exists(this.keys.consumer(owner)))) continue;
-        const items = await this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner);
-        // requeue.lua may dead-letter an entry (redelivery_limit): the queue is listed first.
-        if (items.length) await this.cmd.sadd(this.keys.deadQueues, this.opts.queue);
-        for (const [id] of items) {
-          // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
-          // the consumer is the one that died holding the entry.
-          const now = Timestamp.now().toString();
-          const who = ['queue', this.opts.queue, 'language', LANGUAGE, 'host', this.host, 'pid', String(process.pid),
-            'consumer', owner, 'first_failure_at', now, 'last_failure_at', now];
-          const reply = await this.scripts.run('requeue', [stream, stream, this.queueKeys.dead],
-            [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who]);
-          if (!reply) continue;
-          moved += 1;
-          const dead = String(reply).startsWith('dead:');
-          if (dead) {
-            await this.redeliveryLimitResult(String(reply).slice('dead:'.length));
-          }
-          this.log.warn(dead
-            ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
-            : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
-        }
-      }
-      await this.forgetDeadConsumers(stream);
+    } catch (err) {
+      if (!(err instanceof WaitedForRedis)) throw err;
+      this.log.warn('a takeover check waited for Redis; this round stops until two renewals are answered at once', { err });
     }
-    this.stats.taken_over += moved;
-    return moved;
+    return this.stats.taken_over - before;
+  }
+
+  /** The takeover of the entries of dead consumers in `stream`, a task stream of queue `qk`. */
+  async takeOverStream(qk, stream) {
+    const { group, leaseMs, takeoverBatch, maxRedeliveries } = this.opts;
+    const log = this.queueLogs.get(qk);
+    const checked = (what, command) => this.renewals.check(what, this.cmd, command);
+    let summary;
+    try {
+      summary = await checked('XPENDING', () => this.cmd.xpending(stream, group));
+    } catch (err) {
+      if (err instanceof WaitedForRedis) throw err;
+      return; // no stream or group yet
+    }
+    for (const [owner, count] of summary?.[3] ?? []) {
+      if (owner === this.consumer) {
+        this.checkOwnPending(stream, Number(count));
+        continue;
+      }
+      if (await checked('the liveness check', () => this.cmd.exists(this.keys.consumer(owner)))) continue;
+      const items = await checked('XPENDING', () => this.cmd.xpending(stream, group, 'IDLE', leaseMs, '-', '+', takeoverBatch, owner));
+      // requeue.lua may dead-letter an entry (redelivery_limit): the queue is listed first.
+      if (items.length) await this.cmd.sadd(this.keys.deadQueues, qk.queue);
+      for (const [id] of items) {
+        // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
+        // the consumer is the one that died holding the entry.
+        const now = Timestamp.now().toString();
+        const who = ['queue', qk.queue, 'language', LANGUAGE, 'host', this.host, 'pid', String(process.pid),
+          'consumer', owner, 'first_failure_at', now, 'last_failure_at', now];
+        const reply = await checked('requeue.lua', () => this.scripts.run('requeue', [stream, stream, qk.dead],
+          [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who]));
+        if (!reply) continue;
+        this.stats.taken_over += 1;
+        const dead = String(reply).startsWith('dead:');
+        if (dead) await this.redeliveryLimitResult(qk, String(reply).slice('dead:'.length));
+        log.warn(dead
+          ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
+          : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
+      }
+    }
   }
 
   /**
@@ -1037,7 +1133,7 @@ export class Worker extends EventEmitter {
    * forget_consumer.lua, which checks both again atomically. Never a bare
    * XGROUP DELCONSUMER: it would drop entries such a consumer read meanwhile.
    */
-  async forgetDeadConsumers(stream) {
+  async forgetDeadConsumers(qk, stream) {
     const idleMs = Math.max(this.opts.forgetAfterMs, this.opts.leaseMs);
     let consumers;
     try {
@@ -1048,9 +1144,9 @@ export class Worker extends EventEmitter {
     for (const c of consumers) {
       const name = text(c.name);
       if (name === this.consumer || Number(c.pending) > 0 || Number(c.idle) < idleMs) continue;
-      if (await this.cmd.exists(this.keys.consumer(name))) continue;
+      if (await this.renewals.check('the liveness check', this.cmd, () => this.cmd.exists(this.keys.consumer(name)))) continue;
       const forgotten = await this.scripts.run('forget_consumer', [stream], [this.opts.group, name, idleMs]);
-      if (Number(forgotten) === 1) this.log.info('forgot a dead consumer that held nothing', { stream, owner: name, idle_ms: Number(c.idle) });
+      if (Number(forgotten) === 1) this.queueLogs.get(qk).info('forgot a dead consumer that held nothing', { stream, owner: name, idle_ms: Number(c.idle) });
     }
   }
 
@@ -1079,7 +1175,7 @@ export class Worker extends EventEmitter {
     await this.starting?.catch(() => {});
     this.log.info('worker stopping', { running: this.inflight.size, prefetched: this.waiting.length });
     this.running = false;
-    if (this.reader) disconnectClient(this.reader);
+    for (const reader of this.readers?.values() ?? []) disconnectClient(reader);
     await this.loopDone?.catch(() => {});
     for (const entry of this.waiting.splice(0)) {
       await this.requeueOwn(entry, 'prefetched but not started before shutdown').catch((err) => this.log.error('requeue failed', { err }));
@@ -1101,7 +1197,7 @@ export class Worker extends EventEmitter {
     await this.takingOver;
     try {
       // Entries of a read answered while the reading connection was closing.
-      for (const stream of this.queueKeys.taskStreams) {
+      for (const stream of this.queueOfStream.keys()) {
         const pending = await this.cmd.xpending(stream, this.opts.group, '-', '+', 10_000, this.consumer);
         for (const [id] of pending) await this.requeueOwn({ stream, id }, 'read while shutting down');
         // Leave the group only if nothing is pending, checked atomically (never a bare DELCONSUMER).

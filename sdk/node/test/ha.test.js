@@ -314,6 +314,26 @@ describe('Cluster', { concurrency: false }, () => {
     given.disconnect();
   });
 
+  test('one worker reads queues of two shards, each with its own blocking wait, and dead-letters in each entry\'s queue', async () => {
+    const prefix = prefixFor();
+    const queues = queuesOn().slice(0, 2);
+    const ran = [];
+    const worker = keep(new Worker(queues, { 'ha.echo': (payload) => { ran.push(payload.id); } },
+      { ...FAST, connection: cluster.url, prefix, blockMs: 5000, logger: sink().logger }));
+    await worker.waitUntilReady();
+    await sleep(300); // both waits are blocked, for seconds more
+    const producer = keep(new Producer({ connection: cluster.url, prefix }));
+    for (const queue of [...queues].reverse()) {
+      await producer.publish(queue, { task_type: 'ha.echo', payload: { id: queue } });
+      await waitFor(() => ran.includes(queue), { timeoutMs: 1000, message: `a task of ${queue} woke the worker` });
+    }
+    await producer.publish(queues[1], { task_type: 'ha.unknown', payload: {} });
+    const keys = new KeySpace(prefix);
+    await waitFor(async () => (await client.xlen(keys.queue(queues[1]).dead)) === 1, { message: 'dead-lettered in its queue' });
+    assert.equal(await client.xlen(keys.queue(queues[0]).dead), 0);
+    assert.deepEqual(await client.smembers(keys.deadQueues), [queues[1]]);
+  });
+
   test('a Cluster client closed while it connects ends and fails the commands it queued', async () => {
     const settled = (promise) => Promise.race([
       promise.then(() => 'resolved', (err) => `rejected: ${err.message}`), sleep(5000).then(() => 'still pending after 5 s')]);

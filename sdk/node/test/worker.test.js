@@ -94,14 +94,14 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.equal(await redis.exists(new KeySpace(prefix).consumer(worker.consumer)), 0);
   });
 
-  test('at start one log line says what the worker serves: its queue, each task type and its payload versions', async () => {
+  test('at start one log line says what the worker serves: its queues, each task type and its payload versions', async () => {
     const prefix = prefixFor();
     const { lines } = await startWorker(prefix, {}, (worker) => {
       worker.register('order.refund', async () => {}, { payloadVersions: [1, 2] });
     });
     const ready = lines.filter((l) => l.msg === 'worker ready');
     assert.equal(ready.length, 1);
-    assert.equal(ready[0].queue, QUEUE);
+    assert.deepEqual(ready[0].queues, [QUEUE]);
     assert.deepEqual(ready[0].handlers, {
       'order.close_timeout': [1], 'test.fail': [1], 'test.transient': [1], 'test.sleep': [1], 'order.refund': [1, 2],
     });
