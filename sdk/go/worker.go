@@ -1,6 +1,7 @@
 package envelope
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -425,10 +426,12 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 			streams, err = w.readOwnPending(bg)
 			recoverOwn = err != nil
 		}
-		if err == nil && len(streams) == 0 {
-			streams, err = w.read(bg)
+		if len(streams) == 0 { // also after a failed recovery: the other queues are still read
+			var readErr error
+			streams, readErr = w.read(bg)
+			err = cmp.Or(err, readErr)
 		}
-		if len(streams) > 0 { // even when a later queue's read failed: these were taken
+		if len(streams) > 0 { // even when another queue's read failed: these were taken
 			lastWork = time.Now()
 			w.processBatch(ctx, streams) // entries left when ctx ends stay pending: put back below
 			lastWork = time.Now()
@@ -494,9 +497,11 @@ func (w *Worker) ensureGroups(ctx context.Context) error {
 
 // read takes at most exactly Prefetch new entries with read.lua, queue by
 // queue in the configured order with the credit left, most urgent stream first,
-// without blocking. On an error it answers the entries taken before it too.
+// without blocking. A queue whose read fails (its node is away) does not
+// keep the others from being read: read answers what it took and the first error.
 func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
 	var out []redis.XStream
+	var first error
 	credit := w.cfg.Prefetch
 	for _, q := range w.queues {
 		if credit == 0 {
@@ -507,26 +512,29 @@ func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
 		if errors.Is(err, redis.Nil) {
 			continue
 		}
-		if err != nil {
-			return out, err
+		var streams []redis.XStream
+		if err == nil {
+			streams, err = parseStreams(res)
 		}
-		streams, err := parseStreams(res)
 		if err != nil {
-			return out, err
+			first = cmp.Or(first, err)
+			continue
 		}
 		for _, s := range streams {
 			credit -= len(s.Messages)
 		}
 		out = append(out, streams...)
 	}
-	return out, nil
+	return out, first
 }
 
 // readOwnPending takes back the entries this consumer read and has not
 // settled (XREADGROUP from id 0, one call per queue): after a read whose reply
-// was lost, they are pending to this consumer and nobody else would deliver them.
+// was lost, they are pending to this consumer and nobody else would deliver
+// them. Like read, it answers what it took and the first error.
 func (w *Worker) readOwnPending(ctx context.Context) ([]redis.XStream, error) {
 	var own []redis.XStream
+	var first error
 	for _, q := range w.queues {
 		streams := q.TaskStreams()
 		args := slices.Clone(streams)
@@ -536,7 +544,8 @@ func (w *Worker) readOwnPending(ctx context.Context) ([]redis.XStream, error) {
 		res, err := w.client.XReadGroup(ctx, &redis.XReadGroupArgs{Group: w.cfg.Group, Consumer: w.cfg.Consumer,
 			Streams: args, Count: int64(max(w.cfg.Prefetch, 100))}).Result()
 		if err != nil && !errors.Is(err, redis.Nil) {
-			return own, err
+			first = cmp.Or(first, err)
+			continue
 		}
 		for _, s := range res {
 			s.Messages = slices.DeleteFunc(s.Messages, func(m redis.XMessage) bool { return len(m.Values) == 0 })
@@ -547,7 +556,7 @@ func (w *Worker) readOwnPending(ctx context.Context) ([]redis.XStream, error) {
 			}
 		}
 	}
-	return own, nil
+	return own, first
 }
 
 // wait blocks up to Block until one of q's task streams has entries the group
