@@ -67,37 +67,35 @@ func (h *haEnv) producer(d Durability) *Producer {
 	return p
 }
 
-// runWorkers runs one worker per queue, whose handler counts effects in the
-// ledger, and a promoter. stop ends them and reports how many had returned
-// on their own before (a worker or promoter that gave up).
+// runWorkers runs one worker consuming queues, whose handler counts effects
+// in the ledger, and a promoter. stop ends them and reports how many had
+// returned on their own before (a worker or promoter that gave up).
 func (h *haEnv) runWorkers(queues []string, d Durability) (stop func() int) {
 	ctx, cancel := context.WithCancel(context.Background())
 	var exited atomic.Int32
 	var wg sync.WaitGroup
-	for _, queue := range queues {
-		w, err := NewWorker(h.client, h.scripts, Config{Prefix: h.prefix, Queue: queue, Durability: d,
-			Block: 200 * time.Millisecond, DeferDelay: 300 * time.Millisecond, Logger: h.logger(),
-			Retry: RetryPolicy{Backoff: 100 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}})
-		if err != nil {
-			h.t.Fatal(err)
-		}
-		effect := func(ctx context.Context, t *Task) error {
-			return h.ledger.Incr(ctx, "effect:"+t.TaskID).Err()
-		}
-		w.Handle(effectTask, effect)
-		w.Handle(flakyTask, func(ctx context.Context, t *Task) error {
-			if t.RetryCount == 0 {
-				return errors.New("the first attempt fails")
-			}
-			return effect(ctx, t)
-		})
-		wg.Go(func() {
-			if err := w.Run(ctx); err != nil || ctx.Err() == nil {
-				h.t.Errorf("worker of %s returned before it was stopped: %v", queue, err)
-				exited.Add(1)
-			}
-		})
+	w, err := NewWorker(h.client, h.scripts, Config{Prefix: h.prefix, Queues: queues, Durability: d,
+		Block: 200 * time.Millisecond, DeferDelay: 300 * time.Millisecond, Logger: h.logger(),
+		Retry: RetryPolicy{Backoff: 100 * time.Millisecond, MaxBackoff: 200 * time.Millisecond}})
+	if err != nil {
+		h.t.Fatal(err)
 	}
+	effect := func(ctx context.Context, t *Task) error {
+		return h.ledger.Incr(ctx, "effect:"+t.TaskID).Err()
+	}
+	w.Handle(effectTask, effect)
+	w.Handle(flakyTask, func(ctx context.Context, t *Task) error {
+		if t.RetryCount == 0 {
+			return errors.New("the first attempt fails")
+		}
+		return effect(ctx, t)
+	})
+	wg.Go(func() {
+		if err := w.Run(ctx); err != nil || ctx.Err() == nil {
+			h.t.Errorf("worker of %v returned before it was stopped: %v", queues, err)
+			exited.Add(1)
+		}
+	})
 	p := &Promoter{Client: h.client, Keys: h.keys, Scripts: h.scripts, MaxIdle: 200 * time.Millisecond,
 		Log: h.logger()}
 	wg.Go(func() {
@@ -283,7 +281,8 @@ func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {
 	h := newHAEnv(t, c.url())
 	ctx := context.Background()
 
-	// Three queues whose slots are on three different primaries.
+	// Three queues whose slots are on three different primaries; one Worker
+	// consumes two of them at a time.
 	var queues []string
 	owners := map[*redisServer]bool{}
 	for i := 0; len(queues) < 3; i++ {

@@ -106,6 +106,12 @@ func startServer(port int, conf string, extra ...string) (*redisServer, error) {
 	if err != nil {
 		return nil, err
 	}
+	return launchServer(bin, port, dir, conf, extra...)
+}
+
+// launchServer runs redis-server on port in dir (removed if it fails to
+// start), as startServer describes; a restart passes the same port and dir.
+func launchServer(bin string, port int, dir, conf string, extra ...string) (*redisServer, error) {
 	args := []string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
 		"--appendonly", "no", "--dir", dir}
 	if conf != "" {

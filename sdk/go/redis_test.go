@@ -727,3 +727,37 @@ func TestShutdownKeepsTheConsumerAliveUntilAnAbandonedAttemptReturns(t *testing.
 		t.Fatal("the liveness key outlived the worker")
 	}
 }
+
+// A claim whose holder's liveness key is gone at the first look but back
+// within one renewal interval is not taken over (the holder lived through an
+// outage); once the key stays gone, the claim is taken over.
+func TestADeadClaimHolderIsLookedAtTwice(t *testing.T) {
+	e := newEnv(t)
+	var runs atomic.Int32
+	w := e.worker(func(c *Config) { c.Lease = 1500 * time.Millisecond })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+	ctx := context.Background()
+	idemKey := e.keys.Idempotency("jobs.run", "k2")
+	e.client.Set(ctx, idemKey, "running other task-0", time.Minute)
+	task := New("jobs.run", nil)
+	k := "k2"
+	task.IdempotencyKey = &k
+	e.publish(task)
+	e.start(w)
+
+	e.waitFor("the first look", func() bool { return strings.Contains(e.logs.String(), "looking again") })
+	e.client.Set(ctx, e.keys.Consumer("other"), "h 1 go", time.Minute) // the holder renews
+	e.waitFor("the task to be deferred", func() bool {
+		return strings.Contains(e.logs.String(), "another consumer runs this idempotency key; deferred")
+	})
+	if runs.Load() != 0 || strings.Contains(e.logs.String(), "taking the claim over") {
+		t.Fatal("took over the claim of a holder that renewed within the interval")
+	}
+	if v, _ := e.client.Get(ctx, idemKey).Result(); v != "running other task-0" {
+		t.Fatalf("claim %q", v)
+	}
+
+	e.client.Del(ctx, e.keys.Consumer("other")) // the holder is gone for good
+	e.waitFor("the task to run", func() bool { return runs.Load() == 1 })
+	e.waitFor("the queue to drain", e.drained)
+}

@@ -1,6 +1,7 @@
 package envelope
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -51,8 +52,11 @@ type handler struct {
 
 // Config configures a Worker. Zero fields take the protocol's defaults.
 type Config struct {
-	Prefix   string
-	Queue    string
+	Prefix string
+	Queue  string // the one queue consumed; or set Queues
+	// Queues are the queues consumed, served in this order: an earlier queue
+	// gets the credit first, a later one what is left (Celery's -Q order).
+	Queues   []string
 	Group    string
 	Consumer string // unique per process and connection; default <host>-<pid>-<random>
 
@@ -171,13 +175,15 @@ func hostname() string {
 	return strings.ReplaceAll(h, " ", "_")
 }
 
-// Worker consumes one queue (docs/protocol.md sections 5-10).
+// Worker consumes one or several queues (docs/protocol.md sections 5-10).
 type Worker struct {
 	cfg      Config
 	client   redis.UniversalClient
 	scripts  Scripts
 	keys     KeySpace
-	queue    QueueKeys
+	queues   []QueueKeys          // in the order they are served
+	byStream map[string]QueueKeys // the queue of each task stream
+	watch    *steadyWatch         // shared by the consumers of one Worker
 	handlers map[string]handler
 	results  *results // shared by the consumers of one Worker
 	log      *slog.Logger
@@ -195,11 +201,15 @@ type Worker struct {
 	abandoned sync.WaitGroup // abandoned attempts still running: the consumer stays alive
 }
 
-// NewWorker returns a worker for cfg.Queue; register handlers, then Run it.
+// NewWorker returns a worker for cfg.Queue or cfg.Queues; register handlers,
+// then Run it. It adds a hook to client that counts its dials, to tell a
+// renewal answered at once from one that waited for Redis.
 func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Worker, error) {
-	if err := CheckQueueName(cfg.Queue); err != nil {
+	queues, err := cfg.queueNames()
+	if err != nil {
 		return nil, err
 	}
+	cfg.Queues = queues
 	if strings.ContainsAny(cfg.Consumer, " \t\r\n") {
 		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
 	}
@@ -207,18 +217,65 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 		return nil, err
 	}
 	cfg.defaults()
-	return newWorker(client, scripts, cfg, map[string]handler{}, &results{backend: cfg.ResultBackend}), nil
+	return newWorker(client, scripts, cfg, map[string]handler{}, &results{backend: cfg.ResultBackend},
+		watchClient(client, cfg.Lease/3)), nil
+}
+
+// queueNames are the queues of c, checked, in the order they are served.
+func (c *Config) queueNames() ([]string, error) {
+	names := c.Queues
+	switch {
+	case len(names) == 0:
+		names = []string{c.Queue}
+	case c.Queue != "":
+		return nil, errors.New("config: set Queue (one queue) or Queues (several), not both")
+	}
+	seen := map[string]bool{}
+	for _, q := range names {
+		if err := CheckQueueName(q); err != nil {
+			return nil, err
+		}
+		if seen[q] {
+			return nil, fmt.Errorf("config: queue %q is listed twice in Queues", q)
+		}
+		seen[q] = true
+	}
+	return slices.Clone(names), nil
+}
+
+// queueAttr names the queues in logs: "queue" for one, "queues" for several.
+func (c *Config) queueAttr() slog.Attr {
+	if len(c.Queues) == 1 {
+		return slog.String("queue", c.Queues[0])
+	}
+	return slog.Any("queues", c.Queues)
 }
 
 func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handlers map[string]handler,
-	res *results) *Worker {
+	res *results, watch *steadyWatch) *Worker {
 	keys := KeySpace{cfg.Prefix}
-	return &Worker{
-		cfg: cfg, client: client, scripts: scripts, keys: keys, queue: keys.Queue(cfg.Queue),
+	w := &Worker{
+		cfg: cfg, client: client, scripts: scripts, keys: keys, byStream: map[string]QueueKeys{}, watch: watch,
 		handlers: handlers, results: res, stop: make(chan struct{}), overrun: map[string]bool{},
-		log:  cfg.Logger.With("consumer", cfg.Consumer, "queue", cfg.Queue),
+		log:  cfg.Logger.With("consumer", cfg.Consumer, cfg.queueAttr()),
 		host: hostname(), pid: strconv.Itoa(os.Getpid()),
 	}
+	for _, name := range cfg.Queues {
+		q := keys.Queue(name)
+		w.queues = append(w.queues, q)
+		for _, stream := range q.TaskStreams() {
+			w.byStream[stream] = q
+		}
+	}
+	return w
+}
+
+// logFor is the log of what concerns queue q: it names q when the worker has several.
+func (w *Worker) logFor(q QueueKeys) *slog.Logger {
+	if len(w.queues) == 1 {
+		return w.log
+	}
+	return w.log.With("queue", q.Queue)
 }
 
 // serves maps the task types this worker runs to the payload versions each
@@ -283,7 +340,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		cfg := w.cfg
 		cfg.Concurrency = 1
 		cfg.Consumer = fmt.Sprintf("%s-%d", w.cfg.Consumer, i)
-		child := newWorker(w.client, w.scripts, cfg, w.handlers, w.results)
+		child := newWorker(w.client, w.scripts, cfg, w.handlers, w.results, w.watch)
 		consumers.Go(func() { errs <- child.consume(ctx, ready) })
 	}
 	consumers.Wait()
@@ -298,11 +355,11 @@ func (w *Worker) Run(ctx context.Context) error {
 }
 
 // announce writes the start log, one line per Run, once the first consumer
-// is ready: the queue, and each task type with its payload versions.
+// is ready: the queues, and each task type with its payload versions.
 func (w *Worker) announce(ctx context.Context, ready <-chan struct{}) {
 	select {
 	case <-ready:
-		w.cfg.Logger.Info("worker started", "queue", w.cfg.Queue, "consumer", w.cfg.Consumer,
+		w.cfg.Logger.Info("worker started", w.cfg.queueAttr(), "consumer", w.cfg.Consumer,
 			"concurrency", max(w.cfg.Concurrency, 1), "language", Language, "serves", w.serves())
 	case <-ctx.Done():
 	}
@@ -354,6 +411,8 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	w.log.Info("consumer started", "lease_ms", w.cfg.Lease.Milliseconds())
 	ready <- struct{}{} // buffered for every consumer
 
+	waitCtx, stopWaits := context.WithCancel(ctx)
+	waits := w.newWaits()
 	lastWork := time.Now()
 	recoverOwn := false // a read failed: its reply may have been lost with entries in it
 	for ctx.Err() == nil {
@@ -367,11 +426,18 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 			streams, err = w.readOwnPending(bg)
 			recoverOwn = err != nil
 		}
-		if err == nil && len(streams) == 0 {
-			streams, err = w.read(bg)
+		if len(streams) == 0 { // also after a failed recovery: the other queues are still read
+			var readErr error
+			streams, readErr = w.read(bg)
+			err = cmp.Or(err, readErr)
+		}
+		if len(streams) > 0 { // even when another queue's read failed: these were taken
+			lastWork = time.Now()
+			w.processBatch(ctx, streams) // entries left when ctx ends stay pending: put back below
+			lastWork = time.Now()
 		}
 		if err == nil && len(streams) == 0 {
-			err = w.wait(ctx)
+			err = waits.any(waitCtx)
 		}
 		if err != nil && strings.HasPrefix(err.Error(), "UNBLOCKED") {
 			continue // the wait took nothing (a stream was deleted, the server changed role): re-arm
@@ -391,14 +457,10 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 			w.log.Warn("read failed; retrying", "error", err.Error(), "outage", IsOutage(err))
 			refreshRoutes(bg, w.client, err)
 			sleep(ctx, 200*time.Millisecond)
-			continue
-		}
-		if len(streams) > 0 {
-			lastWork = time.Now()
-			w.processBatch(ctx, streams) // entries left when ctx ends stay pending: put back below
-			lastWork = time.Now()
 		}
 	}
+	stopWaits()
+	waits.running.Wait()
 	returned := w.requeueOwnPending(bg)
 	// An abandoned attempt still runs what it read: keep the liveness key (and its
 	// idempotency claim) until it returns (docs/protocol.md section 8).
@@ -422,60 +484,88 @@ func sleep(ctx context.Context, d time.Duration) {
 }
 
 func (w *Worker) ensureGroups(ctx context.Context) error {
-	for _, stream := range w.queue.TaskStreams() {
-		err := w.client.XGroupCreateMkStream(ctx, stream, w.cfg.Group, "0").Err()
-		if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
-			return fmt.Errorf("XGROUP CREATE %s: %w", stream, err)
+	for _, q := range w.queues {
+		for _, stream := range q.TaskStreams() {
+			err := w.client.XGroupCreateMkStream(ctx, stream, w.cfg.Group, "0").Err()
+			if err != nil && !strings.HasPrefix(err.Error(), "BUSYGROUP") {
+				return fmt.Errorf("XGROUP CREATE %s: %w", stream, err)
+			}
 		}
 	}
 	return nil
 }
 
-// read takes at most exactly Prefetch new entries with read.lua, most urgent
-// stream first, without blocking.
+// read takes at most exactly Prefetch new entries with read.lua, queue by
+// queue in the configured order with the credit left, most urgent stream first,
+// without blocking. A queue whose read fails (its node is away) does not
+// keep the others from being read: read answers what it took and the first error.
 func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
-	res, err := w.scripts.Get("read").Run(ctx, w.client, w.queue.TaskStreams(),
-		w.cfg.Group, w.cfg.Consumer, w.cfg.Prefetch).Result()
-	if errors.Is(err, redis.Nil) {
-		return nil, nil
+	var out []redis.XStream
+	var first error
+	credit := w.cfg.Prefetch
+	for _, q := range w.queues {
+		if credit == 0 {
+			break
+		}
+		res, err := w.scripts.Get("read").Run(ctx, w.client, q.TaskStreams(),
+			w.cfg.Group, w.cfg.Consumer, credit).Result()
+		if errors.Is(err, redis.Nil) {
+			continue
+		}
+		var streams []redis.XStream
+		if err == nil {
+			streams, err = parseStreams(res)
+		}
+		if err != nil {
+			first = cmp.Or(first, err)
+			continue
+		}
+		for _, s := range streams {
+			credit -= len(s.Messages)
+		}
+		out = append(out, streams...)
 	}
-	if err != nil {
-		return nil, err
-	}
-	return parseStreams(res)
+	return out, first
 }
 
 // readOwnPending takes back the entries this consumer read and has not
-// settled (XREADGROUP from id 0): after a read whose reply was lost, they are
-// pending to this consumer and nobody else would deliver them.
+// settled (XREADGROUP from id 0, one call per queue): after a read whose reply
+// was lost, they are pending to this consumer and nobody else would deliver
+// them. Like read, it answers what it took and the first error.
 func (w *Worker) readOwnPending(ctx context.Context) ([]redis.XStream, error) {
-	streams := w.queue.TaskStreams()
-	args := slices.Clone(streams)
-	for range streams {
-		args = append(args, "0")
-	}
-	res, err := w.client.XReadGroup(ctx, &redis.XReadGroupArgs{Group: w.cfg.Group, Consumer: w.cfg.Consumer,
-		Streams: args, Count: int64(max(w.cfg.Prefetch, 100))}).Result()
-	if errors.Is(err, redis.Nil) {
-		return nil, nil
-	}
 	var own []redis.XStream
-	for _, s := range res {
-		s.Messages = slices.DeleteFunc(s.Messages, func(m redis.XMessage) bool { return len(m.Values) == 0 })
-		if len(s.Messages) > 0 {
-			w.log.Warn("delivering entries read before a lost reply", "stream", s.Stream, "entries", len(s.Messages))
-			own = append(own, s)
+	var first error
+	for _, q := range w.queues {
+		streams := q.TaskStreams()
+		args := slices.Clone(streams)
+		for range streams {
+			args = append(args, "0")
+		}
+		res, err := w.client.XReadGroup(ctx, &redis.XReadGroupArgs{Group: w.cfg.Group, Consumer: w.cfg.Consumer,
+			Streams: args, Count: int64(max(w.cfg.Prefetch, 100))}).Result()
+		if err != nil && !errors.Is(err, redis.Nil) {
+			first = cmp.Or(first, err)
+			continue
+		}
+		for _, s := range res {
+			s.Messages = slices.DeleteFunc(s.Messages, func(m redis.XMessage) bool { return len(m.Values) == 0 })
+			if len(s.Messages) > 0 {
+				w.logFor(q).Warn("delivering entries read before a lost reply", "stream", s.Stream,
+					"entries", len(s.Messages))
+				own = append(own, s)
+			}
 		}
 	}
-	return own, err
+	return own, first
 }
 
-// wait blocks up to Block until one of the task streams has entries the group
+// wait blocks up to Block until one of q's task streams has entries the group
 // has not delivered yet. It takes none (XREAD from the group's last-delivered
-// ids, not XREADGROUP), so the next read.lua takes exactly Prefetch entries
-// whatever the Redis version and however many streams have entries.
-func (w *Worker) wait(ctx context.Context) error {
-	streams := w.queue.TaskStreams()
+// ids, not XREADGROUP), so the next read.lua takes exactly the credit whatever
+// the Redis version and however many streams have entries; so the waits of
+// several queues in flight at once take nothing from the credit either.
+func (w *Worker) wait(ctx context.Context, q QueueKeys) error {
+	streams := q.TaskStreams()
 	cmds := make([]*redis.XInfoGroupsCmd, len(streams))
 	_, err := w.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		for i, s := range streams {
@@ -554,32 +644,55 @@ func (w *Worker) renew(ctx context.Context) error {
 }
 
 // keepAlive renews the liveness key every lease/3, whatever the tasks do, and
-// takes over the entries of dead consumers once it renewed twice in a row.
+// takes over the entries of dead consumers once it renewed twice in a row with
+// renewals answered at once (docs/protocol.md section 5): one that failed or
+// waited for Redis starts the count again, and so does a takeover that did.
+// After a failed renewal it tries again soon, so that its key is back as soon
+// as Redis answers.
 func (w *Worker) keepAlive(ctx context.Context) {
-	ticker := time.NewTicker(w.cfg.Lease / 3)
-	defer ticker.Stop()
-	renewed := 1 // consume renewed once before starting this
+	interval := w.cfg.Lease / 3
+	timer := time.NewTimer(interval)
+	defer timer.Stop()
+	renewed := 0
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-ticker.C:
+		case <-timer.C:
 		}
-		if err := w.renew(ctx); err != nil {
-			if ctx.Err() == nil {
-				w.log.Warn("liveness renewal failed", "error", err.Error())
-				refreshRoutes(ctx, w.client, err)
-			}
+		steady := w.watch.begin()
+		err := steady.check(func() error { return w.renew(ctx) })
+		if ctx.Err() != nil {
+			return
+		}
+		switch {
+		case err == nil:
+			renewed++
+		case errors.Is(err, errWaited):
+			w.log.Info("liveness renewal waited for Redis; it does not count toward a takeover")
 			renewed = 0
+		default:
+			w.log.Warn("liveness renewal failed", "error", err.Error())
+			refreshRoutes(ctx, w.client, err)
+			renewed = 0
+			timer.Reset(max(interval/10, 10*time.Millisecond))
 			continue
 		}
-		// Never right after an outage: live consumers may not have renewed yet.
-		if renewed++; renewed < 2 {
+		timer.Reset(interval)
+		if renewed < 2 {
 			continue
 		}
-		if n, err := w.TakeOverDeadConsumers(ctx); err != nil && ctx.Err() == nil {
+		n, err := w.takeOverDead(ctx, steady)
+		switch {
+		case err != nil && ctx.Err() != nil:
+			return
+		case errors.Is(err, errWaited):
+			w.log.Info("takeover stopped: a command waited for Redis, its liveness checks are not trusted")
+			renewed = 0
+		case err != nil:
 			w.log.Warn("takeover failed", "error", err.Error())
-		} else if n > 0 {
+			renewed = 0
+		case n > 0:
 			w.log.Warn("took over entries of dead consumers", "entries", n)
 		}
 	}
@@ -588,88 +701,122 @@ func (w *Worker) keepAlive(ctx context.Context) {
 // TakeOverDeadConsumers puts back the entries held by consumers whose liveness
 // key is gone and that were idle for a lease, and forgets dead consumers that
 // hold nothing and were idle for ForgetAfter; it returns how many entries it
-// moved (requeued or dead-lettered).
+// moved (requeued or dead-lettered). Unlike the Worker's own takeovers it does
+// not check that Redis was reachable for the last renewals: call it only when
+// every live consumer has had a renewal interval to renew its key.
 func (w *Worker) TakeOverDeadConsumers(ctx context.Context) (int, error) {
+	return w.takeOverDead(ctx, steadySince{})
+}
+
+// takeOverDead is TakeOverDeadConsumers, stopped with errWaited as soon as one
+// of its commands did not keep steady.
+func (w *Worker) takeOverDead(ctx context.Context, steady steadySince) (int, error) {
 	moved := 0
-	for _, stream := range w.queue.TaskStreams() {
-		summary, err := w.client.XPending(ctx, stream, w.cfg.Group).Result()
-		if err != nil {
-			if strings.Contains(err.Error(), "NOGROUP") || errors.Is(err, redis.Nil) {
-				continue
-			}
-			return moved, err
-		}
-		for owner := range summary.Consumers {
-			if owner == w.cfg.Consumer {
-				continue
-			}
-			alive, err := w.client.Exists(ctx, w.keys.Consumer(owner)).Result()
+	for _, q := range w.queues {
+		for _, stream := range q.TaskStreams() {
+			var summary *redis.XPending
+			err := steady.check(func() (err error) {
+				summary, err = w.client.XPending(ctx, stream, w.cfg.Group).Result()
+				return err
+			})
 			if err != nil {
+				if strings.Contains(err.Error(), "NOGROUP") || errors.Is(err, redis.Nil) {
+					continue
+				}
 				return moved, err
 			}
-			if alive == 1 {
-				continue
+			for owner := range summary.Consumers {
+				if owner == w.cfg.Consumer {
+					continue
+				}
+				alive, err := w.exists(ctx, steady, w.keys.Consumer(owner))
+				if err != nil {
+					return moved, err
+				}
+				if alive {
+					continue
+				}
+				n, err := w.takeOver(ctx, steady, q, stream, owner)
+				moved += n
+				if err != nil {
+					return moved, err
+				}
 			}
-			n, err := w.takeOver(ctx, stream, owner)
-			moved += n
-			if err != nil {
+			if err := w.forgetDeadConsumers(ctx, steady, stream); err != nil {
 				return moved, err
 			}
-		}
-		if err := w.forgetDeadConsumers(ctx, stream); err != nil {
-			return moved, err
 		}
 	}
 	return moved, nil
 }
 
+// exists is EXISTS key, as one command of a steady stretch.
+func (w *Worker) exists(ctx context.Context, steady steadySince, key string) (bool, error) {
+	var n int64
+	err := steady.check(func() (err error) {
+		n, err = w.client.Exists(ctx, key).Result()
+		return err
+	})
+	return n == 1, err
+}
+
 // deadLetterWho are the failure fields requeue.lua adds to a redelivery_limit
 // dead-letter entry (docs/protocol.md sections 5 and 7); consumer is the one
 // that died holding the entry.
-func (w *Worker) deadLetterWho(owner string) []any {
+func (w *Worker) deadLetterWho(q QueueKeys, owner string) []any {
 	now := Now().String()
-	return []any{"queue", w.cfg.Queue, "language", Language, "host", w.host, "pid", w.pid,
+	return []any{"queue", q.Queue, "language", Language, "host", w.host, "pid", w.pid,
 		"consumer", owner, "first_failure_at", now, "last_failure_at", now}
 }
 
-func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error) {
+// takeOver puts back (or dead-letters) owner's entries of one of q's streams.
+func (w *Worker) takeOver(ctx context.Context, steady steadySince, q QueueKeys, stream, owner string) (int, error) {
 	const batch = 100
-	pending, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
-		Stream: stream, Group: w.cfg.Group, Idle: w.cfg.Lease, Start: "-", End: "+",
-		Count: batch, Consumer: owner,
-	}).Result()
-	if err != nil {
+	var pending []redis.XPendingExt
+	err := steady.check(func() (err error) {
+		pending, err = w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
+			Stream: stream, Group: w.cfg.Group, Idle: w.cfg.Lease, Start: "-", End: "+",
+			Count: batch, Consumer: owner,
+		}).Result()
+		return err
+	})
+	if err != nil || len(pending) == 0 {
 		return 0, err
-	}
-	if len(pending) == 0 {
-		return 0, nil
 	}
 	// requeue.lua may dead-letter an entry (redelivery_limit): list the queue first.
-	if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
+	if err := steady.check(func() error { return w.client.SAdd(ctx, w.keys.DeadQueues(), q.Queue).Err() }); err != nil {
 		return 0, err
 	}
+	log := w.logFor(q)
 	moved := 0
 	for _, p := range pending {
 		args := append([]any{w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1,
-			w.cfg.MaxRedeliveries, Now().String()}, w.deadLetterWho(owner)...)
-		res, err := w.scripts.Get("requeue").Run(ctx, w.client,
-			[]string{stream, stream, w.queue.Dead()}, args...).Text()
-		if errors.Is(err, redis.Nil) {
-			continue
-		}
+			w.cfg.MaxRedeliveries, Now().String()}, w.deadLetterWho(q, owner)...)
+		var res string
+		err := steady.check(func() (err error) {
+			res, err = w.scripts.Get("requeue").Run(ctx, w.client,
+				[]string{stream, stream, q.Dead()}, args...).Text()
+			if errors.Is(err, redis.Nil) {
+				res, err = "", nil
+			}
+			return err
+		})
 		if err != nil {
 			return moved, err
+		}
+		if res == "" {
+			continue
 		}
 		moved++
 		if strings.HasPrefix(res, "dead:") {
 			deadID := strings.TrimPrefix(res, "dead:")
-			w.log.Error("entry of a dead consumer dead-lettered: redelivery limit reached",
+			log.Error("entry of a dead consumer dead-lettered: redelivery limit reached",
 				"outcome", "dead", "failure_class", ClassRedeliveryLimit, "owner", owner,
 				"stream", stream, "entry_id", p.ID, "dead_id", deadID)
-			w.failRedelivered(ctx, deadID)
+			w.failRedelivered(ctx, q, deadID)
 			continue
 		}
-		w.log.Warn("took over entry of dead consumer", "owner", owner, "stream", stream,
+		log.Warn("took over entry of dead consumer", "owner", owner, "stream", stream,
 			"entry_id", p.ID, "new_id", res)
 	}
 	return moved, nil
@@ -678,10 +825,10 @@ func (w *Worker) takeOver(ctx context.Context, stream, owner string) (int, error
 // failRedelivered writes the FAILURE result of a task requeue.lua dead-lettered
 // as redelivery_limit, reading the task back from its dead-letter entry (the
 // script moved it atomically, so the result follows the move).
-func (w *Worker) failRedelivered(ctx context.Context, deadID string) {
-	msgs, err := w.client.XRange(ctx, w.queue.Dead(), deadID, deadID).Result()
+func (w *Worker) failRedelivered(ctx context.Context, q QueueKeys, deadID string) {
+	msgs, err := w.client.XRange(ctx, q.Dead(), deadID, deadID).Result()
 	if err != nil || len(msgs) != 1 {
-		w.log.Warn("reading a dead-letter entry back for its result failed", "dead_id", deadID, "error", fmt.Sprint(err))
+		w.logFor(q).Warn("reading a dead-letter entry back for its result failed", "dead_id", deadID, "error", fmt.Sprint(err))
 		return
 	}
 	fields := textFields(msgs[0].Values)
@@ -695,7 +842,7 @@ func (w *Worker) failRedelivered(ctx context.Context, deadID string) {
 	if err != nil {
 		return // malformed: no task to write a result for
 	}
-	log := w.log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType)
+	log := w.logFor(q).With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType)
 	w.results.write(ctx, log, env, failed(failure{class: ClassRedeliveryLimit, reason: fields["reason"]}))
 }
 
@@ -704,9 +851,13 @@ func (w *Worker) failRedelivered(ctx context.Context, deadID string) {
 // enough), the consumers of stream without a liveness key that were idle for
 // ForgetAfter. Never a bare XGROUP DELCONSUMER: it would drop entries such a
 // consumer read in the meantime.
-func (w *Worker) forgetDeadConsumers(ctx context.Context, stream string) error {
+func (w *Worker) forgetDeadConsumers(ctx context.Context, steady steadySince, stream string) error {
 	idle := max(w.cfg.ForgetAfter, w.cfg.Lease)
-	consumers, err := w.client.XInfoConsumers(ctx, stream, w.cfg.Group).Result()
+	var consumers []redis.XInfoConsumer
+	err := steady.check(func() (err error) {
+		consumers, err = w.client.XInfoConsumers(ctx, stream, w.cfg.Group).Result()
+		return err
+	})
 	if err != nil {
 		if strings.Contains(err.Error(), "NOGROUP") || strings.Contains(err.Error(), "no such key") {
 			return nil
@@ -717,15 +868,19 @@ func (w *Worker) forgetDeadConsumers(ctx context.Context, stream string) error {
 		if c.Name == w.cfg.Consumer || c.Pending > 0 || c.Idle < idle {
 			continue
 		}
-		alive, err := w.client.Exists(ctx, w.keys.Consumer(c.Name)).Result()
+		alive, err := w.exists(ctx, steady, w.keys.Consumer(c.Name))
 		if err != nil {
 			return err
 		}
-		if alive == 1 {
+		if alive {
 			continue
 		}
-		forgotten, err := w.scripts.Get("forget_consumer").Run(ctx, w.client, []string{stream},
-			w.cfg.Group, c.Name, idle.Milliseconds()).Int()
+		var forgotten int
+		err = steady.check(func() (err error) {
+			forgotten, err = w.scripts.Get("forget_consumer").Run(ctx, w.client, []string{stream},
+				w.cfg.Group, c.Name, idle.Milliseconds()).Int()
+			return err
+		})
 		if err != nil {
 			return err
 		}
@@ -740,25 +895,28 @@ func (w *Worker) forgetDeadConsumers(ctx context.Context, stream string) error {
 // requeueOwnPending puts back every entry this consumer read but did not settle.
 func (w *Worker) requeueOwnPending(ctx context.Context) int {
 	moved := 0
-	for _, stream := range w.queue.TaskStreams() {
-		pending, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
-			Stream: stream, Group: w.cfg.Group, Start: "-", End: "+", Count: 10000,
-			Consumer: w.cfg.Consumer,
-		}).Result()
-		if err != nil {
-			w.log.Warn("listing own pending entries failed", "stream", stream, "error", err.Error())
-			continue
-		}
-		for _, p := range pending {
-			err := w.scripts.Get("requeue").Run(ctx, w.client,
-				[]string{stream, stream, w.queue.Dead()},
-				w.cfg.Group, p.ID, "", 0, 0, 0, Now().String()).Err()
-			if err != nil && !errors.Is(err, redis.Nil) {
-				w.log.Warn("putting an entry back failed", "entry_id", p.ID, "error", err.Error())
+	for _, q := range w.queues {
+		log := w.logFor(q)
+		for _, stream := range q.TaskStreams() {
+			pending, err := w.client.XPendingExt(ctx, &redis.XPendingExtArgs{
+				Stream: stream, Group: w.cfg.Group, Start: "-", End: "+", Count: 10000,
+				Consumer: w.cfg.Consumer,
+			}).Result()
+			if err != nil {
+				log.Warn("listing own pending entries failed", "stream", stream, "error", err.Error())
 				continue
 			}
-			moved++
-			w.log.Info("put back an unstarted entry", "stream", stream, "entry_id", p.ID)
+			for _, p := range pending {
+				err := w.scripts.Get("requeue").Run(ctx, w.client,
+					[]string{stream, stream, q.Dead()},
+					w.cfg.Group, p.ID, "", 0, 0, 0, Now().String()).Err()
+				if err != nil && !errors.Is(err, redis.Nil) {
+					log.Warn("putting an entry back failed", "entry_id", p.ID, "error", err.Error())
+					continue
+				}
+				moved++
+				log.Info("put back an unstarted entry", "stream", stream, "entry_id", p.ID)
+			}
 		}
 	}
 	return moved
@@ -783,6 +941,7 @@ func textFields(values map[string]any) map[string]string {
 
 // entry is an entry being handled and what is known about its failures.
 type entry struct {
+	q          QueueKeys // the queue of the stream
 	stream, id string
 	fields     map[string]string
 	env        *Envelope
@@ -844,15 +1003,17 @@ func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
 // when it is due, nil when it was dead-lettered or moved to the delayed set.
 func (w *Worker) admit(ctx context.Context, stream string, m redis.XMessage) *entry {
 	fields := textFields(m.Values)
+	q := w.byStream[stream]
+	log := w.logFor(q)
 	env, err := DecodeEntry(fields, w.cfg.Limits)
 	if err != nil {
-		w.log.Error("malformed entry", "stream", stream, "entry_id", m.ID, "reason", err.Error())
-		w.deadLetter(ctx, &entry{stream: stream, id: m.ID, fields: fields, log: w.log},
+		log.Error("malformed entry", "stream", stream, "entry_id", m.ID, "reason", err.Error())
+		w.deadLetter(ctx, &entry{q: q, stream: stream, id: m.ID, fields: fields, log: log},
 			failure{class: ClassMalformedEntry, reason: err.Error(), exceptionType: "MalformedEntry"})
 		return nil
 	}
-	e := &entry{stream: stream, id: m.ID, fields: fields, env: env,
-		log: w.log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType,
+	e := &entry{q: q, stream: stream, id: m.ID, fields: fields, env: env,
+		log: log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType,
 			"entry_id", m.ID)}
 	if now := time.Now(); !env.IsDue(now) {
 		w.reschedule(ctx, e, now)
@@ -914,7 +1075,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 			fmt.Sprintf("payload_version %d is not accepted (accepted: %v)", env.PayloadVersion, h.versions)))
 		return
 	}
-	task := &Task{Envelope: env, Queue: w.cfg.Queue, Stream: e.stream, EntryID: e.id, Log: e.log}
+	task := &Task{Envelope: env, Queue: e.q.Queue, Stream: e.stream, EntryID: e.id, Log: e.log}
 	task.Redelivered, _ = strconv.Atoi(e.fields[FieldRedeliver])
 
 	holder := ""
@@ -1081,8 +1242,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			if i := strings.LastIndexByte(other, ' '); i >= 0 {
 				owner = other[:i]
 			}
-			alive, err := w.client.Exists(ctx, w.keys.Consumer(owner)).Result()
-			if err == nil && alive == 0 && round == 0 {
+			if round == 0 && w.holderGone(ctx, e, owner) {
 				e.log.Warn("idempotency holder is dead; taking the claim over", "holder", other)
 				replace = other
 				continue
@@ -1108,6 +1268,24 @@ func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
 		}
 		return err
 	})
+}
+
+// holderGone looks whether the liveness key of owner, the holder of a busy
+// claim, is gone, and if so looks again one renewal interval later: a live
+// holder whose key expired during an outage renews it within that interval
+// (docs/protocol.md section 9). Yes only when both looks found no key and
+// neither waited for Redis.
+func (w *Worker) holderGone(ctx context.Context, e *entry, owner string) bool {
+	steady := w.watch.begin()
+	key := w.keys.Consumer(owner)
+	if alive, err := w.exists(ctx, steady, key); err != nil || alive {
+		return false
+	}
+	e.log.Info("the idempotency holder's liveness key is gone; looking again in one renewal interval",
+		"holder_consumer", owner)
+	sleep(ctx, w.cfg.Lease/3)
+	alive, err := w.exists(ctx, steady, key)
+	return err == nil && !alive
 }
 
 // claimTime is how long an idempotency claim of env lasts unless renewed.
@@ -1267,13 +1445,13 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 	bucket := BucketFor(next.Priority)
 	w.settle(e, "retry.lua", func() error {
 		if due > 0 { // the registry first, on its own (docs/protocol.md section 2)
-			if err := w.client.SAdd(ctx, w.keys.Queues(), w.cfg.Queue).Err(); err != nil {
+			if err := w.client.SAdd(ctx, w.keys.Queues(), e.q.Queue).Err(); err != nil {
 				return err
 			}
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
 			err := w.scripts.Get("retry").Run(ctx, c,
-				[]string{e.stream, w.queue.Stream(bucket), w.queue.Delayed(), w.queue.DelayedData()},
+				[]string{e.stream, e.q.Stream(bucket), e.q.Delayed(), e.q.DelayedData()},
 				w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup()).Err()
 			if errors.Is(err, redis.Nil) {
 				e.log.Warn("entry was no longer pending when replaced (taken over?)")
@@ -1290,12 +1468,12 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 	bucket := BucketFor(e.env.Priority)
 	w.settle(e, "reschedule", func() error {
-		if err := w.client.SAdd(ctx, w.keys.Queues(), w.cfg.Queue).Err(); err != nil {
+		if err := w.client.SAdd(ctx, w.keys.Queues(), e.q.Queue).Err(); err != nil {
 			return err
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
 			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
-				StoreDelayed(ctx, p, w.scripts, w.keys, w.cfg.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
+				StoreDelayed(ctx, p, w.scripts, w.keys, e.q.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
 					e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id)
 				p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 				p.XDel(ctx, e.stream, e.id)
@@ -1347,7 +1525,7 @@ func (w *Worker) deadLetterFields(e *entry, f failure) []any {
 		"dlq", "1",
 		"failure_class", f.class,
 		"reason", f.reason,
-		"queue", w.cfg.Queue,
+		"queue", e.q.Queue,
 		"dead_at", NewTimestamp(now.UTC()).String(),
 		"language", Language,
 		"host", w.host,
@@ -1382,11 +1560,11 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 	var deadID string
 	w.settle(e, "dead_letter.lua", func() error {
 		// The registry first, on its own (docs/protocol.md sections 2 and 7).
-		if err := w.client.SAdd(ctx, w.keys.DeadQueues(), w.cfg.Queue).Err(); err != nil {
+		if err := w.client.SAdd(ctx, w.keys.DeadQueues(), e.q.Queue).Err(); err != nil {
 			return err
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
-			id, err := w.scripts.Get("dead_letter").Run(ctx, c, []string{e.stream, w.queue.Dead()}, args...).Text()
+			id, err := w.scripts.Get("dead_letter").Run(ctx, c, []string{e.stream, e.q.Dead()}, args...).Text()
 			if errors.Is(err, redis.Nil) {
 				e.log.Warn("entry was no longer pending when dead-lettered (taken over?)")
 				return nil
