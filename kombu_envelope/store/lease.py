@@ -229,7 +229,9 @@ class LeaseKeeper:
         forget_every = max(1, int(FORGET_CHECK_S / interval_s))
         rounds = 0
         renewed_in_a_row = 0
-        while not self._stop.wait(interval_s):
+        wait_s = interval_s
+        while not self._stop.wait(wait_s):
+            wait_s = interval_s
             consumers = self._watched()
             if consumers is None:
                 return
@@ -239,7 +241,8 @@ class LeaseKeeper:
                 renew(self.client, self.settings, consumers)
             except RedisError:
                 renewed_in_a_row = 0
-                logger.warning("lease renewal failed; retrying in %.1f s", interval_s,
+                wait_s = interval_s / 10  # promptly: the key must be back soon after Redis
+                logger.warning("lease renewal failed; retrying in %.1f s", wait_s,
                                exc_info=True)
                 continue
             if watch.waited():  # Redis was away: others may not have renewed yet
