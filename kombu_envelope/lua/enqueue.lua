@@ -9,6 +9,7 @@
 -- ARGV[3]  body: the encoded Envelope
 -- ARGV[4]  publish token, the same for every try of one publish
 -- ARGV[5]  how long KEYS[4] is kept (ms)
+-- KEYS[5], ARGV[6]  optional: the task record and its spec (section 14)
 --
 -- Publishing a task_id that is still waiting in the delayed set (scheduled
 -- earlier, now published to run at once) must not deliver it twice: the
@@ -16,6 +17,21 @@
 -- A try repeated with the token of the last publish of this task_id (its reply
 -- was lost with the connection) adds nothing and answers the same entry id.
 -- Returns the new stream entry id.
+
+-- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
+-- fields this script adds itself.
+local function write_record(key, spec, extra, ttl_name)
+    local record = cjson.decode(spec)
+    local args = {}
+    for field, value in pairs(record.fields or {}) do
+        args[#args + 1] = field
+        args[#args + 1] = tostring(value)
+    end
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+    if #args > 0 then redis.call('HSET', key, unpack(args)) end
+    local ttl = tonumber(record[ttl_name or 'ttl_ms']) or 0
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
 
 local last = redis.call('GET', KEYS[4])
 if last then
@@ -26,4 +42,5 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 local id = redis.call('XADD', KEYS[1], '*', 'v', '1', 'enc', ARGV[2], 'body', ARGV[3])
 redis.call('SET', KEYS[4], ARGV[4] .. ' ' .. id, 'PX', tonumber(ARGV[5]))
+if KEYS[5] then write_record(KEYS[5], ARGV[6], {'state', 'queued'}) end
 return id

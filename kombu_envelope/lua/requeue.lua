@@ -12,6 +12,9 @@
 -- ARGV[7]  dead_at timestamp (RFC 3339) for a dead-letter entry
 -- ARGV[8..] field, value pairs added to a dead-letter entry (queue, language,
 --           host, pid, consumer, ...; see docs/protocol.md section 7)
+-- With a fourth KEY (the task record, section 14), ARGV[8] is its spec and the
+-- field, value pairs start at ARGV[9]. The record gets state queued (spec ttl_ms),
+-- or dead with dead_id, finished_at and error (spec dead_ttl_ms).
 --
 -- Used for reject(requeue=True), for returning prefetched entries on shutdown
 -- and for taking over the entries of a consumer whose liveness key expired.
@@ -22,6 +25,21 @@
 -- racing over the same entry requeue it once.
 -- Returns the new entry id, "dead:<id>" when it was dead-lettered, or false
 -- when the entry was no longer pending (with the required owner and idle time).
+
+-- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
+-- fields this script adds itself.
+local function write_record(key, spec, extra, ttl_name)
+    local record = cjson.decode(spec)
+    local args = {}
+    for field, value in pairs(record.fields or {}) do
+        args[#args + 1] = field
+        args[#args + 1] = tostring(value)
+    end
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+    if #args > 0 then redis.call('HSET', key, unpack(args)) end
+    local ttl = tonumber(record[ttl_name or 'ttl_ms']) or 0
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
 
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', tonumber(ARGV[4]), ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
@@ -53,12 +71,17 @@ if limit > 0 and redeliveries >= limit then
         'reason', 'its consumer died ' .. redeliveries .. ' times while holding it',
         'source_stream', KEYS[1], 'source_id', ARGV[2], 'dead_at', ARGV[7],
         'redeliveries', tostring(redeliveries)}
-    for i = 8, #ARGV do dead[#dead + 1] = ARGV[i] end
+    for i = KEYS[4] and 9 or 8, #ARGV do dead[#dead + 1] = ARGV[i] end
     for i = 1, #fields, 2 do
         dead[#dead + 1] = 'raw.' .. fields[i]
         dead[#dead + 1] = fields[i + 1]
     end
-    return 'dead:' .. redis.call('XADD', KEYS[3], '*', unpack(dead))
+    local dead_id = redis.call('XADD', KEYS[3], '*', unpack(dead))
+    if KEYS[4] then
+        write_record(KEYS[4], ARGV[8], {'state', 'dead', 'dead_id', dead_id, 'finished_at',
+            ARGV[7], 'error', 'redelivery_limit: ' .. dead[6]}, 'dead_ttl_ms')
+    end
+    return 'dead:' .. dead_id
 end
 if redeliveries > 0 then
     copy[#copy + 1] = 'n'
@@ -69,4 +92,6 @@ if requeues > 0 then
     copy[#copy + 1] = 'r'
     copy[#copy + 1] = tostring(requeues)
 end
-return redis.call('XADD', KEYS[2], '*', unpack(copy))
+local new_id = redis.call('XADD', KEYS[2], '*', unpack(copy))
+if KEYS[4] then write_record(KEYS[4], ARGV[8], {'state', 'queued'}) end
+return new_id

@@ -7,19 +7,37 @@
 -- ARGV[2]  enc of the new body
 -- ARGV[3]  new body: the validated, possibly edited, Envelope
 -- ARGV[4..] field, value pairs added to the replay record (replayed_at, operator, ...)
+-- With a fourth KEY (the new task's record, section 14), ARGV[4] is its spec and the
+-- field, value pairs start at ARGV[5]; the record gets state queued.
 --
 -- The dead-letter entry is removed and a replay record (the extra fields, the
 -- new entry id, then every field of the dead-letter entry) is added in the same
 -- step, so two operators replaying the same entry publish it once.
 -- Returns the new stream entry id, or false when the entry was already gone.
 
+-- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
+-- fields this script adds itself.
+local function write_record(key, spec, extra, ttl_name)
+    local record = cjson.decode(spec)
+    local args = {}
+    for field, value in pairs(record.fields or {}) do
+        args[#args + 1] = field
+        args[#args + 1] = tostring(value)
+    end
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+    if #args > 0 then redis.call('HSET', key, unpack(args)) end
+    local ttl = tonumber(record[ttl_name or 'ttl_ms']) or 0
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
+
 local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #found == 0 then return false end
 local new_id = redis.call('XADD', KEYS[2], '*', 'v', '1', 'enc', ARGV[2], 'body', ARGV[3])
 local record = {'dead_id', ARGV[1], 'new_id', new_id, 'stream', KEYS[2]}
-for i = 4, #ARGV do record[#record + 1] = ARGV[i] end
+for i = KEYS[4] and 5 or 4, #ARGV do record[#record + 1] = ARGV[i] end
 local fields = found[1][2]
 for i = 1, #fields do record[#record + 1] = fields[i] end
 redis.call('XADD', KEYS[3], '*', unpack(record))
 redis.call('XDEL', KEYS[1], ARGV[1])
+if KEYS[4] then write_record(KEYS[4], ARGV[4], {'state', 'queued'}) end
 return new_id

@@ -13,11 +13,28 @@
 -- ARGV[7]  new body: the next attempt (retry_count + 1 for a retry, unchanged for a
 --          deferral; schedule_time = now + delay, absent when the delay is 0)
 -- ARGV[8]  pub/sub channel that wakes promoters (<prefix>:wakeup)
+-- KEYS[5], ARGV[9]  optional: the task record and its spec (section 14); the caller
+--          sets its state (retrying, or scheduled for a deferral), queued when due now
 --
 -- The next attempt is stored and the failed one acknowledged and deleted in
 -- one step, so a crash never loses the task nor runs it twice. The caller
 -- adds the queue to <prefix>:queues when the attempt is delayed.
 -- Returns 1, or false when the entry was no longer pending.
+
+-- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
+-- fields this script adds itself.
+local function write_record(key, spec, extra, ttl_name)
+    local record = cjson.decode(spec)
+    local args = {}
+    for field, value in pairs(record.fields or {}) do
+        args[#args + 1] = field
+        args[#args + 1] = tostring(value)
+    end
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+    if #args > 0 then redis.call('HSET', key, unpack(args)) end
+    local ttl = tonumber(record[ttl_name or 'ttl_ms']) or 0
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
 
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
@@ -36,4 +53,7 @@ else
 end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[5] then
+    write_record(KEYS[5], ARGV[9], due <= now_ms and {'state', 'queued'} or {})
+end
 return 1

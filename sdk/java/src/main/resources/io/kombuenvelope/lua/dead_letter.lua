@@ -6,6 +6,8 @@
 -- ARGV[2]  entry id
 -- ARGV[3..] field, value pairs describing the failure (dlq, failure_class,
 --           reason, dead_at, ...; see docs/protocol.md)
+-- With a third KEY (the task record, section 14), ARGV[3] is its spec and the
+-- field, value pairs start at ARGV[4]; the record gets state dead and dead_id.
 --
 -- The dead-letter entry gets the failure fields followed by every field of
 -- the original entry, byte for byte, under the name "raw.<field>". The entry
@@ -13,11 +15,27 @@
 -- dead-lettered at most once.
 -- Returns the dead-letter entry id, or false when the entry was not pending.
 
+-- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
+-- fields this script adds itself.
+local function write_record(key, spec, extra, ttl_name)
+    local record = cjson.decode(spec)
+    local args = {}
+    for field, value in pairs(record.fields or {}) do
+        args[#args + 1] = field
+        args[#args + 1] = tostring(value)
+    end
+    for i = 1, #extra do args[#args + 1] = extra[i] end
+    if #args > 0 then redis.call('HSET', key, unpack(args)) end
+    local ttl = tonumber(record[ttl_name or 'ttl_ms']) or 0
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
+
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
 local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
 local dead = {}
-for i = 3, #ARGV do dead[#dead + 1] = ARGV[i] end
+local first_pair = KEYS[3] and 4 or 3
+for i = first_pair, #ARGV do dead[#dead + 1] = ARGV[i] end
 if found[1] then
     local fields = found[1][2]
     for i = 1, #fields, 2 do
@@ -28,4 +46,5 @@ end
 local id = redis.call('XADD', KEYS[2], '*', unpack(dead))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
+if KEYS[3] then write_record(KEYS[3], ARGV[3], {'state', 'dead', 'dead_id', id}) end
 return id
