@@ -91,8 +91,9 @@ func NewClient(rawURL string) (*redis.Client, error) {
 //
 // The TLS schemes take the query parameters ssl_ca_certs, ssl_certfile,
 // ssl_keyfile and ssl_cert_reqs (see tlsParamNames); a Sentinel client uses
-// them with the sentinels and with the data nodes. The user and password are the data nodes'. The clients use RESP2, as NewClient does.
-// An invalid URL fails at once with a *URLError naming the wrong part.
+// them with the sentinels and with the data nodes. The user and password are
+// the data nodes'. The clients use RESP2, as NewClient does. An invalid URL
+// fails at once with a *URLError naming the wrong part.
 func NewUniversalClient(rawURL string) (redis.UniversalClient, error) {
 	scheme := schemeOf(rawURL)
 	switch scheme {
