@@ -13,7 +13,8 @@ import (
 )
 
 // URLError is a connection URL that cannot be used; Part names what is wrong
-// (scheme, userinfo, host, port, db, master_name, query).
+// (scheme, userinfo, host, port, db, master_name, query, or a TLS parameter
+// such as ssl_ca_certs).
 type URLError struct {
 	URL, Part, Reason string
 }
@@ -46,16 +47,32 @@ func schemeOf(raw string) string {
 
 // NewClient connects to a redis:// or rediss:// URL with the settings this
 // peer relies on: RESP2 (Lua false reads as nil, as in every other language)
-// and no connection-time commands that older servers refuse.
+// and no connection-time commands that older servers refuse. A rediss:// URL
+// takes the TLS parameters ssl_ca_certs, ssl_certfile, ssl_keyfile and
+// ssl_cert_reqs (see tlsParamNames) besides go-redis' own.
 func NewClient(rawURL string) (*redis.Client, error) {
 	switch schemeOf(rawURL) {
 	case "redis", "rediss", "unix":
 	default:
 		return nil, &URLError{rawURL, "scheme", "NewClient takes redis://, rediss:// or unix://; use NewUniversalClient for Sentinel and Cluster"}
 	}
-	opts, err := redis.ParseURL(rawURL)
+	u, err := url.Parse(rawURL)
 	if err != nil {
 		return nil, &URLError{rawURL, "url", err.Error()}
+	}
+	query := u.Query()
+	tlsConfig, err := takeTLSParams(rawURL, query, u.Scheme == "rediss")
+	if err != nil {
+		return nil, err
+	}
+	u.RawQuery = query.Encode()
+	opts, err := redis.ParseURL(u.String())
+	if err != nil {
+		return nil, &URLError{rawURL, "url", err.Error()}
+	}
+	if tlsConfig != nil { // go-redis set the server name and its own skip_verify parameter
+		opts.TLSConfig.RootCAs, opts.TLSConfig.Certificates = tlsConfig.RootCAs, tlsConfig.Certificates
+		opts.TLSConfig.InsecureSkipVerify = opts.TLSConfig.InsecureSkipVerify || tlsConfig.InsecureSkipVerify
 	}
 	opts.Protocol = 2
 	opts.DisableIdentity = true
@@ -72,8 +89,11 @@ func NewClient(rawURL string) (*redis.Client, error) {
 //	    the data nodes and the sentinels)
 //	redis-cluster://[[user]:password@]h1[:6379][,h2[:port]...]   (rediss-cluster:// with TLS)
 //
-// The user and password are the data nodes'. The clients use RESP2, as NewClient does.
-// An invalid URL fails at once with a *URLError naming the wrong part.
+// The TLS schemes take the query parameters ssl_ca_certs, ssl_certfile,
+// ssl_keyfile and ssl_cert_reqs (see tlsParamNames); a Sentinel client uses
+// them with the sentinels and with the data nodes. The user and password are
+// the data nodes'. The clients use RESP2, as NewClient does. An invalid URL
+// fails at once with a *URLError naming the wrong part.
 func NewUniversalClient(rawURL string) (redis.UniversalClient, error) {
 	scheme := schemeOf(rawURL)
 	switch scheme {
@@ -98,7 +118,7 @@ func NewUniversalClient(rawURL string) (redis.UniversalClient, error) {
 
 // multiHostURL is a parsed redis-sentinel:// or redis-cluster:// URL.
 type multiHostURL struct {
-	tls                                bool
+	tlsConfig                          *tls.Config // nil without TLS
 	username, password                 string
 	addrs                              []string
 	db                                 int
@@ -112,7 +132,7 @@ func parseMultiHost(raw string, defaultPort int) (*multiHostURL, error) {
 	scheme := schemeOf(raw)
 	sentinel := strings.HasSuffix(scheme, "-sentinel")
 	fail := func(part, reason string) (*multiHostURL, error) { return nil, &URLError{raw, part, reason} }
-	u := &multiHostURL{tls: strings.HasPrefix(scheme, "rediss")}
+	u := &multiHostURL{}
 	rest := strings.TrimPrefix(raw, scheme+"://")
 	rest, fragment, hasFragment := strings.Cut(rest, "#")
 	rest, query, hasQuery := strings.Cut(rest, "?")
@@ -163,6 +183,9 @@ func parseMultiHost(raw string, defaultPort int) (*multiHostURL, error) {
 	if err != nil {
 		return fail("query", err.Error())
 	}
+	if u.tlsConfig, err = takeTLSParams(raw, values, strings.HasPrefix(scheme, "rediss")); err != nil {
+		return nil, err
+	}
 	for key, v := range values {
 		switch {
 		case sentinel && key == "sentinel_username":
@@ -170,8 +193,8 @@ func parseMultiHost(raw string, defaultPort int) (*multiHostURL, error) {
 		case sentinel && key == "sentinel_password":
 			u.sentinelPassword = v[0]
 		default:
-			return fail("query", fmt.Sprintf("unknown parameter %q (allowed: sentinel_username, "+
-				"sentinel_password, with redis-sentinel:// only)", key))
+			return fail("query", fmt.Sprintf("unknown parameter %q (allowed: sentinel_username and "+
+				"sentinel_password with redis-sentinel:// only, %s with TLS)", key, strings.Join(tlsParamNames, ", ")))
 		}
 	}
 	return u, nil
@@ -198,26 +221,19 @@ func hostAddr(hostPort string, defaultPort int) (string, error) {
 	return net.JoinHostPort(host, port), nil
 }
 
-func (u *multiHostURL) tlsConfig() *tls.Config {
-	if !u.tls {
-		return nil
-	}
-	return &tls.Config{MinVersion: tls.VersionTLS12}
-}
-
 func (u *multiHostURL) failoverOptions() *redis.FailoverOptions {
 	return &redis.FailoverOptions{
 		MasterName: u.masterName, SentinelAddrs: u.addrs,
 		SentinelUsername: u.sentinelUsername, SentinelPassword: u.sentinelPassword,
 		Username: u.username, Password: u.password, DB: u.db,
-		TLSConfig: u.tlsConfig(), Protocol: 2, DisableIdentity: true,
+		TLSConfig: u.tlsConfig, Protocol: 2, DisableIdentity: true,
 	}
 }
 
 func (u *multiHostURL) clusterOptions() *redis.ClusterOptions {
 	return &redis.ClusterOptions{
 		Addrs: u.addrs, Username: u.username, Password: u.password,
-		TLSConfig: u.tlsConfig(), Protocol: 2, DisableIdentity: true,
+		TLSConfig: u.tlsConfig, Protocol: 2, DisableIdentity: true,
 		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
 	}
 }

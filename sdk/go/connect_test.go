@@ -22,7 +22,7 @@ func TestSentinelAndClusterURLs(t *testing.T) {
 		t.Fatalf("failover options %+v", o)
 	}
 	u, err = parseMultiHost("redis-sentinel://h1?sentinel_password=pw#main", 26379)
-	if err != nil || u.masterName != "main" || u.sentinelPassword != "pw" || u.tlsConfig() != nil || u.db != 0 {
+	if err != nil || u.masterName != "main" || u.sentinelPassword != "pw" || u.tlsConfig != nil || u.db != 0 {
 		t.Fatalf("query before the master name: %+v %v", u, err)
 	}
 	u, err = parseMultiHost("redis-cluster://:pw@10.0.0.1:7000,10.0.0.2", 6379)

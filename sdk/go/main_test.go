@@ -7,11 +7,13 @@ package envelope
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -60,7 +62,7 @@ func freePort() (int, error) {
 
 // startRedisAt runs redis-server on port, without persistence.
 func startRedisAt(port int) (string, func(), error) {
-	srv, err := startServer(port, "")
+	srv, err := startServer(port, nil, "")
 	if err != nil {
 		return "", nil, err
 	}
@@ -69,14 +71,22 @@ func startRedisAt(port int) (string, func(), error) {
 
 // redisServer is a redis-server process of a test (a node, a replica, a sentinel).
 type redisServer struct {
-	port int
-	dir  string
-	cmd  *exec.Cmd
-	once sync.Once
-	dead atomic.Bool // killed
+	port     int
+	dir      string
+	cmd      *exec.Cmd
+	tls      *tls.Config // how the tests' own clients reach a TLS-only server; nil for plain TCP
+	password string      // requirepass, set by the test that configured one
+	once     sync.Once
+	dead     atomic.Bool // killed
 }
 
 func (s *redisServer) addr() string { return fmt.Sprintf("127.0.0.1:%d", s.port) }
+
+// options are those of the tests' own clients of the server, without retries.
+func (s *redisServer) options() *redis.Options {
+	return &redis.Options{Addr: s.addr(), Password: s.password, TLSConfig: s.tls, Protocol: 2,
+		DisableIdentity: true, MaxRetries: -1, DialTimeout: 300 * time.Millisecond}
+}
 
 // kill ends the process with SIGKILL (a crash: nothing is flushed); it is safe to repeat.
 func (s *redisServer) kill() {
@@ -96,8 +106,9 @@ func (s *redisServer) stop() {
 // startServer runs redis-server on a loopback port, without persistence, in
 // a directory of its own, with extra arguments; it returns once the server
 // answers PING. A non-empty conf is written to a config file the server
-// starts from (sentinels need one and rewrite it).
-func startServer(port int, conf string, extra ...string) (*redisServer, error) {
+// starts from (sentinels need one and rewrite it). With certs the server
+// speaks TLS only, on port (see certificates.serverArgs).
+func startServer(port int, certs *certificates, conf string, extra ...string) (*redisServer, error) {
 	bin, err := exec.LookPath("redis-server")
 	if err != nil {
 		return nil, err
@@ -106,14 +117,18 @@ func startServer(port int, conf string, extra ...string) (*redisServer, error) {
 	if err != nil {
 		return nil, err
 	}
-	return launchServer(bin, port, dir, conf, extra...)
+	return launchServer(bin, port, dir, certs, conf, extra...)
 }
 
 // launchServer runs redis-server on port in dir (removed if it fails to
 // start), as startServer describes; a restart passes the same port and dir.
-func launchServer(bin string, port int, dir, conf string, extra ...string) (*redisServer, error) {
+func launchServer(bin string, port int, dir string, certs *certificates, conf string,
+	extra ...string) (*redisServer, error) {
 	args := []string{"--port", fmt.Sprint(port), "--bind", "127.0.0.1", "--save", "",
 		"--appendonly", "no", "--dir", dir}
+	if certs != nil {
+		args = append(args, certs.serverArgs(port)...)
+	}
 	if conf != "" {
 		file := filepath.Join(dir, "redis.conf")
 		if err := os.WriteFile(file, []byte(conf), 0o600); err != nil {
@@ -128,10 +143,14 @@ func launchServer(bin string, port int, dir, conf string, extra ...string) (*red
 		return nil, err
 	}
 	srv := &redisServer{port: port, dir: dir, cmd: cmd}
-	client := redis.NewClient(&redis.Options{Addr: srv.addr(), Protocol: 2, DisableIdentity: true, MaxRetries: -1})
+	if certs != nil {
+		srv.tls = certs.clientConfig()
+	}
+	client := redis.NewClient(srv.options())
 	defer client.Close()
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if client.Ping(context.Background()).Err() == nil {
+		// NOAUTH: a server with requirepass answers too
+		if err := client.Ping(context.Background()).Err(); err == nil || strings.HasPrefix(err.Error(), "NOAUTH") {
 			return srv, nil
 		}
 		if time.Now().After(deadline) {

@@ -2,6 +2,7 @@ package envelope
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"log/slog"
@@ -21,9 +22,11 @@ var outagePrefixes = []string{"READONLY", "MOVED", "ASK", "TRYAGAIN", "CLUSTERDO
 // IsOutage reports whether err means Redis is unreachable or failing over
 // (a reset or refused connection, READONLY, MOVED, ASK, TRYAGAIN, CLUSTERDOWN,
 // LOADING, MASTERDOWN, UNBLOCKED): the step may be retried, and it never
-// counts against a task.
+// counts against a task. A TLS handshake that fails (see tlsRefused) is no
+// outage, even when every sentinel answered with it.
 func IsOutage(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) ||
+		tlsRefused(err) {
 		return false
 	}
 	var netErr net.Error
@@ -40,6 +43,18 @@ func IsOutage(err error) bool {
 	}
 	return strings.Contains(msg, "connection pool timeout") || strings.Contains(msg, "all sentinels") ||
 		strings.Contains(msg, "connection reset")
+}
+
+// tlsRefused reports whether err is a TLS handshake that trying again cannot
+// mend: a server certificate that fails verification, a TLS alert of the
+// server (a client certificate it requires or refuses), or a server that does
+// not speak TLS.
+func tlsRefused(err error) bool {
+	var verification *tls.CertificateVerificationError
+	var notTLS tls.RecordHeaderError
+	var opErr *net.OpError
+	return errors.As(err, &verification) || errors.As(err, &notTLS) ||
+		(errors.As(err, &opErr) && opErr.Op == "remote error")
 }
 
 // outageAttempts bound retryOutage: about 15 s of backoff, longer than a

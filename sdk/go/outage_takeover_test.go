@@ -24,7 +24,7 @@ func TestNoTakeOverOfALiveConsumerRightAfterRedisRestarted(t *testing.T) {
 		t.Fatal(err)
 	}
 	aof := []string{"--appendonly", "yes", "--appendfsync", "always"}
-	srv, err := startServer(port, "", aof...)
+	srv, err := startServer(port, nil, "", aof...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +83,7 @@ func TestNoTakeOverOfALiveConsumerRightAfterRedisRestarted(t *testing.T) {
 
 	srv.kill()
 	time.Sleep(lease + 200*time.Millisecond) // every liveness key expires meanwhile
-	if srv, err = launchServer(bin, port, dir, "", aof...); err != nil {
+	if srv, err = launchServer(bin, port, dir, nil, "", aof...); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(2 * lease) // b renewed twice in a row several times over

@@ -2,9 +2,12 @@ package envelope
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"syscall"
 	"testing"
 )
@@ -37,6 +40,11 @@ func TestOutagesAreTheErrorsOfANodeThatIsAwayOrBetweenRoles(t *testing.T) {
 		errors.New("READONLYISH not a reply prefix"),
 		context.Canceled,
 		fmt.Errorf("publish: %w", context.DeadlineExceeded),
+		// TLS handshakes that cannot succeed, even when every sentinel answered with one
+		fmt.Errorf("redis: all sentinels specified in configuration are unreachable: %w",
+			errors.Join(&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, syscall.ECONNREFUSED)),
+		&net.OpError{Op: "remote error", Net: "tcp", Err: errors.New("tls: certificate required")},
+		tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"},
 	} {
 		if IsOutage(err) {
 			t.Errorf("%v is not an outage", err)

@@ -16,6 +16,12 @@ import (
 
 // startNode runs one redis-server for a topology and stops it when the test ends.
 func startNode(t *testing.T, conf string, extra ...string) *redisServer {
+	return startTLSNode(t, nil, conf, extra...)
+}
+
+// startTLSNode is startNode for a server that speaks TLS only, with certs
+// (plain TCP when certs is nil).
+func startTLSNode(t *testing.T, certs *certificates, conf string, extra ...string) *redisServer {
 	t.Helper()
 	if _, err := exec.LookPath("redis-server"); err != nil {
 		t.Skip("redis-server is not on PATH")
@@ -24,7 +30,7 @@ func startNode(t *testing.T, conf string, extra ...string) *redisServer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := startServer(port, conf, extra...)
+	srv, err := startServer(port, certs, conf, extra...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -41,8 +47,7 @@ func nodeClient(t *testing.T, srv *redisServer) *redis.Client {
 
 // directClient is a plain client of one node without retries; the caller closes it.
 func directClient(srv *redisServer) *redis.Client {
-	return redis.NewClient(&redis.Options{Addr: srv.addr(), Protocol: 2, DisableIdentity: true,
-		MaxRetries: -1, DialTimeout: 300 * time.Millisecond})
+	return redis.NewClient(srv.options())
 }
 
 // eventually polls cond every 50 ms until it holds, failing the test after limit.
@@ -71,37 +76,60 @@ func infoField(c *redis.Client, section, field string) string {
 	return ""
 }
 
-// sentinelGroup is a primary, two replicas and three sentinels that monitor
+// sentinelGroup is a primary, its replicas and three sentinels that monitor
 // them as masterName (quorum 2, down after 1 s, failover timeout 3 s).
 type sentinelGroup struct {
 	data      []*redisServer // data[0] starts as the primary
 	sentinels []*redisServer
+	setup     groupSetup
+}
+
+// groupSetup is what a sentinel group is made of besides its three sentinels.
+type groupSetup struct {
+	replicas         int
+	certs            *certificates // TLS only, replication and the sentinels' links included
+	sentinelPassword string        // requirepass of the sentinels
 }
 
 const masterName = "envelope-main"
 
+// startSentinelGroup is a primary, two replicas and three sentinels, on plain TCP.
 func startSentinelGroup(t *testing.T) *sentinelGroup {
-	g := &sentinelGroup{}
-	primary := startNode(t, "")
+	return startSentinelGroupWith(t, groupSetup{replicas: 2})
+}
+
+func startSentinelGroupWith(t *testing.T, setup groupSetup) *sentinelGroup {
+	g := &sentinelGroup{setup: setup}
+	var tlsArgs []string
+	if setup.certs != nil {
+		tlsArgs = []string{"--tls-replication", "yes"}
+	}
+	primary := startTLSNode(t, setup.certs, "", tlsArgs...)
 	g.data = append(g.data, primary)
-	for range 2 {
-		g.data = append(g.data, startNode(t, "", "--replicaof", "127.0.0.1", fmt.Sprint(primary.port)))
+	for range setup.replicas {
+		g.data = append(g.data, startTLSNode(t, setup.certs, "",
+			append([]string{"--replicaof", "127.0.0.1", fmt.Sprint(primary.port)}, tlsArgs...)...))
 	}
 	conf := fmt.Sprintf("sentinel monitor %[1]s 127.0.0.1 %[2]d 2\n"+
 		"sentinel down-after-milliseconds %[1]s 1000\nsentinel failover-timeout %[1]s 3000\n"+
 		"sentinel parallel-syncs %[1]s 2\n", masterName, primary.port)
+	if setup.sentinelPassword != "" {
+		conf += "requirepass " + setup.sentinelPassword + "\n"
+	}
 	for range 3 {
-		g.sentinels = append(g.sentinels, startNode(t, conf, "--sentinel"))
+		s := startTLSNode(t, setup.certs, conf, append([]string{"--sentinel"}, tlsArgs...)...)
+		s.password = setup.sentinelPassword
+		g.sentinels = append(g.sentinels, s)
 	}
 	for _, s := range g.sentinels {
 		c := nodeClient(t, s)
-		eventually(t, 15*time.Second, "sentinels that know both replicas and each other", func() bool {
+		eventually(t, 15*time.Second, "sentinels that know every replica and each other", func() bool {
 			m, err := c.Do(context.Background(), "SENTINEL", "MASTER", masterName).StringSlice()
 			fields := map[string]string{}
 			for i := 0; err == nil && i+1 < len(m); i += 2 {
 				fields[m[i]] = m[i+1]
 			}
-			return fields["num-slaves"] == "2" && fields["num-other-sentinels"] == "2"
+			return fields["num-slaves"] == fmt.Sprint(setup.replicas) && fields["num-other-sentinels"] == "2"
 		})
 	}
 	for _, r := range g.data[1:] {
@@ -113,13 +141,18 @@ func startSentinelGroup(t *testing.T) *sentinelGroup {
 	return g
 }
 
-// url is the redis-sentinel:// URL of the group.
+// url is the redis-sentinel:// URL of the group (rediss-sentinel:// with
+// TLS, query parameters to add after the master name).
 func (g *sentinelGroup) url() string {
 	addrs := make([]string, len(g.sentinels))
 	for i, s := range g.sentinels {
 		addrs[i] = s.addr()
 	}
-	return "redis-sentinel://" + strings.Join(addrs, ",") + "/0#" + masterName
+	scheme := "redis-sentinel://"
+	if g.setup.certs != nil {
+		scheme = "rediss-sentinel://"
+	}
+	return scheme + strings.Join(addrs, ",") + "/0#" + masterName
 }
 
 // agreedPrimary is the data node every sentinel names as primary, nil while
@@ -192,24 +225,38 @@ func (g *sentinelGroup) killPrimary(t *testing.T) (kill func(), failedOver func(
 	return kill, failedOver
 }
 
-// redisCluster is three primaries with one replica each (node timeout 1 s).
+// redisCluster is three primaries with replicas (node timeout 1 s).
 type redisCluster struct {
 	nodes []*redisServer
+	certs *certificates // TLS only, the cluster bus and replication included
 }
 
+// startCluster is three primaries with one replica each, on plain TCP.
 func startCluster(t *testing.T) *redisCluster {
+	return startClusterWith(t, 1, nil)
+}
+
+// startClusterWith is three primaries with replicas replicas each, speaking
+// TLS only with certs.
+func startClusterWith(t *testing.T, replicas int, certs *certificates) *redisCluster {
 	if _, err := exec.LookPath("redis-cli"); err != nil {
 		t.Skip("redis-cli is not on PATH")
 	}
-	c := &redisCluster{}
-	args := []string{"--cluster", "create"}
-	for range 6 {
-		n := startNode(t, "", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-			"--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0")
+	c := &redisCluster{certs: certs}
+	nodeArgs := []string{"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+		"--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0"}
+	var args []string
+	if certs != nil {
+		nodeArgs = append(nodeArgs, "--tls-cluster", "yes", "--tls-replication", "yes")
+		args = []string{"--tls", "--cacert", certs.ca}
+	}
+	args = append(args, "--cluster", "create")
+	for range 3 * (1 + replicas) {
+		n := startTLSNode(t, certs, "", nodeArgs...)
 		c.nodes = append(c.nodes, n)
 		args = append(args, n.addr())
 	}
-	args = append(args, "--cluster-replicas", "1", "--cluster-yes")
+	args = append(args, "--cluster-replicas", fmt.Sprint(replicas), "--cluster-yes")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if out, err := exec.CommandContext(ctx, "redis-cli", args...).CombinedOutput(); err != nil {
@@ -238,9 +285,14 @@ func infoClusterState(c *redis.Client) string {
 	return ""
 }
 
-// url is the redis-cluster:// URL of the cluster, naming two seed nodes.
+// url is the redis-cluster:// URL of the cluster, naming two seed nodes
+// (rediss-cluster:// with TLS, query parameters to add).
 func (c *redisCluster) url() string {
-	return "redis-cluster://" + c.nodes[0].addr() + "," + c.nodes[1].addr()
+	scheme := "redis-cluster://"
+	if c.certs != nil {
+		scheme = "rediss-cluster://"
+	}
+	return scheme + c.nodes[0].addr() + "," + c.nodes[1].addr()
 }
 
 // primaryOf is the node that serves key's slot as primary, by CLUSTER KEYSLOT
