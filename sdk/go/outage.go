@@ -26,7 +26,7 @@ var outagePrefixes = []string{"READONLY", "MOVED", "ASK", "TRYAGAIN", "CLUSTERDO
 // outage, even when every sentinel answered with it.
 func IsOutage(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) ||
-		tlsRefused(err) {
+		tlsRefused(err) || passwordRefused(err) {
 		return false
 	}
 	var netErr net.Error
@@ -55,6 +55,14 @@ func tlsRefused(err error) bool {
 	var opErr *net.OpError
 	return errors.As(err, &verification) || errors.As(err, &notTLS) ||
 		(errors.As(err, &opErr) && opErr.Op == "remote error")
+}
+
+// passwordRefused reports whether err is a refused password (NOAUTH or
+// WRONGPASS), also inside go-redis' "all sentinels ... unreachable" error:
+// waiting cannot cure it (docs/protocol.md, section 5).
+func passwordRefused(err error) bool {
+	msg := err.Error()
+	return strings.Contains(msg, "NOAUTH") || strings.Contains(msg, "WRONGPASS")
 }
 
 // outageAttempts bound retryOutage: about 15 s of backoff, longer than a

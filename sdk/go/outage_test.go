@@ -38,6 +38,9 @@ func TestOutagesAreTheErrorsOfANodeThatIsAwayOrBetweenRoles(t *testing.T) {
 		errors.New("NOSCRIPT No matching script"),
 		errors.New("WRONGTYPE Operation against a key holding the wrong kind of value"),
 		errors.New("READONLYISH not a reply prefix"),
+		errors.New("NOAUTH Authentication required."),
+		errors.New("WRONGPASS invalid username-password pair or user is disabled."),
+		errors.New("redis: all sentinels specified in configuration are unreachable: NOAUTH HELLO must be called with the client already authenticated"),
 		context.Canceled,
 		fmt.Errorf("publish: %w", context.DeadlineExceeded),
 		// TLS handshakes that cannot succeed, even when every sentinel answered with one
