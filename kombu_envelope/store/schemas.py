@@ -82,9 +82,9 @@ class PayloadSchemas:
 
     def get(self, task_type: str, payload_version: int) -> dict[str, Any] | None:
         """The schema of ``task_type`` at ``payload_version``, or None."""
-        text = self.client.hget(self._key, field_name(task_type, payload_version))
-        return None if text is None else _loaded(field_name(task_type, payload_version),
-                                                 as_text(text))
+        field = field_name(task_type, payload_version)
+        text = self.client.hget(self._key, field)
+        return None if text is None else _loaded(field, as_text(text))
 
     def all(self) -> dict[SchemaId, dict[str, Any]]:
         """Every stored schema that can be read, by ``(task_type, payload_version)``."""
@@ -135,8 +135,9 @@ class PayloadSchemas:
         compiled = {}
         for field, text in stored.items():
             known = self._compiled.get(field)
-            compiled[field] = known if known and known[0] == text else (text,
-                                                                        _usable(field, text))
+            if known is None or known[0] != text:  # compile only what changed
+                known = (text, _usable(field, text))
+            compiled[field] = known
         self._compiled = compiled
         self._validators = {schema_id: validator
                             for field, (_, validator) in compiled.items()
