@@ -86,10 +86,10 @@ def test_register_get_all_and_delete(schemas: PayloadSchemas, redis_client: redi
 
 
 @pytest.mark.parametrize(("task_type", "version", "schema", "message"), [
-    ("order.close", 1, {"type": "objectx"}, "not a valid draft 2020-12 schema: .type: "
+    ("order.close", 1, {"type": "objectx"}, "not a valid draft 2020-12 schema: at #/type: "
                                             "'objectx' is not valid"),
     ("order.close", 1, {"properties": {"a": {"pattern": "("}}},
-     ".properties.a.pattern: '(' is not a 'regex'"),
+     "at #/properties/a/pattern: '(' is not a 'regex'"),
     ("order.close", 1, ["not", "an", "object"], "must be a JSON object, not list"),
     ("order.close", 1, {"$ref": "https://example.com/order.json"}, "cannot be resolved"),
     ("order close", 1, {}, "task_type 'order close' does not match"),
@@ -272,7 +272,7 @@ def test_schema_commands(redis_client: redis.Redis, settings: Settings,
     failed = runner.invoke(commands, ["register", "order.close", "3", "-"],
                            input='{"type": "objectx"}')
     assert failed.exit_code == 1
-    assert "order.close@3: not a valid draft 2020-12 schema: .type: 'objectx'" in failed.output
+    assert "order.close@3: not a valid draft 2020-12 schema: at #/type: 'objectx'" in failed.output
     assert list(PayloadSchemas(redis_client, settings).all()) == [("order.close", 1)]
 
 

@@ -178,8 +178,9 @@ def compile_schema(schema: Any) -> Validator:
     try:
         PayloadValidator.check_schema(schema)
     except SchemaError as exc:
-        where = _json_path(exc.absolute_path)
-        raise InvalidSchema(f"not a valid draft 2020-12 schema: {where}: {exc.message}") from exc
+        where = "".join(f"/{part}" for part in exc.absolute_path)  # a JSON pointer
+        raise InvalidSchema(f"not a valid draft 2020-12 schema: at #{where}: {exc.message}"
+                            ) from exc
     validator: Validator = PayloadValidator(schema)
     try:
         list(validator.iter_errors({}))  # resolves the references the top level makes
