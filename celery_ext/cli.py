@@ -140,8 +140,8 @@ def delayed_list(ctx: click.Context, queue: str, task_type: str | None, limit: i
                      "error": t.error} for t in found])
         return
     echo_table(["due", "task_id", "task_type"],
-                [(format_rfc3339(t.due), t.task_id,
-                  t.envelope.task_type if t.envelope else f"? ({t.error})") for t in found])
+               [(format_rfc3339(t.due), t.task_id,
+                 t.envelope.task_type if t.envelope else f"? ({t.error})") for t in found])
 
 
 @delayed.command("show")
@@ -234,8 +234,8 @@ def dlq_list(ctx: click.Context, queues: tuple[str, ...], task_type: str | None,
         _echo_json([entry.as_dict() for entry in entries])
         return
     echo_table(["queue", "id", "dead_at", "failure_class", "task_type", "reason"],
-                [(e.queue, e.entry_id, format_rfc3339(e.dead_at), e.failure_class,
-                  e.task_type or "?", e.fields.get("reason", "")[:60]) for e in entries])
+               [(e.queue, e.entry_id, format_rfc3339(e.dead_at), e.failure_class,
+                 e.task_type or "?", e.fields.get("reason", "")[:60]) for e in entries])
 
 
 @dlq.command("show")
