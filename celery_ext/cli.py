@@ -1,4 +1,4 @@
-"""``celery envelope ...``: operate the scheduler, delayed tasks and dead letters.
+"""``celery envelope ...``: operate the scheduler, delayed tasks, dead letters and schemas.
 
 Registered through the ``celery.commands`` entry point, so every command runs
 as ``celery -A proj envelope <command>`` against the app's broker. Output is a
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -18,25 +17,18 @@ import click
 
 from celery_ext.broker import broker_redis, broker_settings
 from celery_ext.periodic import periodic_scheduler
+from kombu_envelope.cli_output import echo_table
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import EnvelopeError
+from kombu_envelope.schemas_cli import schema_commands
 from kombu_envelope.store.dead_letters import DeadLetterFilter, DeadLetters, ReplayEdit
 from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTasks
 from kombu_envelope.store.promoter import Promoter
+from kombu_envelope.store.schemas import PayloadSchemas
 
 
 def _app(ctx: click.Context) -> Any:
     return ctx.obj.app
-
-
-def _echo_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    rows = [[str(cell) for cell in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    line = "  ".join(f"{{:<{w}}}" for w in widths)
-    click.echo(line.format(*headers))
-    click.echo(line.format(*("-" * w for w in widths)))
-    for row in rows:
-        click.echo(line.format(*row))
 
 
 def _echo_json(value: Any) -> None:
@@ -66,7 +58,7 @@ def _json_object(value: str | None) -> dict[str, Any] | None:
 
 @click.group()
 def envelope() -> None:
-    """kombu-envelope: scheduler, delayed tasks and dead letters."""
+    """kombu-envelope: scheduler, delayed tasks, dead letters and payload schemas."""
 
 
 @envelope.command()
@@ -123,7 +115,7 @@ def delayed_count(ctx: click.Context, queue: str | None, as_json: bool) -> None:
     if as_json:
         _echo_json(counts)
     else:
-        _echo_table(["task_type" if queue else "queue", "delayed"], sorted(counts.items()))
+        echo_table(["task_type" if queue else "queue", "delayed"], sorted(counts.items()))
 
 
 @delayed.command("list")
@@ -147,9 +139,9 @@ def delayed_list(ctx: click.Context, queue: str, task_type: str | None, limit: i
                      "envelope": json.loads(t.envelope.to_json()) if t.envelope else None,
                      "error": t.error} for t in found])
         return
-    _echo_table(["due", "task_id", "task_type"],
-                [(format_rfc3339(t.due), t.task_id,
-                  t.envelope.task_type if t.envelope else f"? ({t.error})") for t in found])
+    echo_table(["due", "task_id", "task_type"],
+               [(format_rfc3339(t.due), t.task_id,
+                 t.envelope.task_type if t.envelope else f"? ({t.error})") for t in found])
 
 
 @delayed.command("show")
@@ -241,9 +233,9 @@ def dlq_list(ctx: click.Context, queues: tuple[str, ...], task_type: str | None,
     if as_json:
         _echo_json([entry.as_dict() for entry in entries])
         return
-    _echo_table(["queue", "id", "dead_at", "failure_class", "task_type", "reason"],
-                [(e.queue, e.entry_id, format_rfc3339(e.dead_at), e.failure_class,
-                  e.task_type or "?", e.fields.get("reason", "")[:60]) for e in entries])
+    echo_table(["queue", "id", "dead_at", "failure_class", "task_type", "reason"],
+               [(e.queue, e.entry_id, format_rfc3339(e.dead_at), e.failure_class,
+                 e.task_type or "?", e.fields.get("reason", "")[:60]) for e in entries])
 
 
 @dlq.command("show")
@@ -273,7 +265,7 @@ def dlq_stats(ctx: click.Context, queues: tuple[str, ...], task_type: str | None
         _echo_json([{"queue": q, "task_type": t, "failure_class": f, "count": c}
                     for q, t, f, c in rows])
     else:
-        _echo_table(["queue", "task_type", "failure_class", "count"], rows)
+        echo_table(["queue", "task_type", "failure_class", "count"], rows)
 
 
 @dlq.command("purge")
@@ -326,3 +318,15 @@ def dlq_replay(ctx: click.Context, queue: str, entry_ids: tuple[str, ...], paylo
         except EnvelopeError as exc:
             raise click.ClickException(f"{entry_id}: {exc}") from exc
         click.echo(f"{entry_id}: " + (f"replayed as {new_id}" if new_id else "already replayed"))
+
+
+# ------------------------------------------------------------------ schemas
+
+
+def _schemas(ctx: click.Context) -> PayloadSchemas:
+    app = _app(ctx)
+    settings = broker_settings(app)
+    return PayloadSchemas(broker_redis(app, settings), settings)
+
+
+envelope.add_command(schema_commands(_schemas))

@@ -21,6 +21,9 @@ id of an occurrence is derived from the key prefix, the entry name and the
 occurrence time (:func:`occurrence_task_id`), so an occurrence is recognisable
 everywhere (results, logs, cancellation).
 
+An occurrence whose task cannot be built (its payload breaks its schema,
+:mod:`kombu_envelope.store.schemas`, for one) is logged and skipped.
+
 Catch-up after downtime: when no scheduler ran for a while, the first missed
 occurrence is published once as soon as one runs again, the other missed
 ones are skipped, and the next occurrence is the first one after now.
@@ -76,6 +79,7 @@ from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.promoter import redis_now_ms
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.schemas import PayloadSchemas
 
 __all__ = [
     "ENABLED_SETTING",
@@ -352,6 +356,7 @@ class PeriodicScheduler:
         self.settings = settings or broker_settings(app)
         self.entries = list(entries_of(app) if entries is None else entries)
         self.adapter = CeleryAdapter()
+        self.schemas = PayloadSchemas(client, self.settings)
         self.synced = False
         # Entries whose task could not be built: name -> ms before which to skip them.
         self._skip_until: dict[str, int] = {}
@@ -515,6 +520,7 @@ class PeriodicScheduler:
         task_id = occurrence_task_id(self.settings.key_prefix, entry.name, occurrence_ms)
         try:
             task = build_occurrence_task(self.app, entry, task_id, self.adapter, self.settings)
+            self.schemas.check(task.envelope)
             enc, body = encode_body(task.envelope, self.settings.gzip_min_bytes,
                                     limits=self.settings.limits)
         except RedisError:

@@ -66,6 +66,9 @@ On delivery in a Celery worker (see :func:`serve_worker_app`), a task whose
 ``payload_versions`` option (default ``(1,)``) and dead-letters others as
 ``unsupported_payload_version``. Other processes (and a worker whose app is
 not finalized yet) deliver every task: they cannot tell which tasks exist.
+Then the transport dead-letters a payload that breaks its schema as
+``invalid_payload`` (:mod:`kombu_envelope.store.schemas`), in every process.
+A task dead-lettered before delivery gets its ``FAILURE`` result (:meth:`CeleryAdapter.refused`).
 """
 
 from __future__ import annotations
@@ -169,8 +172,7 @@ class CeleryAdapter(MessageAdapter):
         try:
             _check_deliverable(envelope)
         except Undeliverable as exc:
-            if _worker_app is not None:
-                record_undeliverable(_worker_app, envelope, exc.failure_class, exc.reason)
+            self.refused(envelope, exc.failure_class, exc.reason)
             raise
         celery = envelope.ext.get(EXT_NAMESPACE)
         known = celery or {}
@@ -187,6 +189,11 @@ class CeleryAdapter(MessageAdapter):
             "properties": {**properties, "priority": _celery_priority(envelope, known),
                            "body_encoding": None, "delivery_info": {}},
         }
+
+    def refused(self, envelope: Envelope, failure_class: str, reason: str) -> None:
+        """Store the ``FAILURE`` of a task the transport dead-letters before Celery sees it."""
+        if _worker_app is not None:
+            record_undeliverable(_worker_app, envelope, failure_class, reason)
 
     def to_not_run_message(self, envelope: Envelope, queue: str,
                            why: NotRun) -> dict[str, Any] | None:

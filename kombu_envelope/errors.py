@@ -72,6 +72,10 @@ class UnsupportedMessage(EnvelopeError, EncodeError):
     """A message cannot become an Envelope (for example it is not JSON)."""
 
 
+class InvalidSchema(EnvelopeError, ValueError):
+    """A payload schema is not a valid JSON Schema (draft 2020-12); nothing was stored."""
+
+
 class InvalidQueueName(EnvelopeError, ValueError):
     """A queue name cannot be used in a Redis Cluster hash tag."""
 

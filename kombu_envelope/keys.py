@@ -191,6 +191,11 @@ class KeySpace:
         return f"{self.prefix}:retrying:{task_type}"
 
     @property
+    def schemas(self) -> str:
+        """HASH of ``<task_type>@<payload_version>`` to the payload's JSON Schema."""
+        return f"{self.prefix}:schemas"
+
+    @property
     def wakeup_channel(self) -> str:
         """Pub/sub channel on which publishers wake the delayed-task promoters."""
         return f"{self.prefix}:wakeup"

@@ -30,6 +30,14 @@ logger = logging.getLogger(__name__)
 SENTINEL_PASSWORD_ENV = "ENVELOPE_SENTINEL_PASSWORD"
 
 
+def standalone_settings(key_prefix: str, master_name: str | None) -> Settings:
+    """Settings of a tool run without Celery; the sentinels' password from the environment."""
+    sentinel_password = os.environ.get(SENTINEL_PASSWORD_ENV)
+    return Settings(key_prefix=key_prefix, master_name=master_name,
+                    sentinel_kwargs={"password": sentinel_password} if sentinel_password
+                    else None)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m kombu_envelope.scheduler``."""
     parser = argparse.ArgumentParser(description="Promote due delayed tasks to their streams.")
@@ -43,10 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    sentinel_password = os.environ.get(SENTINEL_PASSWORD_ENV)
-    settings = Settings(key_prefix=args.key_prefix, master_name=args.master_name,
-                        sentinel_kwargs={"password": sentinel_password}
-                        if sentinel_password else None)
+    settings = standalone_settings(args.key_prefix, args.master_name)
     client = client_for_url(args.url, settings)
     promoter = Promoter(lambda: client, settings, batch=args.batch)
     stop = threading.Event()

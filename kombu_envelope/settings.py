@@ -115,6 +115,10 @@ class Settings:
     #: does not exist) before looking again (ms); while there are, every read batch is
     #: checked.
     cancel_check_ms: int = 1_000
+    #: How long a producer or worker uses the payload schemas it read before reading
+    #: them again (seconds; 0: on every task): a schema registered now is enforced
+    #: everywhere within this time.
+    schema_cache_s: float = 30.0
     #: Task bodies of at least this many bytes are gzip-compressed (None: never).
     gzip_min_bytes: int | None = DEFAULT_GZIP_MIN_BYTES
     #: How far ahead a task may be scheduled at publish (seconds).

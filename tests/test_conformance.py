@@ -19,6 +19,7 @@ import pytest
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import Envelope, check_publishable, format_rfc3339, utcnow
 from kombu_envelope.errors import InvalidEnvelope, MalformedEntry
+from kombu_envelope.store.schemas import SCHEMA_RULE, compile_schema, payload_violations
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))
@@ -43,6 +44,7 @@ ENTRY_ERRORS = {
 ENVELOPE_KEYS = {"name", "description", "input", "valid", "field", "rule", "expect",
                  "schema_checks", "publish", "schedule_offset_s"}
 ENTRY_KEYS = {"name", "description", "fields", "valid", "envelope", "error", "field", "rule"}
+SCHEMA_KEYS = {"name", "description", "schema", "payload", "violations"}
 
 
 @functools.cache
@@ -82,9 +84,11 @@ def test_the_manifest_lists_every_vector_file() -> None:
     on_disk = {
         "envelopes": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("envelopes/*.json")),
         "entries": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("entries/*.json")),
+        "schemas": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("schemas/*.json")),
     }
     assert MANIFEST["envelopes"] == on_disk["envelopes"]
     assert MANIFEST["entries"] == on_disk["entries"]
+    assert MANIFEST["schemas"] == on_disk["schemas"]
     assert MANIFEST["format_version"] == 1
 
 
@@ -187,3 +191,43 @@ def test_entry_vector(relative: str) -> None:
             continue
         assert case["valid"], f"accepted, expected {case['error']}"
         assert json.loads(env.to_json()) == case["envelope"]
+
+
+# ---------------------------------------------------------- payload schemas
+
+
+def schema_vector_verdict(case: dict[str, Any]) -> list[dict[str, str]]:
+    """The violations of the vector's payload, as the vectors write them."""
+    found = payload_violations(compile_schema(case["schema"]), case["payload"])
+    return [{"field": v.field, "rule": v.rule, "keyword": v.keyword} for v in found]
+
+
+@pytest.mark.parametrize("relative", MANIFEST["schemas"])
+def test_schema_vector_is_well_formed(relative: str) -> None:
+    case = load(relative)
+    assert set(case) == SCHEMA_KEYS
+    assert case["name"] == Path(relative).stem
+    assert case["description"]
+    assert isinstance(case["payload"], dict)
+    for violation in case["violations"]:
+        assert set(violation) == {"field", "rule", "keyword"}
+        assert violation["rule"] == SCHEMA_RULE
+        assert violation["field"] == "payload" or violation["field"].startswith(
+            ("payload.", "payload["))
+
+
+def test_schema_vectors_cover_the_keywords_paths_and_the_format_decision() -> None:
+    cases = [load(name) for name in MANIFEST["schemas"]]
+    found = [v for case in cases for v in case["violations"]]
+    assert {"required", "type", "additionalProperties", "enum"} <= {v["keyword"] for v in found}
+    assert any(v["field"].count(".") >= 3 for v in found)  # a nested path
+    assert any("[" in v["field"] for v in found)  # an array index
+    assert any(len(case["violations"]) >= 4 for case in cases)  # several at once
+    assert load("schemas/format_is_not_asserted.json")["violations"] == []
+    assert "`format`" in README and "annotation" in README
+
+
+@pytest.mark.parametrize("relative", MANIFEST["schemas"])
+def test_schema_vector(relative: str) -> None:
+    case = load(relative)
+    assert schema_vector_verdict(case) == case["violations"]

@@ -47,6 +47,7 @@ from kombu_envelope.codec import decode_body, decode_entry
 from kombu_envelope.keys import QueueKeys
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.promoter import Promoter, redis_now_ms
+from kombu_envelope.store.schemas import PayloadSchemas
 
 QUEUE = "celery"
 APP = "apps.periodic_app"
@@ -313,6 +314,21 @@ def test_a_due_occurrence_is_published_once_with_its_task(
     assert envelope.payload == {"tag": "tick"}
     assert envelope.schedule_time is None
     assert envelope.trace_id
+
+
+def test_an_occurrence_whose_payload_breaks_its_schema_is_skipped(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str, settings: Settings,
+    keys: QueueKeys, caplog: pytest.LogCaptureFixture,
+) -> None:
+    PayloadSchemas(redis_client, settings).register(RECORD, 1, {
+        "type": "object", "properties": {"tag": {"type": "integer"}}})
+    with scheduler_of(redis_url, key_prefix, {"tick": {"every": 1, "args": ["tick"]}}) as one:
+        one.sync()
+        due = int(redis_client.hget(keys.periodic, "tick"))
+        with caplog.at_level(logging.ERROR, logger="celery_ext.periodic"):
+            assert one.run_due(due) == (0, due + 1000)
+    assert "cannot build task" in caplog.text and "payload.tag" in caplog.text
+    assert delayed_task_ids(redis_client, keys) == []
 
 
 def test_after_downtime_a_missed_occurrence_runs_once(

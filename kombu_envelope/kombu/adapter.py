@@ -95,6 +95,10 @@ class MessageAdapter:
                            "delivery_info": {}},
         }
 
+    def refused(self, envelope: Envelope, failure_class: str, reason: str) -> None:
+        """Called when a task is dead-lettered instead of delivered (:meth:`to_message`
+        raised :class:`Undeliverable`, or its payload breaks its schema), before the
+        dead-letter entry is written. The default does nothing."""
 
     def to_not_run_message(self, envelope: Envelope, queue: str,
                            why: NotRun) -> dict[str, Any] | None:

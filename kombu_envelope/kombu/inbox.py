@@ -1,6 +1,7 @@
 """Read stream entries become kombu messages (section 5.1 of docs/protocol.md).
 
-Malformed entries, and tasks the message adapter cannot deliver, are
+Malformed entries, tasks the message adapter cannot deliver, and payloads that
+break their schema (``invalid_payload``, checked after the adapter) are
 dead-lettered; tasks added before they are due go to their delayed set; tasks
 marked cancelled (in ``<prefix>:cancelled``) or expired are not run: the
 adapter either delivers them to a consumer that records them as revoked
@@ -30,6 +31,7 @@ from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.publisher import schedule_encoded
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.schemas import PayloadSchemas, dead_letter_reason
 
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
@@ -54,6 +56,7 @@ class Inbox:
         self.consumer_name = consumer_name
         self.queue_of_stream = queue_of_stream
         self.settler = settler
+        self.schemas = PayloadSchemas(client, settings)
         #: Time until which ``<prefix>:cancelled`` is known not to exist.
         self._no_cancel_marks_until = 0.0
 
@@ -148,6 +151,7 @@ class Inbox:
                 message = _kombu_message(fields)
             else:
                 message = self.adapter.to_message(envelope, queue)
+                self._check_payload(envelope)
         except MalformedEntry as exc:
             self.settler.dead_letter(queue, stream, entry_id,
                                      Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
@@ -160,6 +164,22 @@ class Inbox:
                         task_id=envelope.task_id, task_type=envelope.task_type))
             return None
         return self._located(message, queue, stream, entry_id, fields)
+
+    def _check_payload(self, envelope: Envelope) -> None:
+        """Raise Undeliverable (``invalid_payload``) when the payload breaks its schema.
+
+        A failed lookup of the schemas runs the task unchecked (logged).
+        """
+        try:
+            violations = self.schemas.violations(envelope)
+        except RedisError as exc:
+            logger.warning("reading payload schemas failed (%r); task %s runs unchecked",
+                           exc, envelope.task_id)
+            return
+        if violations:
+            reason = dead_letter_reason(violations)
+            self.adapter.refused(envelope, FailureClass.INVALID_PAYLOAD.value, reason)
+            raise Undeliverable(FailureClass.INVALID_PAYLOAD.value, reason)
 
     def _located(self, message: dict[str, Any], queue: str, stream: str, entry_id: str,
                  fields: dict[Any, Any]) -> dict[str, Any]:

@@ -23,9 +23,10 @@ Transport Options
 =================
 Fields of :class:`kombu_envelope.settings.Settings` (docs/operations.md has their
 defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_ms``,
-``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
-``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
-``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``wait_replicas`` and
+``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``schema_cache_s``,
+``gzip_min_bytes``, ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``,
+``transient_maxlen``, ``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``,
+``wait_replicas`` and
 ``wait_timeout_ms`` (WAIT after publishing and settling), ``connection_kwargs``,
 the Sentinel options ``master_name``, ``sentinel_kwargs`` and ``min_other_sentinels``,
 and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,

@@ -27,6 +27,7 @@ from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.schemas import PayloadSchemas
 from kombu_envelope.store.scripts import script
 
 
@@ -209,6 +210,7 @@ class DeadLetters:
     def __init__(self, client: Any, settings: Settings | None = None) -> None:
         self.client = client
         self.settings = settings or Settings()
+        self.schemas = PayloadSchemas(client, self.settings)
 
     def queues(self) -> list[str]:
         """Queues that have had dead-letter entries."""
@@ -268,7 +270,8 @@ class DeadLetters:
         """Publish a dead-lettered task again (edited first); return the new entry id.
 
         Returns None when the entry is gone (someone replayed or purged it first).
-        Raises InvalidEnvelope when the edited Envelope is invalid, and
+        Raises InvalidEnvelope when the edited Envelope is invalid or its payload
+        breaks its schema, and
         MalformedEntry when the entry holds no decodable Envelope.
         """
         entry = self.get(queue, entry_id)
@@ -278,6 +281,7 @@ class DeadLetters:
             raise MalformedEntry(f"dead-letter entry {entry_id} holds no valid Envelope: "
                                  f"{entry.decode_error}")
         envelope = (edit or ReplayEdit()).apply(entry.envelope, self.settings.limits)
+        self.schemas.check(envelope)
         enc, body = encode_body(envelope, self.settings.gzip_min_bytes,
                                 limits=self.settings.limits)
         keys = self.settings.keys.queue(queue)

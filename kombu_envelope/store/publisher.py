@@ -22,6 +22,7 @@ from kombu_envelope.keys import QueueKeys, bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
+from kombu_envelope.store.schemas import PayloadSchemas
 from kombu_envelope.store.scripts import script
 
 
@@ -31,18 +32,20 @@ class Publisher:
     def __init__(self, client: Any, settings: Settings | None = None) -> None:
         self.client = client
         self.settings = settings or Settings()
+        self.schemas = PayloadSchemas(client, self.settings)
 
     def publish(self, queue: str, envelope: Envelope, now: datetime | None = None) -> str | None:
         """Publish one Envelope; return its stream entry id, or None when it was delayed
         or replaced a pending entry.
 
         Raises :class:`~kombu_envelope.errors.InvalidEnvelope` before anything
-        reaches Redis when a publish-time rule is broken. The next attempt of a
+        reaches Redis when a publish-time rule is broken or the payload breaks its
+        schema (:mod:`kombu_envelope.store.schemas`). The next attempt of a
         task whose entry is pending replaces it (see :mod:`kombu_envelope.store.replacing`).
         """
         pending = pending_replaced_by(queue, envelope)
         if pending is not None:
-            check_publishable(envelope, self.settings.limits, now)
+            self._check(envelope, now)
             outcome = replace_pending(self.client, self.settings, pending, envelope)
             if outcome is Replaced.REPLACED or not pending.publish_if_gone:
                 return None
@@ -58,7 +61,8 @@ class Publisher:
         Cluster shards go out together, one pipeline per node (see
         :class:`~kombu_envelope.store.batch.Batch` for how scripts travel in it).
 
-        Every Envelope is validated first; if any is invalid nothing is sent.
+        Every Envelope is validated first (publish-time rules, payload schema); if any
+        is invalid nothing is sent.
         Returns, in order, each stream entry id (None for delayed ones).
         """
         now = now or utcnow()
@@ -66,7 +70,7 @@ class Publisher:
         prepared = []
         for queue, envelope in items:
             keys = settings.keys.queue(queue)  # an invalid queue name also sends nothing
-            check_publishable(envelope, settings.limits, now)
+            self._check(envelope, now)
             prepared.append((keys, envelope,
                              *encode_body(envelope, settings.gzip_min_bytes,
                                           limits=settings.limits)))
@@ -110,6 +114,11 @@ class Publisher:
             else None
             for reply in replies
         ]
+
+    def _check(self, envelope: Envelope, now: datetime | None) -> None:
+        """Raise InvalidEnvelope unless ``envelope`` may be published now."""
+        check_publishable(envelope, self.settings.limits, now)
+        self.schemas.check(envelope)
 
 
 def schedule_encoded(batch: Batch, settings: Settings, keys: QueueKeys,
