@@ -195,9 +195,14 @@ def payload_violations(validator: Validator, payload: Any) -> list[Violation]:
     return [_violation(error) for error in sorted(validator.iter_errors(payload), key=_order)]
 
 
+#: Longest dead-letter reason (characters): validators repeat the offending value.
+MAX_REASON = 1000
+
+
 def dead_letter_reason(violations: Sequence[Violation]) -> str:
     """The reason of the dead-letter entry of a payload that breaks its schema."""
-    return "schema: " + "; ".join(f"{v.field}: {v.message}" for v in violations)
+    reason = "schema: " + "; ".join(f"{v.field}: {v.message}" for v in violations)
+    return reason if len(reason) <= MAX_REASON else reason[:MAX_REASON - 1] + "…"
 
 
 # ------------------------------------------------------------ the validator
