@@ -287,9 +287,9 @@ class ClusterFaults(threading.Thread):
             owner = self.cluster.owner_of(self._slot())
             primary = next(port for port in self.cluster.primaries() if port != owner)
         replica = self.cluster.replicas_of(primary)[0]
+        queues = self._queues_of(primary)
         self.cluster.failover(replica)
-        return (f"replica {replica} of {primary} promoted (queues "
-                f"{', '.join(self._queues_of(replica)) or '-'})")
+        return f"replica {replica} of {primary} promoted (queues {', '.join(queues) or '-'})"
 
     def _primary_stall(self) -> str:
         victim = next(port for port in self.cluster.primaries()
