@@ -39,10 +39,11 @@ class DrillConfig:
     #: ``redis_kill_at_s`` (and started again ``redis_down_s`` later, to rejoin as a
     #: replica), then SIGSTOPped at ``stall_at_s`` for ``stall_s``; no worker is killed.
     #: ``cluster``: the Cluster's faults: the primary of the first queue is SIGKILLed at
-    #: ``primary_kill_at_s`` (its replica takes over), a replica of another primary is
-    #: promoted with ``CLUSTER FAILOVER`` at ``failover_at_s``, and the first queue's
-    #: slot is moved to another primary at ``reshard_at_s``; the single Redis's kill and
-    #: restart (``redis_*``) do not apply.
+    #: ``primary_kill_at_s`` (its replica takes over), the replica of the last queue's
+    #: primary is promoted with ``CLUSTER FAILOVER`` at ``failover_at_s``, the first
+    #: queue's slot is moved to another primary at ``reshard_at_s``, and a primary is
+    #: SIGSTOPped at ``stall_at_s`` for ``stall_s``; the single Redis's kill and restart
+    #: (``redis_*``) do not apply.
     topology: str = SINGLE
     #: Languages of the workers, round robin over ``workers`` (a killed worker is replaced
     #: by one of its language).

@@ -92,8 +92,9 @@ class DrillReport:
         """The drill ran as designed, and lost nothing and duplicated no effect.
 
         On a Cluster, without ``WAIT``, the writes a SIGKILLed primary had not yet sent
-        to its replica are lost with it: the drill passes when every lost task is one
-        of those (:meth:`lost_outside_window` is empty) and no effect was duplicated.
+        to its replica are lost with it, and those a SIGSTOPped one took before its
+        demotion: the drill passes when every lost task is one of those
+        (:meth:`lost_outside_window` is empty) and no effect was duplicated.
         On Sentinel without WAIT a loss is reported, not failed (the replicas may not
         have copied the last writes), and any worker that exited fails the drill.
         """

@@ -4,11 +4,15 @@
    every write Redis acknowledged is on disk when it is SIGKILLed, so what the restart
    brings back is exactly what clients were told was stored), or on the ``sentinel``
    topology a Sentinel group (:class:`~bench.drill.faults.SentinelFailovers` are its
-   faults, and no worker is killed).
-2. ``workers`` prefork workers, all ready before anything is published.
-3. The producer publishes ``tasks`` over ``publish_s``; meanwhile a random worker is
-   SIGKILLed (its whole process group) every ``kill_interval_s`` and replaced, and the
-   broker's redis-server is SIGKILLed once and started again from its AOF.
+   faults, and no worker is killed), or on ``cluster`` a Cluster
+   (:class:`~bench.drill.faults.ClusterFaults`).
+2. ``workers`` workers of ``languages`` (Celery prefork workers, and the Go, Node.js and
+   Java peers of :mod:`bench.drill.peers`, built first), all ready before anything is
+   published.
+3. The burst (``burst`` delayed tasks due at one instant, if any) is published at once;
+   then the producer publishes ``tasks`` over ``publish_s``; meanwhile a random worker
+   is SIGKILLed (its whole process group) every ``kill_interval_s`` and replaced by one
+   of its language, and the broker's Redis gets its faults.
 4. Once publishing ends the kills stop (a worker that exits on its own is still
    replaced); the drill waits until every published task's order has had an effect,
    then until no task has started for a lease (each wait at most ``settle_timeout_s``).
