@@ -162,7 +162,7 @@ func drill(args []string) error {
 			Concurrency: *concurrency,
 			Retry:       envelope.RetryPolicy{FastRetries: 2, Backoff: time.Second, MaxBackoff: 4 * time.Second},
 			DeferDelay:  time.Second, Durability: envelope.Durability{Replicas: *waitReplicas},
-			Logger:      logger.With("queue", queue),
+			Logger: logger.With("queue", queue),
 		})
 		if err != nil {
 			stop()
