@@ -4,14 +4,17 @@ Each peer (``tests/interop/go`` ``drill``, ``tests/interop/node/drill.js``,
 ``tests/interop/java`` ``DrillPeer``) works the drill's queues with the SDK's Worker
 and a ``drill.effect`` handler that records in the ledger what :mod:`bench.drill.app`
 records for Celery. :func:`build_peers` builds those a drill needs (``go build``, an
-offline Maven package) once, before any worker starts.
+offline Maven package) before any worker starts, once per process.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,19 +42,23 @@ def _run(argv: list[str], cwd: Path, what: str) -> None:
         raise PeerBuildError(f"{what} failed:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}")
 
 
-def build_go(out_dir: Path) -> Path:
-    """``go build`` of the Go peer into ``out_dir``; its binary."""
+@functools.cache
+def build_go() -> Path:
+    """``go build`` of the Go peer into a directory of this process (once); its binary."""
     go = shutil.which("go")
     if go is None:
         raise PeerBuildError("the Go workers need go on PATH")
+    out_dir = Path(tempfile.mkdtemp(prefix="drill-go-"))
+    atexit.register(shutil.rmtree, out_dir, True)
     binary = out_dir / "envelope-peer"
     _run([go, "build", "-o", str(binary), "."], GO_DIR, "go build of tests/interop/go")
     return binary
 
 
+@functools.cache
 def build_java() -> str:
-    """Maven package (offline, without the SDK's tests) of the SDK and the Java peer; the
-    peer's classpath."""
+    """Maven package (offline, without the SDK's tests) of the SDK and the Java peer, once
+    per process; the peer's classpath."""
     if shutil.which("mvn") is None or shutil.which("java") is None:
         raise PeerBuildError("the Java workers need mvn and java on PATH")
     _run(["mvn", "-o", "-q", "-B", "-f", str(JAVA_DIR / "pom.xml"), "-pl", "peer", "-am",
@@ -97,9 +104,9 @@ class Peers:
         raise PeerBuildError(f"no {language} worker was built")
 
 
-def build_peers(languages: tuple[str, ...], out_dir: Path) -> Peers:
+def build_peers(languages: tuple[str, ...]) -> Peers:
     """Build the peers of ``languages`` (Python needs none)."""
     wanted = set(languages) - {PYTHON}
-    return Peers(go_binary=build_go(out_dir) if "go" in wanted else None,
+    return Peers(go_binary=build_go() if "go" in wanted else None,
                  node=check_node() if "node" in wanted else None,
                  java_classpath=build_java() if "java" in wanted else None)

@@ -84,7 +84,7 @@ def run_drill(config: DrillConfig, workdir: Path | None = None, log: Log = _stde
     rng = random.Random(config.seed)
     if set(config.languages) - {PYTHON}:
         log(f"building the workers of {', '.join(config.languages)}")
-    peers = build_peers(config.languages, workdir)
+    peers = build_peers(config.languages)
     with PrivateRedisServer() as ledger_server, _broker_redis(config) as broker_redis:
         ledger = Ledger(redis.Redis.from_url(ledger_server.url), run)
         queues = tuple(queue_names(config))
