@@ -187,7 +187,7 @@ SMALL = DrillConfig()
 #: a task lost in the no-WAIT window keeps the drill waiting ``settle_timeout_s``.
 SMALL_CLUSTER = DrillConfig(topology=CLUSTER, queues=3, tasks=120, workers=4,
                             publish_s=20.0, stall_at_s=13.0, stall_s=5.0, burst=1500,
-                            settle_timeout_s=25.0)
+                            settle_timeout_s=20.0)
 
 #: The drill whose figures docs/operations.md reports.
 LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,
