@@ -128,3 +128,24 @@ def test_a_drill_whose_only_duplicate_followed_a_kill_after_the_effect_passes() 
     counted = tally(published, [], story.records, [], {"w2": KILLED_AT})
     assert counted.passed
     assert (counted.duplicate_effects, counted.duplicates_after_kill) == (1, 1)
+
+
+def test_a_peer_handler_that_returned_then_was_killed_is_a_kill_not_a_broken_promise() -> None:
+    # A Go, Node.js or Java handler records "returned"; its SDK settles afterwards.
+    published = [Published(planned(n), 1.0, 0.01) for n in range(2)]
+    story = Story()
+    story.attempt(0, "w2", 21, 95.0, outcome="returned")  # SIGKILLed at KILLED_AT, unsettled
+    story.attempt(0, "w1", 11, 110.0)
+    story.attempt(1, "w3", 31, 96.0, outcome="returned")  # never killed: settled, yet again
+    story.attempt(1, "w1", 11, 111.0)
+    counted = tally(published, [], story.records, [], {"w2": KILLED_AT})
+    assert [(d.order_id, d.causes) for d in counted.duplicates] == [
+        ("order-0", ["SIGKILLed after its effect, before the attempt ended"]),
+        ("order-1", ["its handler returned, then it was delivered again"]),
+    ]
+    assert not counted.passed
+    assert counted.by_language({"w1": "python", "w2": "go", "w3": "node"}) == {
+        "go": {"starts": 1, "effects": 1, "duplicate_effects": 0},
+        "node": {"starts": 1, "effects": 1, "duplicate_effects": 0},
+        "python": {"starts": 2, "effects": 2, "duplicate_effects": 2},
+    }

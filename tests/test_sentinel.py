@@ -3,9 +3,10 @@
 Every test runs real processes from the redis-server binary on loopback ports: a
 Sentinel group (a primary, two replicas, three sentinels) from
 :class:`~kombu_envelope.testing.sentinel.SentinelGroup`, or a primary with one
-replica. The small Sentinel drills at the end run Celery workers (Celery's
-defaults) through a SIGKILL and a SIGSTOP of the primary (``python -m bench drill
---topology sentinel`` runs the large one).
+replica. The small Sentinel drills at the end run Celery, Go, Node.js and Java workers
+through a SIGKILL of the primary while a burst of delayed tasks is being promoted, and a
+SIGSTOP of the next primary (``python -m bench drill --topology sentinel`` runs the
+large one); the drill without WAIT runs only with ``KOMBU_ENVELOPE_LONG_DRILLS=1``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from test_connection_options import Certificates
 from test_connection_options import certificates as certificates  # the fixture
 
 import celery_ext  # noqa: F401  (envelope:// for Celery)
-from bench.drill.config import SENTINEL_SMALL
+from bench.drill.config import LANGUAGES, SENTINEL_SMALL
 from bench.drill.run import run_drill
 from kombu_envelope import Envelope
 from kombu_envelope.keys import bucket_for
@@ -301,18 +302,24 @@ def on_replica_eventually_empty(replica: PrivateRedisServer, stream: str) -> boo
 
 # ------------------------------------------------------------------ drills
 
+#: The long drills (``KOMBU_ENVELOPE_LONG_DRILLS=1``) run only when asked.
+LONG_DRILLS = os.environ.get("KOMBU_ENVELOPE_LONG_DRILLS") == "1"
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)  # peer builds included; the drill's own deadlines end it first
 def test_sentinel_drill_with_wait_loses_nothing_and_doubles_nothing(tmp_path: Path) -> None:
-    report = run_drill(SENTINEL_SMALL.replace(wait_replicas=1), tmp_path)
+    report = run_drill(SENTINEL_SMALL.replace(wait_replicas=1, languages=LANGUAGES), tmp_path)
     if not report.passed:
         pytest.fail(report.diagnostics(), pytrace=False)
     assert report.tally.lost == [] and not report.exited
+    assert set(report.languages.values()) == set(LANGUAGES)  # every one started and was ready
+    assert report.tally.effects == SENTINEL_SMALL.tasks + SENTINEL_SMALL.burst
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(not LONG_DRILLS, reason="a long drill: set KOMBU_ENVELOPE_LONG_DRILLS=1")
 def test_sentinel_drill_without_wait_reports_its_loss(tmp_path: Path) -> None:
     report = run_drill(SENTINEL_SMALL, tmp_path)
     if not report.passed:

@@ -18,12 +18,15 @@ from typing import Any
 from bench.drill.config import (
     BROKERS,
     CLUSTER,
+    CLUSTER_LARGE,
     ENVELOPE,
+    LANGUAGES,
     LARGE,
     SENTINEL,
     SENTINEL_LARGE,
     SENTINEL_SMALL,
     SMALL,
+    SMALL_CLUSTER,
     TOPOLOGIES,
     DrillConfig,
 )
@@ -46,8 +49,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="keep the worker logs here (default a temporary directory)")
     parser.add_argument("--details", action="store_true",
                         help="print the diagnostics even when a drill passed")
+    parser.add_argument("--languages", type=_languages, default=None,
+                        help=f"comma-separated worker languages, from {','.join(LANGUAGES)}, "
+                             "round robin over --workers (default python)")
     for spec in dataclasses.fields(DrillConfig):
-        if spec.name in ("broker",):
+        if spec.name in ("broker", "languages"):
             continue
         default = getattr(LARGE, spec.name)
         kind: Any = type(default)
@@ -62,12 +68,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _languages(text: str) -> tuple[str, ...]:
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in LANGUAGES]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"languages must be among {','.join(LANGUAGES)}, "
+                                         f"not {text!r}")
+    return chosen
+
+
 def configs(args: argparse.Namespace) -> list[DrillConfig]:
     """One config per chosen broker, from the preset and the options given (the
-    Sentinel presets with ``--topology sentinel``; ``--topology sentinel`` and
-    ``--topology cluster`` drill envelope:// only)."""
-    if args.topology == SENTINEL:
-        base = SENTINEL_SMALL if args.small else SENTINEL_LARGE
+    Sentinel and Cluster presets with ``--topology sentinel|cluster``, which drill
+    envelope:// only)."""
+    if args.topology in (SENTINEL, CLUSTER):
+        if args.topology == SENTINEL:
+            base = SENTINEL_SMALL if args.small else SENTINEL_LARGE
+        else:
+            base = SMALL_CLUSTER if args.small else CLUSTER_LARGE
         if args.brokers == ",".join(BROKERS):
             args.brokers = ENVELOPE
     else:

@@ -17,6 +17,15 @@ SINGLE = "single"
 SENTINEL = "sentinel"
 CLUSTER = "cluster"
 TOPOLOGIES = (SINGLE, SENTINEL, CLUSTER)
+#: Languages of the drill's workers: Celery, and the Go, Node.js and Java peers
+#: (``tests/interop/{go,node,java}``, their ``drill`` handlers).
+PYTHON = "python"
+LANGUAGES = (PYTHON, "go", "node", "java")
+
+
+#: How long before its fault the burst is due (seconds): the fault strikes while the
+#: promoters move it.
+BURST_LEAD_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -30,15 +39,21 @@ class DrillConfig:
     #: ``redis_kill_at_s`` (and started again ``redis_down_s`` later, to rejoin as a
     #: replica), then SIGSTOPped at ``stall_at_s`` for ``stall_s``; no worker is killed.
     #: ``cluster``: the Cluster's faults: the primary of the first queue is SIGKILLed at
-    #: ``primary_kill_at_s`` (its replica takes over), a replica of another primary is
-    #: promoted with ``CLUSTER FAILOVER`` at ``failover_at_s``, and the first queue's
-    #: slot is moved to another primary at ``reshard_at_s``; the single Redis's kill and
-    #: restart (``redis_*``) do not apply.
+    #: ``primary_kill_at_s`` (its replica takes over), the replica of the last queue's
+    #: primary is promoted with ``CLUSTER FAILOVER`` at ``failover_at_s``, the first
+    #: queue's slot is moved to another primary at ``reshard_at_s``, and a primary is
+    #: SIGSTOPped at ``stall_at_s`` for ``stall_s``; the single Redis's kill and restart
+    #: (``redis_*``) do not apply.
     topology: str = SINGLE
+    #: Languages of the workers, round robin over ``workers`` (a killed worker is replaced
+    #: by one of its language).
+    languages: tuple[str, ...] = (PYTHON,)
     #: ``wait_replicas`` of envelope:// (0: no WAIT).
     wait_replicas: int = 0
     #: Sentinel: when the primary of the moment is SIGSTOPped, and for how long (make
-    #: it longer than the lease and than failure detection).
+    #: it longer than the lease and than failure detection). Cluster: when a primary
+    #: with a replica is SIGSTOPped, and for how long (longer than the lease and than
+    #: ``cluster-node-timeout``, so its replica is promoted; it rejoins as a replica).
     stall_at_s: float = 11.0
     stall_s: float = 5.0
     #: ``socket_timeout`` of envelope:// on Sentinel (seconds): how soon a command or a
@@ -73,6 +88,12 @@ class DrillConfig:
     seed: int = 9
     #: Queues the tasks are spread over (round robin); on a Cluster, over every shard.
     queues: int = 1
+    #: Delayed tasks published at once, all due at one instant (many more than one
+    #: promoter batch, 1000): due just before the primary holding them is SIGKILLed
+    #: (Sentinel, ``redis_kill_at_s``) or failed over (Cluster, ``failover_at_s``), so
+    #: the fault strikes while they are being promoted. Each works ``burst_work_ms``.
+    burst: int = 0
+    burst_work_ms: tuple[int, int] = (1, 10)
     primary_kill_at_s: float = 4.0
     failover_at_s: float = 8.0
     reshard_at_s: float = 11.0
@@ -85,6 +106,10 @@ class DrillConfig:
         if self.topology == CLUSTER and self.broker != ENVELOPE:
             raise ValueError("a Cluster drill runs on envelope:// only (the stock redis:// "
                              "transport does not serve a Redis Cluster)")
+        if not self.languages or set(self.languages) - set(LANGUAGES):
+            raise ValueError(f"languages must be among {LANGUAGES}, not {self.languages!r}")
+        if self.burst < 0 or (self.burst and self.topology == SINGLE):
+            raise ValueError("burst must be >= 0, and 0 on the single topology")
         if self.queues < 1:
             raise ValueError("queues must be at least 1")
         if self.topology == CLUSTER and not (
@@ -92,6 +117,11 @@ class DrillConfig:
                 < self.publish_s):
             raise ValueError("the Cluster's faults must come in the order primary kill, "
                              "failover, resharding, all while publishing")
+        if self.topology == CLUSTER and not (
+                self.reshard_at_s < self.stall_at_s < self.stall_at_s + self.stall_s
+                < self.publish_s and self.stall_s * 1000 > self.lease_ms):
+            raise ValueError("on a Cluster the primary stall comes after the resharding, ends "
+                             "while publishing, and lasts longer than the lease (lease_ms)")
         if self.topology == SENTINEL:
             if self.broker != ENVELOPE:
                 raise ValueError("the sentinel topology drills envelope:// only")
@@ -124,6 +154,12 @@ class DrillConfig:
         return self.sentinel and not self.wait_replicas
 
     @property
+    def burst_due_s(self) -> float:
+        """When the burst is due: just before the fault aimed at it."""
+        return (self.failover_at_s if self.topology == CLUSTER
+                else self.redis_kill_at_s) - BURST_LEAD_S
+
+    @property
     def delayed(self) -> int:
         """How many of the tasks are published with a countdown."""
         return round(self.tasks * self.delayed_fraction)
@@ -147,8 +183,11 @@ class DrillConfig:
 #: The suite's drill: small enough for CI (about a minute on two cores).
 SMALL = DrillConfig()
 
-#: The Cluster drill of the suite's size (tests/test_cluster.py has its own, smaller).
-SMALL_CLUSTER = DrillConfig(topology=CLUSTER, queues=3)
+#: The Cluster drill of the suite's size (tests/test_cluster.py has its own, smaller):
+#: a task lost in the no-WAIT window keeps the drill waiting ``settle_timeout_s``.
+SMALL_CLUSTER = DrillConfig(topology=CLUSTER, queues=3, tasks=120, workers=4,
+                            publish_s=20.0, stall_at_s=13.0, stall_s=5.0, burst=1500,
+                            settle_timeout_s=20.0)
 
 #: The drill whose figures docs/operations.md reports.
 LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,
@@ -156,9 +195,15 @@ LARGE = DrillConfig(tasks=2000, publish_s=120.0, workers=4, concurrency=2,
                     redis_down_s=3.0, settle_timeout_s=180.0)
 
 #: The suite's Sentinel drill: about a minute.
-SENTINEL_SMALL = SMALL.replace(topology=SENTINEL, publish_s=20.0, redis_kill_at_s=4.0,
-                               redis_down_s=3.0, stall_at_s=11.0, stall_s=5.0)
+SENTINEL_SMALL = SMALL.replace(topology=SENTINEL, tasks=120, workers=4, publish_s=20.0,
+                               redis_kill_at_s=7.5, redis_down_s=3.0, stall_at_s=11.0,
+                               stall_s=5.0, burst=1500, settle_timeout_s=25.0)
 
 #: The Sentinel drill whose figures docs/operations.md reports.
 SENTINEL_LARGE = LARGE.replace(topology=SENTINEL, redis_kill_at_s=30.0, redis_down_s=3.0,
-                               stall_at_s=70.0, stall_s=8.0)
+                               stall_at_s=70.0, stall_s=8.0, burst=3000)
+
+#: The Cluster drill whose figures docs/operations.md reports.
+CLUSTER_LARGE = LARGE.replace(topology=CLUSTER, queues=3, primary_kill_at_s=20.0,
+                              failover_at_s=45.0, reshard_at_s=70.0, stall_at_s=90.0,
+                              stall_s=8.0, burst=3000)

@@ -1,7 +1,7 @@
 """The drill's faults: workers SIGKILLed and replaced, the broker's Redis SIGKILLed and
 restarted from its AOF, a Sentinel group's primary killed and stalled, or, on a Cluster,
-a primary killed, a replica promoted and a slot moved; and the timeline of what
-happened when."""
+a primary killed, a replica promoted, a slot moved and a primary stalled; and the
+timeline of what happened when."""
 
 from __future__ import annotations
 
@@ -60,12 +60,15 @@ class Timeline:
 
 
 class Fleet:
-    """Keeps ``size`` workers running; kills one on demand and replaces it at once."""
+    """Keeps ``size`` workers running, of ``languages`` round robin; kills one on demand
+    and replaces it at once with one of the same language."""
 
-    def __init__(self, make_worker: Callable[[int], DrillWorker], size: int, ledger: Ledger,
-                 timeline: Timeline) -> None:
+    def __init__(self, make_worker: Callable[[int, str], DrillWorker], size: int,
+                 ledger: Ledger, timeline: Timeline, languages: tuple[str, ...] = ("python",)
+                 ) -> None:
         self.make_worker = make_worker
         self.size = size
+        self.languages = languages
         self.ledger = ledger
         self.timeline = timeline
         self.running: list[DrillWorker] = []
@@ -75,19 +78,19 @@ class Fleet:
         self.exited: list[DrillWorker] = []
         self._started = 0
 
-    def start_one(self) -> DrillWorker:
-        """Start a new worker (not waiting for it to be ready)."""
+    def start_one(self, language: str) -> DrillWorker:
+        """Start a new ``language`` worker (not waiting for it to be ready)."""
         self._started += 1
-        worker = self.make_worker(self._started).start()
+        worker = self.make_worker(self._started, language).start()
         self.running.append(worker)
         self.all[worker.hostname] = worker
-        self.timeline.note("worker-start", worker.hostname)
+        self.timeline.note("worker-start", f"{worker.hostname} ({language})")
         return worker
 
     def start(self, timeout: float) -> None:
         """Start ``size`` workers and wait until every one is ready."""
-        for _ in range(self.size):
-            self.start_one()
+        for number in range(self.size):
+            self.start_one(self.languages[number % len(self.languages)])
         deadline = time.monotonic() + timeout
         while not all(w.hostname in self.ledger.ready_hosts() for w in self.running):
             self.replace_exited()
@@ -104,7 +107,7 @@ class Fleet:
             self.running.remove(worker)
             self.exited.append(worker)
             self.timeline.note("worker-exit", f"{worker.hostname} status {worker.exit_code()}")
-            self.start_one()
+            self.start_one(worker.language)
 
     def kill_one(self, rng: random.Random) -> DrillWorker | None:
         """SIGKILL a random ready worker's process group and start a replacement."""
@@ -116,8 +119,9 @@ class Fleet:
         hit = victim.kill()
         self.running.remove(victim)
         self.killed.append(victim)
-        self.timeline.note("worker-kill", f"{victim.hostname} ({hit} processes)")
-        self.start_one()
+        self.timeline.note("worker-kill", f"{victim.hostname} ({victim.language}, {hit} "
+                                          "processes)")
+        self.start_one(victim.language)
         return victim
 
     def stop(self, timeout: float = 20.0) -> None:
@@ -218,24 +222,31 @@ class ClusterFaults(threading.Thread):
 
     * ``primary-kill``: SIGKILL of the primary that serves ``queue``'s slot; its replica
       is elected (about two ``cluster-node-timeout``) and the killed node stays down;
-    * ``failover``: ``CLUSTER FAILOVER`` on a replica of another primary (a planned,
-      lossless promotion);
-    * ``reshard``: ``queue``'s slot, with its keys, moved to another primary.
+    * ``failover``: ``CLUSTER FAILOVER`` on a replica of the primary that serves the
+      last queue, where the burst (if any) is due just before: a planned, lossless
+      promotion while the promoters move the burst (another primary's replica when
+      that one has none left);
+    * ``reshard``: ``queue``'s slot, with its keys, moved to another primary;
+    * ``primary-stall``: SIGSTOP of a primary with a replica for ``stall_s`` (longer
+      than the lease and than ``cluster-node-timeout``): its replica is promoted; after
+      SIGCONT it rejoins as a replica, and the writes it took meanwhile are lost.
     """
 
     def __init__(self, cluster: PrivateRedisCluster, timeline: Timeline, *,
                  queue_keys: dict[str, str], kill_at: float, failover_at: float,
-                 reshard_at: float) -> None:
+                 reshard_at: float, stall_at: float, stall_s: float) -> None:
         """``queue_keys``: a key of each queue of the drill, the first queue first."""
         super().__init__(name="drill-cluster-faults", daemon=True)
         self.cluster = cluster
         self.timeline = timeline
         self.queue_keys = queue_keys
         self.queue_key = next(iter(queue_keys.values()))
-        #: The queues whose slots the killed primary served.
-        self.killed_queues: list[str] = []
+        self.stall_s = stall_s
+        #: Per fault that loses writes (``primary-kill``, ``primary-stall``), the queues
+        #: whose slots its primary served.
+        self.lossy_queues: dict[str, list[str]] = {}
         self.plan = (("primary-kill", kill_at), ("failover", failover_at),
-                     ("reshard", reshard_at))
+                     ("reshard", reshard_at), ("primary-stall", stall_at))
         self.cancelled = threading.Event()
         self.error: BaseException | None = None
         #: Fault kind -> (began, Cluster whole again), epoch seconds.
@@ -258,20 +269,47 @@ class ClusterFaults(threading.Thread):
     def _slot(self) -> int:
         return self.cluster.keyslot(self.queue_key)
 
+    def _queues_of(self, primary: int) -> list[str]:
+        return [queue for queue, key in self.queue_keys.items()
+                if self.cluster.owner_of(self.cluster.keyslot(key)) == primary]
+
     def _primary_kill(self) -> str:
         victim = self.cluster.owner_of(self._slot())
-        self.killed_queues = [queue for queue, key in self.queue_keys.items()
-                              if self.cluster.owner_of(self.cluster.keyslot(key)) == victim]
+        self.lossy_queues["primary-kill"] = self._queues_of(victim)
         self.cluster.kill(victim)
         return (f"primary {victim} (slot {self._slot()}) killed; "
                 f"{self.cluster.owner_of(self._slot())} serves it")
 
     def _failover(self) -> str:
-        owner = self.cluster.owner_of(self._slot())
-        primary = next(port for port in self.cluster.primaries() if port != owner)
+        last_key = list(self.queue_keys.values())[-1]
+        primary = self.cluster.owner_of(self.cluster.keyslot(last_key))
+        if not self.cluster.replicas_of(primary):
+            owner = self.cluster.owner_of(self._slot())
+            primary = next(port for port in self.cluster.primaries() if port != owner)
         replica = self.cluster.replicas_of(primary)[0]
+        queues = self._queues_of(primary)
         self.cluster.failover(replica)
-        return f"replica {replica} of {primary} promoted"
+        return f"replica {replica} of {primary} promoted (queues {', '.join(queues) or '-'})"
+
+    def _primary_stall(self) -> str:
+        victim = next(port for port in self.cluster.primaries()
+                      if self.cluster.replicas_of(port))
+        self.lossy_queues["primary-stall"] = self._queues_of(victim)
+        stopped = time.time()
+        self.cluster.pause(victim)
+        self.cluster.wait_ok(failover_of=victim)
+        promoted_s = time.time() - stopped
+        time.sleep(max(stopped + self.stall_s - time.time(), 0))
+        self.cluster.resume(victim)
+        deadline = time.monotonic() + 30
+        while any(node.port == victim and node.primary for node in self.cluster.nodes(victim)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"primary {victim} did not rejoin as a replica")
+            time.sleep(0.05)
+        self.cluster.wait_ok()
+        return (f"primary {victim} SIGSTOPped for {self.stall_s:g} s (queues "
+                f"{', '.join(self.lossy_queues['primary-stall']) or '-'}); its replica took "
+                f"over after {promoted_s:.1f} s; SIGCONT, it rejoined as a replica")
 
     def _reshard(self) -> str:
         owner = self.cluster.owner_of(self._slot())

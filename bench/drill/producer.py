@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import Celery
@@ -33,6 +34,8 @@ class Planned:
     countdown: float | None
     work_ms: int
     queue: str = QUEUE
+    #: A burst task's due time, seconds from the start of publishing (else None).
+    eta_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,18 @@ class Published:
     task: Planned
     at: float
     seconds: float  # how long apply_async took, retries included
+    #: A burst task's eta (epoch seconds).
+    eta: float | None = None
+
+    @property
+    def due(self) -> float | None:
+        """When a delayed task was due (epoch seconds), None for an immediate one."""
+        return self.at + self.task.countdown if self.task.countdown is not None else self.eta
+
+    @property
+    def immediate(self) -> bool:
+        """Published without a countdown or an eta."""
+        return self.due is None
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,15 @@ def plan(config: DrillConfig, rng: random.Random) -> list[Planned]:
             for index in range(config.tasks)]
 
 
+def plan_burst(config: DrillConfig, rng: random.Random) -> list[Planned]:
+    """The burst: ``config.burst`` tasks of one queue (the last, whose primary the fault
+    strikes), all due at ``config.burst_due_s``."""
+    queue = queue_names(config)[-1]
+    return [Planned(index, f"burst-{index:05d}", str(uuid.UUID(int=rng.getrandbits(128))),
+                    None, rng.randint(*config.burst_work_ms), queue, config.burst_due_s)
+            for index in range(config.burst)]
+
+
 def retry_policy(config: DrillConfig) -> dict[str, Any]:
     """kombu retry policy outlasting the outage: a try every second for down time + 20 s."""
     return {"max_retries": math.ceil(config.redis_down_s) + 20, "interval_start": 0,
@@ -77,15 +101,20 @@ def retry_policy(config: DrillConfig) -> dict[str, Any]:
 
 
 class Producer(threading.Thread):
-    """Publishes ``tasks`` evenly over ``publish_s`` seconds from ``start_at`` (epoch)."""
+    """Publishes ``tasks`` evenly over ``pace_s`` seconds (default ``publish_s``) from
+    ``start_at`` (epoch); with ``pace_s`` 0, as fast as it can."""
 
     def __init__(self, app: Celery, tasks: list[Planned], config: DrillConfig,
-                 start_at: float) -> None:
+                 start_at: float, pace_s: float | None = None,
+                 due_base: float | None = None) -> None:
+        """``due_base``: the epoch a burst task's ``eta_s`` counts from (``start_at``)."""
         super().__init__(name="drill-producer", daemon=True)
         self.app = app
         self.tasks = tasks
         self.start_at = start_at
-        self.step_s = config.publish_s / max(len(tasks), 1)
+        self.due_base = start_at if due_base is None else due_base
+        pace = config.publish_s if pace_s is None else pace_s
+        self.step_s = pace / max(len(tasks), 1)
         self.policy = retry_policy(config)
         self.published: list[Published] = []
         self.not_published: list[NotPublished] = []
@@ -103,18 +132,20 @@ class Producer(threading.Thread):
                                           - time.time(), 0)):
                     return
                 started = time.time()
+                eta = (None if planned.eta_s is None
+                       else datetime.fromtimestamp(self.due_base + planned.eta_s, timezone.utc))
                 try:
                     task.apply_async(kwargs={"order_id": planned.order_id,
                                              "work_ms": planned.work_ms},
                                      task_id=planned.task_id, countdown=planned.countdown,
-                                     queue=planned.queue,
+                                     eta=eta, queue=planned.queue,
                                      retry=True, retry_policy=self.policy)
                 except Exception as exc:
                     self.not_published.append(NotPublished(planned, time.time(),
                                                            f"{type(exc).__name__}: {exc}"))
                 else:
-                    self.published.append(Published(planned, started,
-                                                    time.time() - started))
+                    self.published.append(Published(planned, started, time.time() - started,
+                                                    None if eta is None else eta.timestamp()))
         except BaseException as exc:  # reported by the drill, never lost with the thread
             self.error = exc
 

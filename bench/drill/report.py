@@ -76,8 +76,10 @@ class DrillReport:
     machine: dict[str, Any] = field(default_factory=dict)
     #: Cluster drills: each fault's (began, Cluster whole again), epoch seconds.
     fault_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
-    #: Cluster drills: the queues whose primary was SIGKILLed.
-    killed_queues: list[str] = field(default_factory=list)
+    #: Cluster drills: per fault that loses writes, the queues of its primary.
+    lossy_queues: dict[str, list[str]] = field(default_factory=dict)
+    #: Every worker's hostname -> its language.
+    languages: dict[str, str] = field(default_factory=dict)
     #: Sentinel: per fault (kill, stall), seconds until a new primary took writes.
     failover_s: dict[str, float] = field(default_factory=dict)
     #: Per fault, seconds until the first effect of a task published after it.
@@ -90,8 +92,9 @@ class DrillReport:
         """The drill ran as designed, and lost nothing and duplicated no effect.
 
         On a Cluster, without ``WAIT``, the writes a SIGKILLed primary had not yet sent
-        to its replica are lost with it: the drill passes when every lost task is one
-        of those (:meth:`lost_outside_window` is empty) and no effect was duplicated.
+        to its replica are lost with it, and those a SIGSTOPped one took before its
+        demotion: the drill passes when every lost task is one of those
+        (:meth:`lost_outside_window` is empty) and no effect was duplicated.
         On Sentinel without WAIT a loss is reported, not failed (the replicas may not
         have copied the last writes), and any worker that exited fails the drill.
         """
@@ -105,15 +108,16 @@ class DrillReport:
         return tally.passed
 
     def lost_in_window(self) -> list[str]:
-        """Lost orders of a queue of the SIGKILLed primary, published from
-        :data:`LOSS_LOOKBACK_S` before the kill until the Cluster was whole again."""
-        span = self.fault_spans.get("primary-kill")
-        if span is None:
-            return []
+        """Lost orders of a queue of the SIGKILLed or SIGSTOPped primary, published from
+        :data:`LOSS_LOOKBACK_S` before the fault until the Cluster was whole again (the
+        no-WAIT window: writes its replica had not copied, or that it took while stalled)."""
         by_order = {p.task.order_id: p for p in self.published}
         return [order for order in self.tally.lost
-                if by_order[order].task.queue in self.killed_queues
-                and span[0] - LOSS_LOOKBACK_S <= by_order[order].at <= span[1]]
+                if any(fault in self.fault_spans
+                       and by_order[order].task.queue in queues
+                       and self.fault_spans[fault][0] - LOSS_LOOKBACK_S
+                       <= by_order[order].at <= self.fault_spans[fault][1]
+                       for fault, queues in self.lossy_queues.items())]
 
     def lost_outside_window(self) -> list[str]:
         """Lost orders no primary's death explains."""
@@ -143,6 +147,8 @@ class DrillReport:
             "topology": self.config.topology, "wait_replicas": self.config.wait_replicas,
             "failover_s": self.failover_s, "recovery_s": self.recovery_s,
             "replication_lag_bytes": self.lag_bytes,
+            "languages": list(self.config.languages), "burst": self.config.burst,
+            "by_language": self.tally.by_language(self.languages),
             **({"whole_again_s": self.whole_again_s(),
                 "lost_with_primary": len(self.lost_in_window()),
                 "lost_otherwise": len(self.lost_outside_window())} if self.fault_spans else {}),
@@ -175,8 +181,9 @@ class DrillReport:
         verdict = "PASSED" if self.passed else "FAILED"
         return "\n".join([
             f"fault drill on {self.broker}: {verdict}",
-            f"  published {f['published']} of {self.config.tasks} "
-            f"({self.config.delayed} with a countdown), not published {f['not_published']}; "
+            f"  published {f['published']} of {self.config.tasks + self.config.burst} "
+            f"({self.config.delayed} with a countdown, {self.config.burst} in the burst), "
+            f"not published {f['not_published']}; "
             f"{f['published_during_outage']} publishes began while Redis was down, the "
             f"longest took {f['publish_max_s']} s",
             f"  effects {f['effects']}, lost {f['lost']} (dead-lettered among them "
@@ -202,6 +209,9 @@ class DrillReport:
                f"replication window), {f['lost_otherwise']} lost otherwise; whole again after "
                + ", ".join(f"{kind} {s} s" for kind, s in f["whole_again_s"].items())]
               if self.fault_spans else []),
+            "  by language: " + "; ".join(
+                f"{language} starts {n['starts']}, effects {n['effects']}, duplicate effects "
+                f"{n['duplicate_effects']}" for language, n in f["by_language"].items()),
             *(f"  duplicate: {n} x {cause}" for cause, n in self.duplicate_causes().most_common()),
             *(f"  exited: {n} x {reason}" for reason, n in self.exit_reasons().most_common()),
         ])

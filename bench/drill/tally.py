@@ -4,9 +4,10 @@
   dead-lettered are counted among them, and also reported apart).
 * **duplicate effects**: effects of an order beyond its first. Each gets a cause, from
   how the attempt that made the earlier effect ended: *killed* when it never ended
-  (no success, failure or retry recorded) because the drill SIGKILLed its worker after
-  the effect (on envelope:// the window between an effect and its done marker, which
-  no broker closes unless the effect and the marker are one transaction); *worker
+  (no success, failure or retry recorded, or only a peer handler's ``returned``, the
+  kill coming before the next effect) because the drill SIGKILLed its worker after the
+  effect (on envelope:// the window between an effect and its done marker, which no
+  broker closes unless the effect and the marker are one transaction); *worker
   exited* when its worker exited on its own instead; *failed after its effect* (with
   the error) or *succeeded, then delivered again* when it ended; *concurrent* when the
   next run began before the effect.
@@ -32,6 +33,10 @@ from bench.drill.producer import NotPublished, Published
 EARLY_SLACK_S = 0.05
 #: Cause of a duplicate effect that only a transaction around effect and marker prevents.
 KILLED = "SIGKILLed after its effect, before the attempt ended"
+#: Outcome of a Go, Node.js or Java handler that returned: its SDK writes the done marker
+#: and acknowledges afterwards, so the attempt has not ended yet (Celery's ``success``
+#: comes after its done marker).
+RETURNED = "returned"
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,24 @@ class Tally:
     starts_cut_by_kills: int
     started_early: int = 0
     history: dict[str, list[str]] = field(default_factory=dict)
+    #: Per worker hostname: starts, and effects of published orders.
+    starts_by_host: Counter[str] = field(default_factory=Counter)
+    effects_by_host: Counter[str] = field(default_factory=Counter)
+
+    def by_language(self, language_of: dict[str, str]) -> dict[str, dict[str, int]]:
+        """Starts, effects and duplicate effects per worker language (``language_of``:
+        hostname -> language); a duplicate counts for the worker that made it."""
+        split: dict[str, Counter[str]] = defaultdict(Counter)
+        for host, n in self.starts_by_host.items():
+            split[language_of.get(host, "?")]["starts"] += n
+        for host, n in self.effects_by_host.items():
+            split[language_of.get(host, "?")]["effects"] += n
+        for dup in self.duplicates:
+            for effect in dup.effects[1:]:
+                split[language_of.get(str(effect.get("host")), "?")]["duplicate_effects"] += 1
+        return {language: {kind: counts[kind]
+                           for kind in ("starts", "effects", "duplicate_effects")}
+                for language, counts in sorted(split.items())}
 
     @property
     def duplicate_effects(self) -> int:
@@ -143,6 +166,10 @@ def _cause(effect: Record, later: Record, runs: list[Record], outcomes: list[Rec
         if exited_at.get(host, -1.0) >= effect["t"]:
             return "its worker exited on its own before the attempt ended"
         return "the attempt never ended"
+    if ending.get("state") == RETURNED:  # settled by the SDK after the handler returned
+        if effect["t"] <= killed_at.get(host, -1.0) <= later["t"]:
+            return KILLED
+        return "its handler returned, then it was delivered again"
     if ending.get("state") == "failure":
         error = str(ending.get("error") or "").split(":", 1)[0]
         return f"failed after its effect: {error}" if error else "failed after its effect"
@@ -187,9 +214,8 @@ def tally(published: list[Published], not_published: list[NotPublished],
     for record in deliveries:
         task = str(record["task"])
         first_start[task] = min(first_start.get(task, record["t"]), record["t"])
-    early = sum(1 for p in published if p.task.countdown is not None
-                and first_start.get(p.task.task_id, float("inf"))
-                < p.at + p.task.countdown - EARLY_SLACK_S)
+    early = sum(1 for p in published if p.due is not None
+                and first_start.get(p.task.task_id, float("inf")) < p.due - EARLY_SLACK_S)
 
     suspects = set(lost) | {d.order_id for d in duplicates}
     history = {order: _history(order, records) for order in sorted(suspects)}
@@ -205,6 +231,9 @@ def tally(published: list[Published], not_published: list[NotPublished],
         runs_without_key=sum(1 for r in runs if not r.get("key")),
         effects_of_unpublished=sorted(set(effects_of) - published_orders),
         starts_cut_by_kills=cut, started_early=early, history=history,
+        starts_by_host=Counter(str(r.get("host")) for r in deliveries),
+        effects_by_host=Counter(str(r.get("host")) for r in effects
+                                if r.get("order") in published_orders),
     )
 
 

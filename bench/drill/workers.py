@@ -1,9 +1,11 @@
-"""The drill's ``celery worker`` processes, each in a process group of its own.
+"""The drill's worker processes, each in a process group of its own.
 
-A worker runs with Celery's defaults (mingle, gossip and heartbeat on) and the
-prefork pool. It is started in a new session, so its main process and every pool
-process it forks share one process group, and :meth:`DrillWorker.kill` SIGKILLs
-them all with one ``killpg``: a host that dies, not a process that is told to stop.
+A Python worker is a ``celery worker`` with Celery's defaults (mingle, gossip and
+heartbeat on) and the prefork pool; a Go, Node.js or Java worker is its interop peer's
+``drill`` command (:mod:`bench.drill.peers`). A worker is started in a new session, so
+its main process and every process it forks share one process group, and
+:meth:`DrillWorker.kill` SIGKILLs them all with one ``killpg``: a host that dies, not a
+process that is told to stop.
 """
 
 from __future__ import annotations
@@ -15,24 +17,44 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import psutil
 
 from bench.drill.app import QUEUE
+from bench.drill.config import PYTHON
+from bench.drill.peers import Peers
 
 #: Repository root: workers import ``bench`` and ``celery_ext`` from here.
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@dataclass(frozen=True)
+class PeerSpec:
+    """What a Go, Node.js or Java worker is started with."""
+
+    peers: Peers
+    #: The broker's Redis URL in the SDKs' form (redis://, redis-sentinel://, redis-cluster://).
+    url: str
+    prefix: str
+    lease_ms: int
+    wait_replicas: int
+
+
 class DrillWorker:
-    """One ``celery -A bench.drill.app worker`` process group."""
+    """One worker's process group: ``celery -A bench.drill.app worker``, or a peer's."""
 
     def __init__(self, hostname: str, *, broker_url: str, transport_options: dict[str, Any],
                  ledger_url: str, run: str, concurrency: int, log_dir: Path,
-                 queues: tuple[str, ...] = (QUEUE,)) -> None:
+                 queues: tuple[str, ...] = (QUEUE,), language: str = PYTHON,
+                 peer: PeerSpec | None = None) -> None:
+        if language != PYTHON and peer is None:
+            raise ValueError(f"a {language} worker needs its PeerSpec")
         self.hostname = hostname
+        self.language = language
+        self.peer = peer
         self.queues = queues
         self.broker_url = broker_url
         self.transport_options = transport_options
@@ -48,12 +70,19 @@ class DrillWorker:
         self._log: IO[bytes] | None = None
 
     @property
-    def command(self) -> list[str]:
-        """The worker's argv: Celery's defaults but for the pool, its size and the queues."""
-        return [sys.executable, "-m", "celery", "-A", "bench.drill.app", "worker",
-                "--pool=prefork", f"--concurrency={self.concurrency}",
-                f"--hostname={self.hostname}", "--loglevel=INFO",
-                f"--queues={','.join(self.queues)}"]
+    def command(self) -> tuple[list[str], Path]:
+        """The worker's argv and working directory. Celery: its defaults but for the pool,
+        its size and the queues; a peer: the same concurrency, lease and queues."""
+        if self.language == PYTHON or self.peer is None:
+            return [sys.executable, "-m", "celery", "-A", "bench.drill.app", "worker",
+                    "--pool=prefork", f"--concurrency={self.concurrency}",
+                    f"--hostname={self.hostname}", "--loglevel=INFO",
+                    f"--queues={','.join(self.queues)}"], ROOT
+        spec = self.peer
+        return spec.peers.argv(self.language, url=spec.url, prefix=spec.prefix,
+                               queues=self.queues, hostname=self.hostname,
+                               lease_ms=spec.lease_ms, concurrency=self.concurrency,
+                               wait_replicas=spec.wait_replicas)
 
     def environ(self) -> dict[str, str]:
         """The worker's environment."""
@@ -73,7 +102,8 @@ class DrillWorker:
         """Spawn the worker in a new session, without waiting for it."""
         self._log = self.log_path.open("ab")
         self.started_at = time.time()
-        self._proc = subprocess.Popen(self.command, cwd=ROOT, env=self.environ(),
+        argv, cwd = self.command
+        self._proc = subprocess.Popen(argv, cwd=cwd, env=self.environ(),
                                       stdin=subprocess.DEVNULL, stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
         return self
@@ -142,4 +172,5 @@ class DrillWorker:
             self._log = None
 
     def __repr__(self) -> str:
-        return f"<DrillWorker {self.hostname} pid={self.pid} exit={self.exit_code()}>"
+        return (f"<DrillWorker {self.language} {self.hostname} pid={self.pid} "
+                f"exit={self.exit_code()}>")

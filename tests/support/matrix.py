@@ -18,7 +18,6 @@ any. The handler ``matrix.task`` of every language records in Redis what it did,
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -34,12 +33,13 @@ from typing import IO, Any, Protocol
 import redis
 from celery import Celery
 
+from bench.drill.peers import PeerBuildError, build_java
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import DeadLetters, ReplayEdit
 from support import wait_for
 from support.envelope_streams import envelope_url, pending_count
-from support.peers import FIRST_BUILD_TIMEOUT_S, GO_DIR, NODE, NODE_DIR
+from support.peers import GO_DIR, NODE, NODE_DIR
 from support.workers import PROJECT_ROOT, CeleryWorker
 
 __all__ = [
@@ -302,15 +302,7 @@ def queue_drained(client: redis.Redis, prefix: str, queue_name: str) -> bool:
 def build_java_peer() -> str:
     """Build the SDK and the Java peer with Maven, offline, without the SDK's tests (which
     ``tests/test_sdk_java.py`` runs); return the peer's classpath."""
-    classpath_file = JAVA_DIR / "peer" / "target" / "classpath.txt"
-    done = subprocess.run(
-        ["mvn", "-o", "-q", "-B", "-f", str(JAVA_DIR / "pom.xml"), "-pl", "peer", "-am",
-         "-Dmaven.test.skip=true", "package", "dependency:build-classpath",
-         "-Dmdep.outputFile=target/classpath.txt"],
-        capture_output=True, text=True, timeout=FIRST_BUILD_TIMEOUT_S, check=False,
-    )
-    if done.returncode != 0:
-        raise PeerError(f"the Java peer's Maven build failed:\n{done.stdout[-6000:]}\n"
-                        f"{done.stderr[-3000:]}")
-    classes = JAVA_DIR / "peer" / "target" / "classes"
-    return os.pathsep.join([str(classes), classpath_file.read_text().strip()])
+    try:
+        return build_java()
+    except PeerBuildError as exc:
+        raise PeerError(str(exc)) from exc

@@ -4,6 +4,7 @@
 //	envelope-peer produce-malformed --redis URL --queue Q --kind badjson|missingbody|badversion|badgzip|invalid
 //	envelope-peer worker --redis URL --queue Q [--lease-ms N --backoff-ms N ...]
 //	envelope-peer matrix --redis URL --prefix P [--work Q1,Q2,...]   (see matrix.go)
+//	envelope-peer drill --redis URL --prefix P --work Q1,... --hostname H   (see drill.go)
 //
 // Run a sub-command with -h for its flags.
 package main
@@ -34,6 +35,7 @@ commands:
   produce-malformed  add a broken entry to a task stream (prints its entry id)
   worker             consume a queue with the built-in handlers
   matrix             work queues with the matrix handler; JSON-line commands on stdin
+  drill              work queues with the fault drill's handler (bench/drill)
 
 Run "envelope-peer <command> -h" for the flags of a command.
 `
@@ -53,6 +55,8 @@ func main() {
 		err = worker(args)
 	case "matrix":
 		err = matrix(args)
+	case "drill":
+		err = drill(args)
 	case "-h", "--help", "help":
 		fmt.Print(usage)
 		return
