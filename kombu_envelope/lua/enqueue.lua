@@ -9,7 +9,7 @@
 -- ARGV[3]  body: the encoded Envelope
 -- ARGV[4]  publish token, the same for every try of one publish
 -- ARGV[5]  how long KEYS[4] is kept (ms)
--- KEYS[5], ARGV[6]  optional: the task record and its spec (section 14)
+-- KEYS[5]  optional: the task record (section 14); ARGV[6] is then its spec
 --
 -- Publishing a task_id that is still waiting in the delayed set (scheduled
 -- earlier, now published to run at once) must not deliver it twice: the

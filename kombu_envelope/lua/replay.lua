@@ -7,8 +7,8 @@
 -- ARGV[2]  enc of the new body
 -- ARGV[3]  new body: the validated, possibly edited, Envelope
 -- ARGV[4..] field, value pairs added to the replay record (replayed_at, operator, ...)
--- With a fourth KEY (the new task's record, section 14), ARGV[4] is its spec and the
--- field, value pairs start at ARGV[5]; the record gets state queued.
+-- KEYS[4]  optional: the new task's record (section 14); ARGV[4] is then its spec,
+--          the field, value pairs start at ARGV[5], and the record gets state queued
 --
 -- The dead-letter entry is removed and a replay record (the extra fields, the
 -- new entry id, then every field of the dead-letter entry) is added in the same

@@ -12,9 +12,9 @@
 -- ARGV[7]  dead_at timestamp (RFC 3339) for a dead-letter entry
 -- ARGV[8..] field, value pairs added to a dead-letter entry (queue, language,
 --           host, pid, consumer, ...; see docs/protocol.md section 7)
--- With a fourth KEY (the task record, section 14), ARGV[8] is its spec and the
--- field, value pairs start at ARGV[9]. The record gets state queued (spec ttl_ms),
--- or dead with dead_id, finished_at and error (spec dead_ttl_ms).
+-- KEYS[4]  optional: the task record (section 14); ARGV[8] is then its spec and the
+--          field, value pairs start at ARGV[9]. The record gets state queued (spec
+--          ttl_ms), or dead with dead_id, finished_at and error (spec dead_ttl_ms)
 --
 -- Used for reject(requeue=True), for returning prefetched entries on shutdown
 -- and for taking over the entries of a consumer whose liveness key expired.

@@ -11,7 +11,7 @@
 -- ARGV[6]  pub/sub channel that wakes promoters (<prefix>:wakeup)
 -- ARGV[7]  publish token, the same for every try of one publish
 -- ARGV[8]  how long KEYS[3] is kept (ms)
--- KEYS[4], ARGV[9]  optional: the task record and its spec (section 14)
+-- KEYS[4]  optional: the task record (section 14); ARGV[9] is then its spec
 --
 -- Scheduling a task_id that is already delayed replaces it (a repeated publish
 -- stays one task). Publishes the due time on ARGV[6] when this task became the

@@ -6,8 +6,8 @@
 -- ARGV[2]  entry id
 -- ARGV[3..] field, value pairs describing the failure (dlq, failure_class,
 --           reason, dead_at, ...; see docs/protocol.md)
--- With a third KEY (the task record, section 14), ARGV[3] is its spec and the
--- field, value pairs start at ARGV[4]; the record gets state dead and dead_id.
+-- KEYS[3]  optional: the task record (section 14); ARGV[3] is then its spec, the
+--          field, value pairs start at ARGV[4], and the record gets state dead and dead_id
 --
 -- The dead-letter entry gets the failure fields followed by every field of
 -- the original entry, byte for byte, under the name "raw.<field>". The entry

@@ -13,8 +13,8 @@
 -- ARGV[7]  new body: the next attempt (retry_count + 1 for a retry, unchanged for a
 --          deferral; schedule_time = now + delay, absent when the delay is 0)
 -- ARGV[8]  pub/sub channel that wakes promoters (<prefix>:wakeup)
--- KEYS[5], ARGV[9]  optional: the task record and its spec (section 14); the caller
---          sets its state (retrying, or scheduled for a deferral), queued when due now
+-- KEYS[5]  optional: the task record (section 14); ARGV[9] is then its spec. The
+--          caller sets its state (retrying, or scheduled for a deferral); queued when due now
 --
 -- The next attempt is stored and the failed one acknowledged and deleted in
 -- one step, so a crash never loses the task nor runs it twice. The caller

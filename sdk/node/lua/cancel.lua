@@ -3,8 +3,8 @@
 -- KEYS[1]  <prefix>:{<queue>}:delayed        ZSET  task_id -> due time (ms)
 -- KEYS[2]  <prefix>:{<queue>}:delayed:data   HASH  task_id -> stored entry
 -- ARGV[1]  task_id
--- KEYS[3], ARGV[2]  optional: the task record and its spec (section 14), written
---          (state cancelled) only when the task was removed
+-- KEYS[3]  optional: the task record (section 14); ARGV[2] is then its spec. It is
+--          written (state cancelled) only when the task was removed
 --
 -- The caller marks the task_id in <prefix>:cancelled first (docs/protocol.md,
 -- section 10): the mark catches the task wherever it is when it reaches a

@@ -2,7 +2,8 @@
 // (copied from the repository's kombu_envelope/lua/ by sdk/sync_lua.py, never edited).
 //
 // Each file documents its KEYS and ARGV in its header; the number of keys is
-// read from there ("KEYS[1..n]" means the caller passes the keys' count).
+// read from there ("KEYS[1..n]", or a key marked "optional", means the caller
+// passes the keys' count).
 // ioredis runs them with EVALSHA and falls back to EVAL when the server does
 // not know the script yet.
 
@@ -22,7 +23,7 @@ export const SCRIPT_NAMES = Object.freeze([
 /** Number of KEYS a script takes according to its header, or null when variable. */
 export function keyCount(lua) {
   const header = lua.split('\n').filter((line) => line.startsWith('--')).join('\n');
-  if (/KEYS\[\d+\.\.\w+\]/.test(header)) return null;
+  if (/KEYS\[\d+\.\.\w+\]/.test(header) || /KEYS\[\d+\]\s+optional/.test(header)) return null;
   const indexes = [...header.matchAll(/KEYS\[(\d+)\]/g)].map((m) => Number(m[1]));
   if (!indexes.length) throw new Error('script header documents no KEYS');
   return Math.max(...indexes);
