@@ -42,10 +42,15 @@ final class ClusterGroup implements AutoCloseable {
             cmd.addAll(List.of("--cluster", "create"));
             g.nodes.forEach(n -> cmd.add("127.0.0.1:" + n.port));
             cmd.addAll(List.of("--cluster-replicas", String.valueOf(replicas), "--cluster-yes"));
-            Process p = new ProcessBuilder(cmd).redirectErrorStream(true).start();
-            String out = new String(p.getInputStream().readAllBytes());
-            if (!p.waitFor(60, TimeUnit.SECONDS) || p.exitValue() != 0) {
-                throw new IOException("redis-cli --cluster create failed: " + out);
+            // Its output goes to a file: a cluster that never joins makes it wait forever, and it is stopped.
+            java.nio.file.Path log = g.nodes.get(0).dir().resolve("cluster-create.log");
+            Process p = new ProcessBuilder(cmd).redirectErrorStream(true).redirectOutput(log.toFile()).start();
+            boolean done = p.waitFor(30, TimeUnit.SECONDS);
+            if (!done) {
+                p.destroyForcibly();
+            }
+            if (!done || p.exitValue() != 0) {
+                throw new IOException("redis-cli --cluster create failed: " + java.nio.file.Files.readString(log));
             }
             for (RedisServer n : g.nodes) {
                 SentinelGroup.await("cluster_state:ok on " + n.port,

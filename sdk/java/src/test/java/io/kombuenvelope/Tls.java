@@ -21,7 +21,9 @@ import javax.net.ssl.TrustManagerFactory;
 
 /**
  * Throw-away certificates made with {@code openssl}: a CA, a server certificate for 127.0.0.1 and a
- * client certificate it signed, and a second CA that signed neither (the wrong CA).
+ * client certificate it signed, and a second CA that signed neither (the wrong CA). The server
+ * certificate is good for clientAuth too: cluster nodes present it to each other on the bus, and
+ * the bus always checks it.
  */
 final class Tls {
     private static final String CONFIG = String.join("\n",
@@ -29,7 +31,7 @@ final class Tls {
             "[ca]", "basicConstraints = critical, CA:TRUE", "keyUsage = critical, keyCertSign, cRLSign",
             "subjectKeyIdentifier = hash",
             "[server]", "basicConstraints = critical, CA:FALSE", "keyUsage = critical, digitalSignature, keyEncipherment",
-            "extendedKeyUsage = serverAuth", "subjectAltName = IP:127.0.0.1", "subjectKeyIdentifier = hash",
+            "extendedKeyUsage = serverAuth, clientAuth", "subjectAltName = IP:127.0.0.1", "subjectKeyIdentifier = hash",
             "authorityKeyIdentifier = keyid, issuer",
             "[client]", "basicConstraints = critical, CA:FALSE", "keyUsage = critical, digitalSignature",
             "extendedKeyUsage = clientAuth", "subjectKeyIdentifier = hash", "authorityKeyIdentifier = keyid, issuer", "");

@@ -30,6 +30,9 @@ class TlsTest {
     static void start() throws Exception {
         tls = Tls.make();
         server = RedisServer.startWith(tls);
+        // The JVM's first TLS connection loads and starts what every later one reuses (seconds on a
+        // busy machine): paid here, so a refusal's time below is its own.
+        Producer.builder().redisUri(url(server, tls.caQuery())).queue("jobs").build().close();
     }
 
     @AfterAll
@@ -61,9 +64,9 @@ class TlsTest {
         RedisConnectionException e = assertThrows(RedisConnectionException.class,
                 () -> Producer.builder().redisUri(url).queue("jobs").build().close());
         long ms = (System.nanoTime() - start) / 1_000_000;
-        assertTrue(ms < 8000, "the refusal took " + ms + " ms"); // the JVM's first client starts its event loops
+        assertTrue(ms < 3000, "the refusal took " + ms + " ms");
         assertTrue(e.getMessage().startsWith("TLS handshake failed"), e.getMessage());
-        assertTrue(e.getMessage().contains("certificate") || e.getMessage().contains("certification"), e.getMessage());
+        assertTrue(e.getMessage().contains("certificat"), e.getMessage());
         return e;
     }
 
@@ -92,11 +95,7 @@ class TlsTest {
         try {
             String u = url(strict, tls.caQuery() + "&ssl_certfile=" + tls.clientCert + "&ssl_keyfile=" + tls.clientKey);
             publishAndRun(u, u);
-            long start = System.nanoTime();
-            RuntimeException e = assertThrows(RuntimeException.class,
-                    () -> Producer.builder().redisUri(url(strict, tls.caQuery())).queue("jobs").build().close());
-            assertTrue(System.nanoTime() - start < 5_000_000_000L, "no client certificate: refused at once");
-            assertTrue(String.valueOf(e.getMessage()).length() > 0);
+            assertTrue(refused(url(strict, tls.caQuery())).getMessage().contains("certificate_required"));
         } finally {
             strict.stop();
         }
