@@ -118,9 +118,9 @@ public final class RedisUrl {
             String rawQuery = hash < 0 ? url.substring(q + 1) : url.substring(q + 1, hash);
             query = query(url, rawQuery);
             StringBuilder kept = new StringBuilder();
-            for (String pair : rawQuery.split("&")) {
-                String name = pair.indexOf('=') > 0 ? decode(url, "query", pair.substring(0, pair.indexOf('='))) : pair;
-                if (!pair.isEmpty() && !TlsOptions.NAMES.contains(name)) {
+            for (String pair : rawQuery.split("&")) { // each is name=value: query(...) checked it
+                if (!pair.isEmpty()
+                        && !TlsOptions.NAMES.contains(decode(url, "query", pair.substring(0, pair.indexOf('='))))) {
                     kept.append(kept.length() == 0 ? "?" : "&").append(pair);
                 }
             }
