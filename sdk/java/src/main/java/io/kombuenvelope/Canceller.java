@@ -33,7 +33,7 @@ public final class Canceller implements AutoCloseable {
     private Canceller(AbstractRedisClient client, boolean ownsClient, Keys keys, Duration outageTolerance) {
         this.client = client;
         this.ownsClient = ownsClient;
-        this.link = Link.open(client, Link.Durability.NONE);
+        this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, Link.Durability.NONE));
         this.keys = keys;
         this.outageTolerance = outageTolerance;
     }

@@ -31,7 +31,7 @@ public final class DeadLetters implements AutoCloseable {
     private DeadLetters(Builder b) {
         this.ownsClient = b.client == null;
         this.client = Redis.clientOr(b.client, b.redisUri);
-        this.link = Link.open(client, Link.Durability.NONE);
+        this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, Link.Durability.NONE));
         this.keys = new Keys(b.prefix);
         this.limits = b.limits;
         this.gzipMin = b.gzipMin;

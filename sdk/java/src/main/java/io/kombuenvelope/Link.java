@@ -63,13 +63,20 @@ abstract class Link implements AutoCloseable {
         return COMMAND_TIMEOUT.plus(durability.timeout());
     }
 
-    /** A link on {@code client}: a {@link RedisClient} (direct or Sentinel) or a {@link RedisClusterClient}. */
+    /**
+     * A link on {@code client}: a {@link RedisClient} (direct or Sentinel) or a {@link RedisClusterClient};
+     * a refused TLS handshake fails at once with an error that says so.
+     */
     static Link open(AbstractRedisClient client, Durability durability) {
-        if (client instanceof RedisClusterClient) {
-            return new Cluster((RedisClusterClient) client, durability);
-        }
-        if (client instanceof RedisClient) {
-            return new Single((RedisClient) client, durability);
+        try {
+            if (client instanceof RedisClusterClient) {
+                return new Cluster((RedisClusterClient) client, durability);
+            }
+            if (client instanceof RedisClient) {
+                return new Single((RedisClient) client, durability);
+            }
+        } catch (RuntimeException e) {
+            throw Redis.explainTls(e);
         }
         throw new IllegalArgumentException("client must be a RedisClient or a RedisClusterClient, not "
                 + (client == null ? "null" : client.getClass().getName()));

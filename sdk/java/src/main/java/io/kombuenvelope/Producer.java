@@ -38,7 +38,7 @@ public final class Producer implements AutoCloseable {
     private Producer(Builder b) {
         this.ownsClient = b.client == null;
         this.client = Redis.clientOr(b.client, b.redisUri);
-        this.link = Link.open(client, b.durability);
+        this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, b.durability));
         this.keys = new Keys(b.prefix);
         this.queue = Keys.checkQueueName(b.queue);
         this.limits = b.limits;

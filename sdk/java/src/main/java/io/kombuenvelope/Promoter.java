@@ -42,7 +42,7 @@ public final class Promoter implements AutoCloseable {
     private Promoter(Builder b) {
         this.ownsClient = b.client == null;
         this.client = Redis.clientOr(b.client, b.redisUri);
-        this.link = Link.open(client, Link.Durability.NONE);
+        this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, Link.Durability.NONE));
         this.keys = new Keys(b.prefix);
         this.batch = b.batch;
         this.poll = b.poll;

@@ -22,6 +22,8 @@ import java.util.List;
 import java.util.function.Consumer;
 import java.util.function.Supplier;
 
+import javax.net.ssl.SSLHandshakeException;
+
 /** Lettuce plumbing shared by the producer, worker and promoter. */
 final class Redis {
     /** Keys are UTF-8 strings; values stay bytes, so bodies and raw fields pass through exactly. */
@@ -31,13 +33,16 @@ final class Redis {
 
     /** A client of one server ({@code redis://}, {@code rediss://}). */
     static RedisClient client(String uri) {
-        return client(RedisURI.create(uri));
+        return client(RedisURI.create(uri), TlsOptions.DEFAULT);
     }
 
-    /** A client of one server, or of the primary a Sentinel URI names, reconnecting by itself. */
-    static RedisClient client(RedisURI uri) {
+    /**
+     * A client of one server, or of the primary a Sentinel URI names, reconnecting by itself, with
+     * the CA and client certificate of {@code tls}.
+     */
+    static RedisClient client(RedisURI uri, TlsOptions tls) {
         RedisClient client = RedisClient.create(uri);
-        client.setOptions(ClientOptions.builder().protocolVersion(ProtocolVersion.RESP2)
+        client.setOptions(tls.applyTo(ClientOptions.builder()).protocolVersion(ProtocolVersion.RESP2)
                 .autoReconnect(true).build());
         return client;
     }
@@ -45,6 +50,18 @@ final class Redis {
     /** {@code given}, or a new client for {@code url} when it is null. */
     static AbstractRedisClient clientOr(AbstractRedisClient given, String url) {
         return given != null ? given : RedisUrl.client(url);
+    }
+
+    /** {@code open}'s result; when it fails, {@code client} is shut down first if {@code owned} (made by the SDK). */
+    static <T> T closingOnFailure(AbstractRedisClient client, boolean owned, Supplier<T> open) {
+        try {
+            return open.get();
+        } catch (RuntimeException | Error e) {
+            if (owned) {
+                shutdown(client);
+            }
+            throw e;
+        }
     }
 
     /** Shuts down a client this SDK made. */
@@ -75,6 +92,9 @@ final class Redis {
      * slot that moved), so a safe command may be repeated (docs/protocol.md section 5, failover).
      */
     static boolean isOutage(Throwable e) {
+        if (tlsFailure(e) != null) {
+            return false;
+        }
         for (Throwable t = e; t != null; t = t.getCause()) {
             if (t instanceof RedisConnectionException || t instanceof RedisCommandTimeoutException
                     || t instanceof java.io.IOException) {
@@ -98,6 +118,40 @@ final class Redis {
             }
         }
         return false;
+    }
+
+    /**
+     * The TLS handshake failure (a certificate refused, no common protocol) among the causes and
+     * suppressed errors of {@code e}, or null: repeating the connection would only fail again.
+     */
+    static SSLHandshakeException tlsFailure(Throwable e) {
+        if (e == null) {
+            return null;
+        }
+        if (e instanceof SSLHandshakeException h) {
+            return h;
+        }
+        for (Throwable s : e.getSuppressed()) {
+            SSLHandshakeException h = tlsFailure(s);
+            if (h != null) {
+                return h;
+            }
+        }
+        return e.getCause() == e ? null : tlsFailure(e.getCause());
+    }
+
+    /**
+     * {@code e} as an error that says it is a TLS failure, when it is one: Lettuce's own says only
+     * that it could not connect.
+     */
+    static RuntimeException explainTls(RuntimeException e) {
+        SSLHandshakeException h = tlsFailure(e);
+        if (h == null) {
+            return e;
+        }
+        return new RedisConnectionException("TLS handshake failed (" + h.getMessage() + "): the server's "
+                + "certificate is not trusted or the server refused ours; ssl_ca_certs names the CA to trust, "
+                + "ssl_certfile/ssl_keyfile the client certificate, ssl_cert_reqs=none skips the check", e);
     }
 
     /** Whether an error says the server is no longer the primary (a failover demoted it). */

@@ -28,6 +28,9 @@ import java.util.Map;
  * <li>{@code redis-cluster://[[user]:password@]h1[:6379][,h2[:port]...]}: a Redis Cluster from its
  * seed nodes ({@code rediss-cluster}: TLS).</li>
  * </ul>
+ * A {@code rediss} URL of any kind takes the TLS options {@code ssl_ca_certs}, {@code ssl_certfile},
+ * {@code ssl_keyfile} and {@code ssl_cert_reqs} in its query (see {@link TlsOptions}); the server's
+ * certificate is checked by default.
  * An invalid URL fails at once with an {@link IllegalArgumentException} naming the part that is
  * wrong. The client is the caller's to shut down.
  */
@@ -37,10 +40,12 @@ public final class RedisUrl {
 
     private final Kind kind;
     private final List<RedisURI> uris;
+    private final TlsOptions tls;
 
-    private RedisUrl(Kind kind, List<RedisURI> uris) {
+    private RedisUrl(Kind kind, List<RedisURI> uris, TlsOptions tls) {
         this.kind = kind;
         this.uris = List.copyOf(uris);
+        this.tls = tls;
     }
 
     /** The topology the URL names. */
@@ -58,7 +63,8 @@ public final class RedisUrl {
     public AbstractRedisClient client() {
         if (kind == Kind.CLUSTER) {
             RedisClusterClient c = RedisClusterClient.create(uris);
-            c.setOptions(ClusterClientOptions.builder().protocolVersion(ProtocolVersion.RESP2).autoReconnect(true)
+            c.setOptions(tls.applyTo(ClusterClientOptions.builder()).protocolVersion(ProtocolVersion.RESP2)
+                    .autoReconnect(true)
                     .topologyRefreshOptions(ClusterTopologyRefreshOptions.builder()
                             .enableAllAdaptiveRefreshTriggers()
                             .adaptiveRefreshTriggersTimeout(Duration.ofMillis(500))
@@ -67,14 +73,14 @@ public final class RedisUrl {
                     .build());
             return c;
         }
-        return Redis.client(uris.get(0));
+        return Redis.client(uris.get(0), tls);
     }
 
     /**
      * Parses {@code url}.
      *
      * @throws IllegalArgumentException naming the wrong part (scheme, userinfo, host, port, database,
-     *                                  master_name, query)
+     *                                  master_name, query) or TLS option
      */
     public static RedisUrl parse(String url) {
         if (url == null || url.isEmpty()) {
@@ -88,12 +94,7 @@ public final class RedisUrl {
         String scheme = url.substring(0, sep);
         switch (scheme) {
             case "redis", "rediss" -> {
-                checkHostAndPort(url);
-                try {
-                    return new RedisUrl(Kind.SINGLE, List.of(RedisURI.create(url)));
-                } catch (RuntimeException e) {
-                    throw new IllegalArgumentException("Redis URL " + redact(url) + ": " + e.getMessage(), e);
-                }
+                return single(url, scheme.equals("rediss"));
             }
             case "redis-sentinel", "rediss-sentinel" -> {
                 return sentinel(url, scheme.startsWith("rediss"), url.substring(sep + 3));
@@ -104,6 +105,42 @@ public final class RedisUrl {
             default -> throw new IllegalArgumentException("Redis URL " + redact(url) + ": scheme \"" + scheme
                     + "\" is not one of redis, rediss, redis-sentinel, rediss-sentinel, redis-cluster, rediss-cluster");
         }
+    }
+
+    /** Lettuce reads a one-server URL; the TLS options are taken out of its query first. */
+    private static RedisUrl single(String url, boolean tls) {
+        checkHostAndPort(url);
+        String lettuceUrl = url;
+        Map<String, String> query = Map.of();
+        int q = url.indexOf('?');
+        if (q >= 0) {
+            int hash = url.indexOf('#', q);
+            String rawQuery = hash < 0 ? url.substring(q + 1) : url.substring(q + 1, hash);
+            query = query(url, rawQuery);
+            StringBuilder kept = new StringBuilder();
+            for (String pair : rawQuery.split("&")) { // each is name=value: query(...) checked it
+                if (!pair.isEmpty()
+                        && !TlsOptions.NAMES.contains(decode(url, "query", pair.substring(0, pair.indexOf('='))))) {
+                    kept.append(kept.length() == 0 ? "?" : "&").append(pair);
+                }
+            }
+            lettuceUrl = url.substring(0, q) + kept + (hash < 0 ? "" : url.substring(hash));
+        }
+        TlsOptions options = tlsOptions(url, query, tls);
+        RedisURI uri;
+        try {
+            uri = RedisURI.create(lettuceUrl);
+        } catch (RuntimeException e) {
+            throw new IllegalArgumentException("Redis URL " + redact(url) + ": " + e.getMessage(), e);
+        }
+        if (query.containsKey("ssl_cert_reqs")) {
+            uri.setVerifyPeer(options.verifyMode());
+        }
+        return new RedisUrl(Kind.SINGLE, List.of(uri), options);
+    }
+
+    private static TlsOptions tlsOptions(String url, Map<String, String> query, boolean tls) {
+        return TlsOptions.of(query, tls, (part, why) -> bad(url, part, why));
     }
 
     /** A one-server URL must name a host and, if any, a numeric port (Lettuce alone would accept {@code h:x}). */
@@ -137,22 +174,27 @@ public final class RedisUrl {
         if (p.fragment().contains("?")) {
             throw bad(url, "master_name", "\"" + p.fragment() + "\" contains '?': the query goes before '#'");
         }
+        TlsOptions options = tlsOptions(url, p.query(), tls);
         String sentinelUser = null;
         String sentinelPassword = null;
         for (Map.Entry<String, String> q : p.query().entrySet()) {
             switch (q.getKey()) {
                 case "sentinel_username" -> sentinelUser = q.getValue();
                 case "sentinel_password" -> sentinelPassword = q.getValue();
-                default -> throw bad(url, "query", "unknown option \"" + q.getKey()
-                        + "\" (sentinel_username, sentinel_password)");
+                default -> {
+                    if (!TlsOptions.NAMES.contains(q.getKey())) {
+                        throw bad(url, "query", "unknown option \"" + q.getKey()
+                                + "\" (sentinel_username, sentinel_password, " + tlsNames() + ")");
+                    }
+                }
             }
         }
         if (sentinelUser != null && sentinelPassword == null) {
             throw bad(url, "query", "sentinel_username needs sentinel_password");
         }
-        RedisURI.Builder b = RedisURI.builder().withSentinelMasterId(p.fragment()).withSsl(tls);
+        RedisURI.Builder b = tls(RedisURI.builder().withSentinelMasterId(p.fragment()), tls, options);
         for (String[] h : p.hosts()) {
-            RedisURI.Builder s = RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])).withSsl(tls);
+            RedisURI.Builder s = tls(RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])), tls, options);
             if (sentinelPassword != null) {
                 credentials(s, sentinelUser == null ? "" : sentinelUser, sentinelPassword);
             }
@@ -162,7 +204,7 @@ public final class RedisUrl {
         if (p.db() != null) {
             b.withDatabase(database(url, p.db()));
         }
-        return new RedisUrl(Kind.SENTINEL, List.of(b.build()));
+        return new RedisUrl(Kind.SENTINEL, List.of(b.build()), options);
     }
 
     private static RedisUrl cluster(String url, boolean tls, String rest) {
@@ -170,19 +212,31 @@ public final class RedisUrl {
         if (p.fragment() != null) {
             throw bad(url, "fragment", "a cluster URL names no master (remove '#" + p.fragment() + "')");
         }
-        if (!p.query().isEmpty()) {
-            throw bad(url, "query", "a cluster URL takes no options (" + String.join(", ", p.query().keySet()) + ")");
+        TlsOptions options = tlsOptions(url, p.query(), tls);
+        List<String> unknown = p.query().keySet().stream().filter(k -> !TlsOptions.NAMES.contains(k)).toList();
+        if (!unknown.isEmpty()) {
+            throw bad(url, "query", "a cluster URL takes only TLS options (" + tlsNames() + "), not "
+                    + String.join(", ", unknown));
         }
         if (p.db() != null && database(url, p.db()) != 0) {
             throw bad(url, "database", "Redis Cluster has only database 0");
         }
         List<RedisURI> seeds = new ArrayList<>();
         for (String[] h : p.hosts()) {
-            RedisURI.Builder b = RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])).withSsl(tls);
+            RedisURI.Builder b = tls(RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])), tls, options);
             auth(b, p);
             seeds.add(b.build());
         }
-        return new RedisUrl(Kind.CLUSTER, seeds);
+        return new RedisUrl(Kind.CLUSTER, seeds, options);
+    }
+
+    /** TLS (or not) with the verification {@code options} ask for. */
+    private static RedisURI.Builder tls(RedisURI.Builder b, boolean tls, TlsOptions options) {
+        return tls ? b.withSsl(true).withVerifyPeer(options.verifyMode()) : b.withSsl(false);
+    }
+
+    private static String tlsNames() {
+        return String.join(", ", new java.util.TreeSet<>(TlsOptions.NAMES));
     }
 
     private static void auth(RedisURI.Builder b, Parts p) {
@@ -207,19 +261,10 @@ public final class RedisUrl {
             fragment = decode(url, "master_name", rest.substring(hash + 1));
             rest = rest.substring(0, hash);
         }
-        Map<String, String> query = new LinkedHashMap<>();
+        Map<String, String> query = Map.of();
         int q = rest.indexOf('?');
         if (q >= 0) {
-            for (String pair : rest.substring(q + 1).split("&")) {
-                if (pair.isEmpty()) {
-                    continue;
-                }
-                int eq = pair.indexOf('=');
-                if (eq <= 0) {
-                    throw bad(url, "query", "\"" + pair + "\" is not name=value");
-                }
-                query.put(decode(url, "query", pair.substring(0, eq)), decode(url, "query", pair.substring(eq + 1)));
-            }
+            query = query(url, rest.substring(q + 1));
             rest = rest.substring(0, q);
         }
         String user = null;
@@ -252,6 +297,22 @@ public final class RedisUrl {
             hosts.add(hostPort(url, h, defaultPort));
         }
         return new Parts(user, password, hosts, db, query, fragment);
+    }
+
+    /** The decoded {@code name=value} pairs of a raw query, in order. */
+    private static Map<String, String> query(String url, String rawQuery) {
+        Map<String, String> query = new LinkedHashMap<>();
+        for (String pair : rawQuery.split("&")) {
+            if (pair.isEmpty()) {
+                continue;
+            }
+            int eq = pair.indexOf('=');
+            if (eq <= 0) {
+                throw bad(url, "query", "\"" + pair + "\" is not name=value");
+            }
+            query.put(decode(url, "query", pair.substring(0, eq)), decode(url, "query", pair.substring(eq + 1)));
+        }
+        return query;
     }
 
     private static String[] hostPort(String url, String h, int defaultPort) {

@@ -106,12 +106,12 @@ public final class Worker implements AutoCloseable {
         this.handlers = Map.copyOf(b.handlers);
         this.ownsClient = b.client == null;
         this.client = Redis.clientOr(b.client, b.redisUri);
-        this.link = Link.open(client, b.durability);
-        this.txLink = Link.open(client, b.durability);
+        this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, b.durability));
+        this.txLink = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, b.durability));
         this.queues = List.copyOf(b.queues);
         this.name = String.join(",", queues);
         for (String q : queues) {
-            Link l = Link.open(client, Link.Durability.NONE);
+            Link l = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, Link.Durability.NONE));
             l.setTimeout(b.block.plusSeconds(3));
             blockLinks.put(q, l);
         }

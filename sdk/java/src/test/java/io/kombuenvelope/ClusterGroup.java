@@ -7,28 +7,50 @@ import java.util.concurrent.TimeUnit;
 
 /**
  * A Redis Cluster from the redis-server binary, on free loopback ports: three primaries with one
- * replica each ({@code redis-cli --cluster create ... --cluster-replicas 1}), node timeout 1 s.
+ * replica each (or as many as asked; {@code redis-cli --cluster create ... --cluster-replicas 1}),
+ * node timeout 1 s; with certificates, every node speaks only TLS, the cluster bus included.
  */
 final class ClusterGroup implements AutoCloseable {
     final List<RedisServer> nodes = new ArrayList<>();
+    private final Tls tls;
 
-    private ClusterGroup() {}
+    private ClusterGroup(Tls tls) {
+        this.tls = tls;
+    }
 
+    /** Three primaries with one replica each, over plain TCP. */
     static ClusterGroup start() throws IOException, InterruptedException {
-        ClusterGroup g = new ClusterGroup();
+        return start(null, 1);
+    }
+
+    /** Three primaries with {@code replicas} replicas each, all speaking only TLS when {@code tls} is not null. */
+    static ClusterGroup start(Tls tls, int replicas) throws IOException, InterruptedException {
+        ClusterGroup g = new ClusterGroup(tls);
         try {
-            for (int i = 0; i < 6; i++) {
-                g.nodes.add(RedisServer.startWith("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                        "--cluster-node-timeout", "1000"));
+            List<String> args = new ArrayList<>(List.of("--cluster-enabled", "yes", "--cluster-config-file",
+                    "nodes.conf", "--cluster-node-timeout", "1000"));
+            if (tls != null) {
+                args.addAll(List.of("--tls-cluster", "yes"));
             }
-            List<String> cmd = new ArrayList<>(List.of(System.getProperty("kombuenvelope.redis.cli", "redis-cli"),
-                    "--cluster", "create"));
+            for (int i = 0; i < 3 * (1 + replicas); i++) {
+                g.nodes.add(RedisServer.startWith(tls, args.toArray(new String[0])));
+            }
+            List<String> cmd = new ArrayList<>(List.of(System.getProperty("kombuenvelope.redis.cli", "redis-cli")));
+            if (tls != null) {
+                cmd.addAll(List.of("--tls", "--cacert", tls.ca.toString()));
+            }
+            cmd.addAll(List.of("--cluster", "create"));
             g.nodes.forEach(n -> cmd.add("127.0.0.1:" + n.port));
-            cmd.addAll(List.of("--cluster-replicas", "1", "--cluster-yes"));
-            Process p = new ProcessBuilder(cmd).redirectErrorStream(true).start();
-            String out = new String(p.getInputStream().readAllBytes());
-            if (!p.waitFor(60, TimeUnit.SECONDS) || p.exitValue() != 0) {
-                throw new IOException("redis-cli --cluster create failed: " + out);
+            cmd.addAll(List.of("--cluster-replicas", String.valueOf(replicas), "--cluster-yes"));
+            // Its output goes to a file: a cluster that never joins makes it wait forever, and it is stopped.
+            java.nio.file.Path log = g.nodes.get(0).dir().resolve("cluster-create.log");
+            Process p = new ProcessBuilder(cmd).redirectErrorStream(true).redirectOutput(log.toFile()).start();
+            boolean done = p.waitFor(30, TimeUnit.SECONDS);
+            if (!done) {
+                p.destroyForcibly();
+            }
+            if (!done || p.exitValue() != 0) {
+                throw new IOException("redis-cli --cluster create failed: " + java.nio.file.Files.readString(log));
             }
             for (RedisServer n : g.nodes) {
                 SentinelGroup.await("cluster_state:ok on " + n.port,
@@ -41,10 +63,11 @@ final class ClusterGroup implements AutoCloseable {
         }
     }
 
-    /** {@code redis-cluster://...} naming the first three nodes as seeds. */
+    /** {@code redis-cluster://...} naming the first three nodes as seeds ({@code rediss-cluster://...?ssl_ca_certs=...}: TLS). */
     String url() {
-        return "redis-cluster://127.0.0.1:" + nodes.get(0).port + ",127.0.0.1:" + nodes.get(1).port
-                + ",127.0.0.1:" + nodes.get(2).port;
+        return (tls == null ? "redis-cluster" : "rediss-cluster") + "://127.0.0.1:" + nodes.get(0).port
+                + ",127.0.0.1:" + nodes.get(1).port + ",127.0.0.1:" + nodes.get(2).port
+                + (tls == null ? "" : "?" + tls.caQuery());
     }
 
     /** The slot of {@code key}, as the cluster computes it ({@code CLUSTER KEYSLOT}). */

@@ -3,7 +3,6 @@ package io.kombuenvelope;
 import java.io.File;
 import java.io.IOException;
 import java.net.ServerSocket;
-import java.net.Socket;
 import java.nio.file.Files;
 import java.nio.file.Path;
 import java.util.List;
@@ -32,12 +31,21 @@ final class RedisServer {
      * nothing and a server started again on the same port and directory has every entry back.
      */
     static RedisServer durable(int fixedPort, Path dir) throws IOException, InterruptedException {
-        return new RedisServer(fixedPort, dir, (d, port) -> List.of("--appendonly", "yes", "--appendfsync", "always"));
+        return new RedisServer(fixedPort, dir, null,
+                (d, port) -> List.of("--appendonly", "yes", "--appendfsync", "always"));
     }
 
     /** A server of its own on a free port, with more arguments ({@code --replicaof ...}, {@code --cluster-enabled yes}). */
     static RedisServer startWith(String... args) throws IOException, InterruptedException {
-        return new RedisServer(0, null, (dir, port) -> List.of(args));
+        return startWith(null, args);
+    }
+
+    /**
+     * A server of its own on a free port that speaks only TLS with the certificates of {@code tls}
+     * (its plain port is closed; plain TCP when null), with more arguments.
+     */
+    static RedisServer startWith(Tls tls, String... args) throws IOException, InterruptedException {
+        return new RedisServer(0, null, tls, (dir, port) -> List.of(args));
     }
 
     /**
@@ -47,7 +55,13 @@ final class RedisServer {
      */
     static RedisServer sentinel(String masterName, int masterPort, String dataPassword, String password)
             throws IOException, InterruptedException {
-        return new RedisServer(0, null, (dir, port) -> {
+        return sentinel(null, masterName, masterPort, dataPassword, password);
+    }
+
+    /** The same sentinel, speaking only TLS (to its clients, its peers and the data nodes) when {@code tls}. */
+    static RedisServer sentinel(Tls tls, String masterName, int masterPort, String dataPassword, String password)
+            throws IOException, InterruptedException {
+        return new RedisServer(0, null, tls, (dir, port) -> {
             Path conf = dir.resolve("sentinel.conf");
             Files.writeString(conf, String.join("\n",
                     "requirepass " + password,
@@ -66,10 +80,10 @@ final class RedisServer {
     }
 
     private RedisServer(int fixedPort) throws IOException, InterruptedException {
-        this(fixedPort, null, (dir, port) -> List.of());
+        this(fixedPort, null, null, (dir, port) -> List.of());
     }
 
-    private RedisServer(int fixedPort, Path inDir, Kind kind) throws IOException, InterruptedException {
+    private RedisServer(int fixedPort, Path inDir, Tls tls, Kind kind) throws IOException, InterruptedException {
         dir = inDir != null ? inDir : Files.createTempDirectory("kombu-envelope-redis");
         String bin = System.getProperty("kombuenvelope.redis.server", "redis-server");
         IOException last = null;
@@ -82,12 +96,17 @@ final class RedisServer {
             if (configFirst) {
                 command.add(kindArgs.get(0));
             }
-            command.addAll(List.of("--port", String.valueOf(p), "--bind", "127.0.0.1",
-                    "--save", "", "--appendonly", "no", "--dir", dir.toString()));
+            command.addAll(tls == null ? List.of("--port", String.valueOf(p))
+                    : List.of("--port", "0", "--tls-port", String.valueOf(p)));
+            if (tls != null) {
+                command.addAll(tls.serverArgs());
+            }
+            command.addAll(List.of("--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir.toString()));
             command.addAll(configFirst ? kindArgs.subList(1, kindArgs.size()) : kindArgs);
             ProcessBuilder pb = new ProcessBuilder(command)
                     .redirectErrorStream(true).redirectOutput(dir.resolve("redis.log").toFile());
             Process proc = pb.start();
+            Resp.tls(p, tls == null ? null : tls.context);
             if (waitForPort(p, proc)) {
                 this.port = p;
                 this.process = proc;
@@ -95,6 +114,7 @@ final class RedisServer {
                 return;
             }
             proc.destroyForcibly();
+            Resp.tls(p, null);
             last = new IOException("redis-server did not start on port " + p + ": "
                     + Files.readString(dir.resolve("redis.log")));
         }
@@ -135,12 +155,11 @@ final class RedisServer {
             if (!proc.isAlive()) {
                 return false;
             }
-            try (Socket s = new Socket("127.0.0.1", port)) {
-                s.getOutputStream().write("PING\r\n".getBytes());
-                byte[] buf = new byte[7];
-                int n = s.getInputStream().read(buf);
-                String reply = n > 0 ? new String(buf, 0, n) : "";
-                if (reply.startsWith("+PONG") || reply.startsWith("-NOAUTH")) { // up; NOAUTH: asks for a password
+            try {
+                Resp.at(port).call("PING");
+                return true;
+            } catch (IllegalStateException e) {
+                if (e.getMessage().startsWith("NOAUTH")) { // up, and asks for a password
                     return true;
                 }
             } catch (IOException e) {
@@ -172,6 +191,7 @@ final class RedisServer {
         } catch (InterruptedException e) {
             process.destroyForcibly();
         }
+        Resp.tls(port, null);
         delete(dir.toFile());
     }
 

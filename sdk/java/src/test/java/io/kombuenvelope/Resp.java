@@ -12,6 +12,9 @@ import java.util.ArrayList;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.concurrent.ConcurrentHashMap;
+
+import javax.net.ssl.SSLContext;
 
 /** Admin commands to a test server over short-lived sockets (no client library, so it is cheap to poll). */
 final class Resp {
@@ -33,11 +36,21 @@ final class Resp {
         return new Resp(port, password);
     }
 
+    /** Ports of test servers that speak TLS only, with the context that checks their certificates. */
+    private static final Map<Integer, SSLContext> TLS_PORTS = new ConcurrentHashMap<>();
+
+    /** Speak TLS to the server on {@code port} from now on (null: plain TCP again). */
+    static void tls(int port, SSLContext context) {
+        if (context == null) {
+            TLS_PORTS.remove(port);
+        } else {
+            TLS_PORTS.put(port, context);
+        }
+    }
+
     /** The reply: a String, a Long, a List, or null; an error reply is thrown. */
     Object call(String... command) throws IOException {
-        try (Socket s = new Socket()) {
-            s.connect(new InetSocketAddress("127.0.0.1", port), 1000);
-            s.setSoTimeout(5000);
+        try (Socket s = open()) {
             OutputStream out = s.getOutputStream();
             BufferedInputStream in = new BufferedInputStream(s.getInputStream());
             if (password != null) {
@@ -46,6 +59,20 @@ final class Resp {
             }
             send(out, command);
             return read(in);
+        }
+    }
+
+    /** A connected socket, TLS when the port is one of {@link #TLS_PORTS}. */
+    private Socket open() throws IOException {
+        Socket plain = new Socket();
+        try {
+            plain.connect(new InetSocketAddress("127.0.0.1", port), 1000);
+            plain.setSoTimeout(5000);
+            SSLContext context = TLS_PORTS.get(port);
+            return context == null ? plain : context.getSocketFactory().createSocket(plain, "127.0.0.1", port, true);
+        } catch (IOException | RuntimeException e) {
+            plain.close();
+            throw e;
         }
     }
 

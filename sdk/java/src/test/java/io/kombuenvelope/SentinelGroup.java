@@ -9,8 +9,9 @@ import java.util.function.BooleanSupplier;
 
 /**
  * A Sentinel group from the redis-server binary, on free loopback ports: a primary, two replicas
- * and three sentinels (quorum 2, down-after 1 s, failover timeout 3 s). The data nodes and the
- * sentinels ask for passwords of their own.
+ * (or as many as asked) and three sentinels (quorum 2, down-after 1 s, failover timeout 3 s). The
+ * data nodes and the sentinels ask for passwords of their own; with certificates, every process
+ * speaks only TLS, replication and the sentinels' links included.
  */
 final class SentinelGroup implements AutoCloseable {
     static final String MASTER = "envmaster";
@@ -19,29 +20,38 @@ final class SentinelGroup implements AutoCloseable {
 
     final List<RedisServer> data = new ArrayList<>();
     final List<RedisServer> sentinels = new ArrayList<>();
+    private final Tls tls;
 
-    private SentinelGroup() {}
+    private SentinelGroup(Tls tls) {
+        this.tls = tls;
+    }
 
+    /** A primary, two replicas and three sentinels over plain TCP. */
     static SentinelGroup start() throws IOException, InterruptedException {
-        SentinelGroup g = new SentinelGroup();
+        return start(null, 2);
+    }
+
+    /** A primary, {@code replicas} replicas and three sentinels, all speaking only TLS when {@code tls} is not null. */
+    static SentinelGroup start(Tls tls, int replicas) throws IOException, InterruptedException {
+        SentinelGroup g = new SentinelGroup(tls);
         try {
             String[] auth = {"--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD};
-            RedisServer primary = RedisServer.startWith(auth);
+            RedisServer primary = RedisServer.startWith(tls, auth);
             g.data.add(primary);
-            for (int i = 0; i < 2; i++) {
-                g.data.add(RedisServer.startWith(auth[0], auth[1], auth[2], auth[3],
+            for (int i = 0; i < replicas; i++) {
+                g.data.add(RedisServer.startWith(tls, auth[0], auth[1], auth[2], auth[3],
                         "--replicaof", "127.0.0.1", String.valueOf(primary.port)));
             }
-            for (RedisServer r : g.data.subList(1, 3)) {
+            for (RedisServer r : g.data.subList(1, g.data.size())) {
                 await("replica " + r.port + " in sync", () -> info(r.port, "replication").contains("master_link_status:up"));
             }
             for (int i = 0; i < 3; i++) {
-                g.sentinels.add(RedisServer.sentinel(MASTER, primary.port, DATA_PASSWORD, SENTINEL_PASSWORD));
+                g.sentinels.add(RedisServer.sentinel(tls, MASTER, primary.port, DATA_PASSWORD, SENTINEL_PASSWORD));
             }
             for (RedisServer s : g.sentinels) {
                 await("sentinel " + s.port + " knows the group", () -> {
                     Map<String, String> m = sentinelMaster(s.port);
-                    return "2".equals(m.get("num-other-sentinels")) && "2".equals(m.get("num-slaves"));
+                    return "2".equals(m.get("num-other-sentinels")) && String.valueOf(replicas).equals(m.get("num-slaves"));
                 });
             }
             return g;
@@ -51,13 +61,21 @@ final class SentinelGroup implements AutoCloseable {
         }
     }
 
-    /** {@code redis-sentinel://:<data password>@<the three sentinels>?sentinel_password=...#envmaster}. */
+    /**
+     * {@code redis-sentinel://:<data password>@<the three sentinels>?sentinel_password=...#envmaster};
+     * with TLS {@code rediss-sentinel://...&ssl_ca_certs=<the CA>...}.
+     */
     String url() {
-        StringBuilder b = new StringBuilder("redis-sentinel://:" + DATA_PASSWORD + "@");
+        StringBuilder b = new StringBuilder(tls == null ? "redis-sentinel" : "rediss-sentinel")
+                .append("://:").append(DATA_PASSWORD).append("@");
         for (int i = 0; i < sentinels.size(); i++) {
             b.append(i == 0 ? "" : ",").append("127.0.0.1:").append(sentinels.get(i).port);
         }
-        return b.append("?sentinel_password=").append(SENTINEL_PASSWORD).append("#").append(MASTER).toString();
+        b.append("?sentinel_password=").append(SENTINEL_PASSWORD);
+        if (tls != null) {
+            b.append("&").append(tls.caQuery());
+        }
+        return b.append("#").append(MASTER).toString();
     }
 
     /** Admin commands to the data node on {@code port}. */
