@@ -46,15 +46,14 @@ export function tlsOptionsOf(given, fail) {
 const TLS_CODE = /^(ERR_TLS_|ERR_SSL_)|CERT|SELF_SIGNED|^UNABLE_TO_|^INVALID_CA$|^PATH_LENGTH_EXCEEDED$|^INVALID_PURPOSE$|^HOSTNAME_MISMATCH$/;
 
 /**
- * The TLS handshake failure behind `err`, or null: `err` itself, its cause, or
- * the last node error of an ioredis Cluster that could not reach any node.
+ * The TLS handshake failure behind `err`, or null: `err` itself or its cause.
  * @param {any} err
  * @returns {Error | null}
  */
 export function tlsFailureOf(err) {
   for (let e = err, depth = 0; e && typeof e === 'object' && depth < 5; depth += 1) {
     if (typeof e.code === 'string' && TLS_CODE.test(e.code)) return e;
-    e = e.lastNodeError ?? e.cause;
+    e = e.cause;
   }
   return null;
 }
@@ -70,7 +69,7 @@ export class RedisTlsError extends Error {
 }
 
 /**
- * Make the commands of `client` (a Redis or Cluster) fail at once with a
+ * Make the commands of `client` (a Redis, Sentinel-managed or not) fail at once with a
  * RedisTlsError when a TLS handshake fails, instead of waiting for a
  * connection that cannot come: its queued commands are rejected on each
  * failure. The client keeps reconnecting as usual, so a certificate fixed on
@@ -80,10 +79,31 @@ export class RedisTlsError extends Error {
  * @param {any} client
  */
 export function failFastOnTls(client) {
+  reportSentinelTlsFailures(client);
   client.on('error', (err) => {
     const failure = tlsFailureOf(err);
     if (!failure) return;
     client.stream?.on('error', () => {});
     client.flushQueue(new RedisTlsError(failure));
   });
+}
+
+/**
+ * ioredis asks the sentinels through clients of its own that swallow their
+ * errors, and reports a sentinel it could not reach as "Connection is closed.":
+ * a certificate refused by the sentinels would only show as "All sentinels are
+ * unreachable", retried for ever. Report their TLS failures as errors of `client`.
+ * @param {any} client
+ */
+function reportSentinelTlsFailures(client) {
+  const connector = client.connector;
+  if (typeof connector?.connectToSentinel !== 'function') return;
+  const connectToSentinel = connector.connectToSentinel.bind(connector);
+  connector.connectToSentinel = (...args) => {
+    const sentinel = connectToSentinel(...args);
+    sentinel.on('error', (err) => {
+      if (tlsFailureOf(err)) client.emit('error', err);
+    });
+    return sentinel;
+  };
 }

@@ -114,14 +114,17 @@ describe('one redis-server over TLS', { concurrency: false }, () => {
 
 describe('Sentinel over TLS', { concurrency: false }, () => {
   let certs;
+  let otherCa;
   let group;
   before(async () => {
     certs = makeCertificates('sentinel');
+    otherCa = makeCertificates('other');
     group = await startSentinelGroup({ replicas: 1, tls: certs });
   });
   after(async () => {
     await group?.close();
     certs?.remove();
+    otherCa?.remove();
   });
 
   test('a producer and a worker find the primary through TLS sentinels with a password and reach it over TLS', async () => {
@@ -132,6 +135,23 @@ describe('Sentinel over TLS', { concurrency: false }, () => {
     await publishAndRun(group.url);
     const stream = await onNode(await group.primaryPort(), (c) => c.keys('tls-*'));
     assert.ok(stream.length > 0, 'nothing was written on the primary');
+  });
+
+  test('sentinels whose certificate does not check out fail a producer and a worker at once', async () => {
+    const wrong = group.url.replace(encodeURIComponent(certs.ca), encodeURIComponent(otherCa.ca));
+    assert.notEqual(wrong, group.url);
+    const producer = new Producer({ connection: wrong, prefix: prefixFor() });
+    try {
+      await failsWithTlsError(() => producer.publish('tls', { task_type: 'tls.echo', payload: {} }));
+    } finally {
+      await producer.close();
+    }
+    const worker = new Worker('tls', { 'tls.echo': () => {} }, { ...FAST, connection: wrong, prefix: prefixFor() });
+    try {
+      await failsWithTlsError(() => worker.waitUntilReady());
+    } finally {
+      await worker.close({ graceMs: 0 });
+    }
   });
 });
 
