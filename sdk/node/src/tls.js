@@ -69,41 +69,64 @@ export class RedisTlsError extends Error {
 }
 
 /**
- * Make the commands of `client` (a Redis, Sentinel-managed or not) fail at once with a
- * RedisTlsError when a TLS handshake fails, instead of waiting for a
- * connection that cannot come: its queued commands are rejected on each
- * failure. The client keeps reconnecting as usual, so a certificate fixed on
- * the server is picked up. The failed socket may report a second error (the
- * peer's alert) after ioredis stopped listening to it: it is ignored here,
- * not thrown as an uncaught exception.
+ * Make the commands of `client` (a Redis, Sentinel-managed or not, or a
+ * Cluster) fail at once with a RedisTlsError when a TLS handshake fails,
+ * instead of waiting for a connection that cannot come: its queued commands
+ * are rejected on each failure. The client keeps reconnecting as usual, so a
+ * certificate fixed on the server is picked up.
  * @param {any} client
  */
 export function failFastOnTls(client) {
-  reportSentinelTlsFailures(client);
+  reportInnerTlsFailures(client);
   client.on('error', (err) => {
     const failure = tlsFailureOf(err);
-    if (!failure) return;
-    client.stream?.on('error', () => {});
-    client.flushQueue(new RedisTlsError(failure));
+    if (failure) client.flushQueue(new RedisTlsError(failure));
   });
+  ignoreLateSocketErrors(client);
 }
 
 /**
- * ioredis asks the sentinels through clients of its own that swallow their
- * errors, and reports a sentinel it could not reach as "Connection is closed.":
- * a certificate refused by the sentinels would only show as "All sentinels are
- * unreachable", retried for ever. Report their TLS failures as errors of `client`.
+ * A socket whose TLS handshake failed may report a second error (the peer's
+ * alert) after ioredis stopped listening to it: ignore it on `connection`'s
+ * current socket rather than let it be an uncaught exception.
+ */
+function ignoreLateSocketErrors(connection) {
+  connection.on('error', (err) => {
+    const socket = connection.stream;
+    if (!tlsFailureOf(err) || !socket || quieted.has(socket)) return;
+    quieted.add(socket);
+    socket.on('error', () => {});
+  });
+}
+
+/** The sockets ignoreLateSocketErrors() already listens to. */
+const quieted = new WeakSet();
+
+/**
+ * ioredis asks the sentinels, and a Cluster node for its slots, through
+ * connections of its own that swallow their errors, and reports them only as
+ * "Connection is closed.": a certificate refused there would only show as "All
+ * sentinels are unreachable" or "Failed to refresh slots cache", retried for
+ * ever. Report their TLS failures as errors of `client`.
  * @param {any} client
  */
-function reportSentinelTlsFailures(client) {
-  const connector = client.connector;
-  if (typeof connector?.connectToSentinel !== 'function') return;
-  const connectToSentinel = connector.connectToSentinel.bind(connector);
-  connector.connectToSentinel = (...args) => {
-    const sentinel = connectToSentinel(...args);
-    sentinel.on('error', (err) => {
+function reportInnerTlsFailures(client) {
+  const report = (inner) => {
+    ignoreLateSocketErrors(inner);
+    inner.on('error', (err) => {
       if (tlsFailureOf(err)) client.emit('error', err);
     });
-    return sentinel;
+    return inner;
   };
+  const connector = client.connector;
+  if (typeof connector?.connectToSentinel === 'function') {
+    const connectToSentinel = connector.connectToSentinel.bind(connector);
+    connector.connectToSentinel = (...args) => report(connectToSentinel(...args));
+  }
+  if (client.isCluster) {
+    client.on('+node', (node) => {
+      const duplicate = node.duplicate.bind(node);
+      node.duplicate = (...args) => report(duplicate(...args));
+    });
+  }
 }

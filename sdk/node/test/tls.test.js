@@ -1,8 +1,9 @@
 // TLS against real redis-servers that speak TLS only, with a throw-away CA
-// (support/certificates.js): one server (rediss:// with ssl_ca_certs; a wrong
-// CA, no CA and ssl_cert_reqs=none), a Sentinel group whose sentinels and data
-// nodes all speak TLS, and a Redis Cluster over TLS. On each, a producer
-// publishes and a worker runs the task.
+// (support/certificates.js): one server (rediss:// with ssl_ca_certs, no CA,
+// ssl_cert_reqs=none, a client certificate), a Sentinel group whose sentinels
+// and data nodes all speak TLS, and a Redis Cluster over TLS. On each, a
+// producer publishes and a worker runs the task, and trusting another CA fails
+// both at once with a RedisTlsError.
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
@@ -44,6 +45,26 @@ async function failsWithTlsError(fn, withinMs = 3000) {
   assert.ok(took < withinMs, `the TLS failure took ${took} ms to surface`);
 }
 
+/** A producer's publish and a worker's start on `url` both fail at once with a RedisTlsError. */
+async function refusesCertificate(url) {
+  const producer = new Producer({ connection: url, prefix: prefixFor() });
+  try {
+    await failsWithTlsError(() => producer.publish('tls', { task_type: 'tls.echo', payload: {} }));
+    await failsWithTlsError(() => producer.publish('tls', { task_type: 'tls.echo', payload: {} }));
+  } finally {
+    await producer.close();
+  }
+  const worker = new Worker('tls', { 'tls.echo': () => {} }, { ...FAST, connection: url, prefix: prefixFor() });
+  try {
+    await failsWithTlsError(() => worker.waitUntilReady());
+  } finally {
+    await worker.close({ graceMs: 0 });
+  }
+}
+
+/** `url` trusting `ca` instead of the CA it names. */
+const trusting = (url, certs, ca) => url.replace(encodeURIComponent(certs.ca), encodeURIComponent(ca.ca));
+
 describe('one redis-server over TLS', { concurrency: false }, () => {
   let certs;
   let otherCa;
@@ -71,22 +92,8 @@ describe('one redis-server over TLS', { concurrency: false }, () => {
   });
 
   test('with another CA, or none, the certificate check fails at once, for a producer and a worker', async () => {
-    const wrong = urlWith(`?ssl_ca_certs=${encodeURIComponent(otherCa.ca)}`);
-    for (const url of [wrong, urlWith('')]) {
-      const producer = new Producer({ connection: url, prefix: prefixFor() });
-      try {
-        await failsWithTlsError(() => producer.publish('tls', { task_type: 'tls.echo', payload: {} }));
-        await failsWithTlsError(() => producer.publish('tls', { task_type: 'tls.echo', payload: {} }));
-      } finally {
-        await producer.close();
-      }
-      const worker = new Worker('tls', { 'tls.echo': () => {} }, { ...FAST, connection: url, prefix: prefixFor() });
-      try {
-        await failsWithTlsError(() => worker.waitUntilReady());
-      } finally {
-        await worker.close({ graceMs: 0 });
-      }
-    }
+    await refusesCertificate(trusting(server.url, certs, otherCa));
+    await refusesCertificate(urlWith(''));
   });
 
   test('ssl_cert_reqs=none skips the certificate check; required is the default', async () => {
@@ -138,37 +145,34 @@ describe('Sentinel over TLS', { concurrency: false }, () => {
   });
 
   test('sentinels whose certificate does not check out fail a producer and a worker at once', async () => {
-    const wrong = group.url.replace(encodeURIComponent(certs.ca), encodeURIComponent(otherCa.ca));
-    assert.notEqual(wrong, group.url);
-    const producer = new Producer({ connection: wrong, prefix: prefixFor() });
-    try {
-      await failsWithTlsError(() => producer.publish('tls', { task_type: 'tls.echo', payload: {} }));
-    } finally {
-      await producer.close();
-    }
-    const worker = new Worker('tls', { 'tls.echo': () => {} }, { ...FAST, connection: wrong, prefix: prefixFor() });
-    try {
-      await failsWithTlsError(() => worker.waitUntilReady());
-    } finally {
-      await worker.close({ graceMs: 0 });
-    }
+    await refusesCertificate(trusting(group.url, certs, otherCa));
   });
 });
 
 describe('Redis Cluster over TLS', { concurrency: false }, () => {
   let certs;
+  let otherCa;
   let cluster;
   before(async () => {
     certs = makeCertificates('cluster');
+    otherCa = makeCertificates('other');
     cluster = await startCluster({ replicas: 0, tls: certs });
   });
   after(async () => {
     await cluster?.close();
     certs?.remove();
+    otherCa?.remove();
   });
 
   test('a producer and a worker on rediss-cluster:// run a task', async () => {
     assert.match(cluster.url, /^rediss-cluster:\/\/.*\?ssl_ca_certs=/);
+    for (const port of cluster.ports) {
+      assert.deepEqual(await onNode(port, (c) => c.config('GET', 'tls-cluster')), ['tls-cluster', 'yes']);
+    }
     await publishAndRun(cluster.url);
+  });
+
+  test('nodes whose certificate does not check out fail a producer and a worker at once', async () => {
+    await refusesCertificate(trusting(cluster.url, certs, otherCa));
   });
 });
