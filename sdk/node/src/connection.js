@@ -3,10 +3,15 @@
 // when it has `sentinels` and `name`, or a `Cluster`), or one opened here from
 // a URL (src/url.js) or ioredis options.
 
+import { failFastOnTls } from './tls.js';
 import { createRedis } from './url.js';
 
-const opened = (connection, connectionName, extra = {}) =>
-  createRedis(connection ?? {}, { connectionName, reconnectOnError: reconnectOnFailover, ...extra });
+/** A client opened here: its commands fail at once when its TLS handshake fails (src/tls.js). */
+function opened(connection, connectionName, extra = {}) {
+  const client = createRedis(connection ?? {}, { connectionName, reconnectOnError: reconnectOnFailover, ...extra });
+  failFastOnTls(client);
+  return client;
+}
 
 /** An ioredis client or Cluster (anything with defineCommand and duplicate). */
 export function isRedisClient(value) {

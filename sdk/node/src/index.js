@@ -9,6 +9,7 @@ export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
 export { Worker, WORKER_DEFAULTS } from './worker.js';
 export { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from './url.js';
 export { isRedisClient } from './connection.js';
+export { RedisTlsError } from './tls.js';
 export { ReplicaWait } from './replicas.js';
 export { Promoter, redisNowMs } from './promoter.js';
 export { DeadLetters, jsonMergePatch, readDeadLetter } from './deadletters.js';

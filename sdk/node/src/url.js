@@ -7,9 +7,13 @@
 //   redis-cluster://[[user]:password@]h1[:6379][,h2[:port]...]     (rediss-cluster://: TLS)
 //
 // The user and password are those of the data nodes; a Sentinel's own come from
-// the query. Every malformed part fails at once with an error naming it.
+// the query. A rediss URL of any form also takes the TLS options of src/tls.js
+// in its query (ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs); they
+// apply to every connection: the data nodes, the sentinels, the cluster nodes.
+// Every malformed part fails at once with an error naming it.
 
 import Redis, { Cluster } from 'ioredis';
+import { TLS_QUERY, tlsOptionsOf } from './tls.js';
 
 const SCHEMES = {
   'redis:': { kind: 'standalone', tls: false, port: 6379 },
@@ -56,7 +60,8 @@ function parseHost(text, defaultPort) {
 /**
  * The parts of any of the URL forms above:
  * { kind: 'standalone' | 'sentinel' | 'cluster', tls, hosts: [{ host, port }], db,
- *   username?, password?, masterName?, sentinelUsername?, sentinelPassword? }.
+ *   username?, password?, masterName?, sentinelUsername?, sentinelPassword?,
+ *   tlsOptions? (with tls: Node `tls.connect` options, the files read) }.
  * Throws InvalidRedisUrl naming the wrong part.
  * @param {string} url
  */
@@ -100,12 +105,17 @@ export function parseRedisLocation(url) {
   } else if (fragment) {
     throw new InvalidRedisUrl('master_name', `only Sentinel URLs name a master (#${master})`);
   }
+  const known = [...(scheme.kind === 'sentinel' ? Object.keys(SENTINEL_QUERY) : []), ...TLS_QUERY];
+  const tls = {};
   for (const [name, value] of new URLSearchParams(query.slice(1))) {
-    if (scheme.kind !== 'sentinel' || !(name in SENTINEL_QUERY)) {
-      throw new InvalidRedisUrl('query', `unknown parameter ${JSON.stringify(name)}${scheme.kind === 'sentinel' ? ` (known: ${Object.keys(SENTINEL_QUERY).join(', ')})` : ''}`);
+    if (!known.includes(name)) {
+      throw new InvalidRedisUrl('query', `unknown parameter ${JSON.stringify(name)} (known: ${known.join(', ')})`);
     }
-    out[SENTINEL_QUERY[name]] = value;
+    if (!TLS_QUERY.includes(name)) out[SENTINEL_QUERY[name]] = value;
+    else if (!scheme.tls) throw new InvalidRedisUrl('query', `${name} needs TLS: use rediss://, rediss-sentinel:// or rediss-cluster://`);
+    else tls[name] = value;
   }
+  if (scheme.tls) out.tlsOptions = tlsOptionsOf(tls, (message) => new InvalidRedisUrl('query', message));
   return out;
 }
 
@@ -128,14 +138,14 @@ export function parseRedisUrl(url) {
   const options = { ...auth(loc), db: loc.db };
   if (loc.kind === 'standalone') {
     Object.assign(options, loc.hosts[0]);
-    if (loc.tls) options.tls = {};
+    if (loc.tls) options.tls = loc.tlsOptions;
     return options;
   }
   options.sentinels = loc.hosts;
   options.name = loc.masterName;
   if (loc.sentinelUsername !== undefined) options.sentinelUsername = loc.sentinelUsername;
   if (loc.sentinelPassword !== undefined) options.sentinelPassword = loc.sentinelPassword;
-  if (loc.tls) Object.assign(options, { tls: {}, sentinelTLS: {}, enableTLSForSentinelMode: true });
+  if (loc.tls) Object.assign(options, { tls: loc.tlsOptions, sentinelTLS: loc.tlsOptions, enableTLSForSentinelMode: true });
   return options;
 }
 
@@ -153,6 +163,6 @@ export function createRedis(urlOrOptions, extra = {}) {
   const loc = parseRedisLocation(urlOrOptions);
   if (loc.kind !== 'cluster') return new Redis({ ...parseRedisUrl(urlOrOptions), ...extra });
   return new Cluster(loc.hosts, {
-    redisOptions: { ...auth(loc), ...(loc.tls ? { tls: {} } : {}), ...extra },
+    redisOptions: { ...auth(loc), ...(loc.tls ? { tls: loc.tlsOptions } : {}), ...extra },
   });
 }

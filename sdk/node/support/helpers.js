@@ -1,6 +1,7 @@
 // Shared test helpers: the conformance vectors and a Redis to run against: one
 // private redis-server, a Sentinel group or a Redis Cluster, all started from the
-// redis-server binary on free loopback ports.
+// redis-server binary on free loopback ports, in plain TCP or TLS only
+// (support/certificates.js).
 
 import { execFile, spawn } from 'node:child_process';
 import fs from 'node:fs';
@@ -12,6 +13,7 @@ import { fileURLToPath } from 'node:url';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
 import { parseJson } from '../src/json.js';
+import { tlsDirectives } from './certificates.js';
 
 /**
  * The conformance vectors: $ENVELOPE_CONFORMANCE_DIR when set, else the first
@@ -79,11 +81,14 @@ export async function testRedis() {
 
 /** The password of each port whose server requires one (startRedisServer's `password`). */
 const passwords = new Map();
+/** The ioredis `tls` options of each port whose server speaks TLS only (startRedisServer's `tls`). */
+const tlsPorts = new Map();
 
 /** A connection to 127.0.0.1:port that never retries (for probes and admin commands). */
 export function directClient(port) {
   const client = new Redis({
-    host: '127.0.0.1', port, password: passwords.get(port), lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null,
+    host: '127.0.0.1', port, password: passwords.get(port), tls: tlsPorts.get(port),
+    lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null,
   });
   client.on('error', () => {});
   return client;
@@ -110,12 +115,17 @@ process.once('exit', () => {
  * A private redis-server on a loopback port (a free one unless given), ready
  * to answer; `args` are more redis-server arguments (a config file first
  * when `args[0]` is one), `password` the one they make it require (for the
- * probes of onNode). Returns { url, port, args, password, child, stop(signal), close }.
+ * probes of onNode), `tls` certificates (makeCertificates()) to speak TLS
+ * only with, on that port. Returns { url, port, args, password, tls, child,
+ * stop(signal), close }; the url is rediss:// trusting the CA when `tls`.
  */
-export async function startRedisServer(port = null, args = [], { password } = {}) {
+export async function startRedisServer(port = null, args = [], { password, tls } = {}) {
   const chosen = port ?? (await freePort());
   if (password !== undefined) passwords.set(chosen, password);
-  const [conf, ...rest] = args[0] && !args[0].startsWith('--') ? args : [null, ...args];
+  // Probes show the certificate as a client's too, for a server started with --tls-auth-clients yes.
+  if (tls) tlsPorts.set(chosen, { ca: fs.readFileSync(tls.ca), cert: fs.readFileSync(tls.cert), key: fs.readFileSync(tls.key) });
+  const [conf, ...given] = args[0] && !args[0].startsWith('--') ? args : [null, ...args];
+  const rest = [...(tls ? tlsDirectives(tls, chosen).flatMap(([name, value]) => [`--${name}`, value]) : []), ...given];
   // A replica's full sync starts at once (not after the default 5 s wait for more replicas)
   // and writes its RDB file in the temporary directory, one name per port.
   const child = spawn('redis-server', [...(conf ? [conf] : []), '--port', String(chosen), '--bind', '127.0.0.1',
@@ -144,7 +154,8 @@ export async function startRedisServer(port = null, args = [], { password } = {}
     await exited;
     fs.rmSync(path.join(os.tmpdir(), `envelope-test-${chosen}.rdb`), { force: true });
   };
-  return { url: `redis://127.0.0.1:${chosen}/0`, port: chosen, args, password, child, stop, close: () => stop() };
+  const url = `${tls ? 'rediss' : 'redis'}://127.0.0.1:${chosen}/0${caQuery(tls, '?')}`;
+  return { url, port: chosen, args, password, tls, child, stop, close: () => stop() };
 }
 
 /** Wait until the redis-server on `port` is a replica whose link to its primary is up. */
@@ -157,9 +168,14 @@ async function replicaInSync(port) {
 
 /** Start `server` again on its port (with `args`, or its own) in place of the stopped one in `nodes`. */
 async function restartIn(nodes, server, args = server.args) {
-  const again = await startRedisServer(server.port, args, { password: server.password });
+  const again = await startRedisServer(server.port, args, { password: server.password, tls: server.tls });
   nodes.splice(nodes.indexOf(server), 1, again);
   return again;
+}
+
+/** The query parameter trusting the CA of `tls` certificates, after `separator`; '' without them. */
+function caQuery(tls, separator) {
+  return tls ? `${separator}ssl_ca_certs=${encodeURIComponent(tls.ca)}` : '';
 }
 
 /** A fresh temporary directory, removed by the returned cleanup. */
@@ -169,20 +185,22 @@ function tempDir(name) {
 }
 
 /**
- * A Sentinel group: a primary, two replicas and three sentinels (quorum 2,
+ * A Sentinel group: a primary, `replicas` replicas and three sentinels (quorum 2,
  * down-after-milliseconds 1000, failover-timeout 3000) monitoring it as
  * `masterName`; the data nodes require `password`, the sentinels
- * `sentinelPassword`. Resolves once both replicas are in sync and every
- * sentinel sees them and the other sentinels. Returns { masterName, password,
- * sentinelPassword, sentinels: [port], nodes: [server], url (redis-sentinel://...
- * with both passwords), primaryPort(), rejoin(port), close }; rejoin starts a
+ * `sentinelPassword`; with `tls` certificates every process speaks TLS only,
+ * replication and the sentinels' links included. Resolves once the replicas
+ * are in sync and every sentinel sees them and the other sentinels. Returns
+ * { masterName, password, sentinelPassword, sentinels: [port], nodes: [server],
+ * url (redis-sentinel://... with both passwords; rediss-sentinel://... trusting
+ * the CA with `tls`), primaryPort(), rejoin(port), close }; rejoin starts a
  * stopped node again as a replica of the current primary.
  */
 export async function startSentinelGroup({
-  masterName = 'envelope-test', password = 'data-secret', sentinelPassword = 'sentinel-secret',
+  masterName = 'envelope-test', password = 'data-secret', sentinelPassword = 'sentinel-secret', replicas = 2, tls,
 } = {}) {
   const auth = ['--requirepass', password, '--masterauth', password];
-  const dataNode = (args = []) => startRedisServer(null, [...auth, ...args], { password });
+  const dataNode = (args = []) => startRedisServer(null, [...auth, ...args], { password, tls });
   const tmp = tempDir('sentinel');
   const nodes = [];
   const sentinels = [];
@@ -192,7 +210,7 @@ export async function startSentinelGroup({
   };
   try {
     nodes.push(await dataNode());
-    for (let i = 0; i < 2; i += 1) nodes.push(await dataNode(['--replicaof', '127.0.0.1', String(nodes[0].port)]));
+    for (let i = 0; i < replicas; i += 1) nodes.push(await dataNode(['--replicaof', '127.0.0.1', String(nodes[0].port)]));
     for (const replica of nodes.slice(1)) await replicaInSync(replica.port);
     for (let i = 0; i < 3; i += 1) {
       const conf = path.join(tmp.dir, `sentinel-${i}.conf`);
@@ -207,13 +225,13 @@ export async function startSentinelGroup({
         `sentinel parallel-syncs ${masterName} 2`,
         '',
       ].join('\n'));
-      sentinels.push(await startRedisServer(null, [conf, '--sentinel'], { password: sentinelPassword }));
+      sentinels.push(await startRedisServer(null, [conf, '--sentinel'], { password: sentinelPassword, tls }));
     }
     await waitFor(async () => {
       for (const s of sentinels) {
-        const [replicas, others] = await onNode(s.port, (c) => Promise.all([
+        const [seen, others] = await onNode(s.port, (c) => Promise.all([
           c.call('SENTINEL', 'REPLICAS', masterName), c.call('SENTINEL', 'SENTINELS', masterName)]));
-        if (replicas.length < 2 || others.length < 2) return false;
+        if (seen.length < replicas || others.length < 2) return false;
       }
       return true;
     }, { timeoutMs: 20_000, intervalMs: 200, message: 'the sentinels did not discover the group' });
@@ -230,7 +248,8 @@ export async function startSentinelGroup({
     sentinelPassword,
     sentinels: sentinels.map((s) => s.port),
     nodes,
-    url: `redis-sentinel://:${encodeURIComponent(password)}@${hosts}/0?sentinel_password=${encodeURIComponent(sentinelPassword)}#${masterName}`,
+    url: `${tls ? 'rediss' : 'redis'}-sentinel://:${encodeURIComponent(password)}@${hosts}/0`
+      + `?sentinel_password=${encodeURIComponent(sentinelPassword)}${caQuery(tls, '&')}#${masterName}`,
     /** The port of the primary the sentinels announce now. */
     primaryPort,
     rejoin: async (port) => {
@@ -273,13 +292,15 @@ export async function moveSlot(fromPort, toPort, slot) {
 }
 
 /**
- * A Redis Cluster of three primaries with one replica each (cluster-node-timeout
- * 1000 ms), made with `redis-cli --cluster create`. Resolves once every node
- * answers cluster_state:ok and every replica is in sync. Returns
- * { ports, nodes: [server], url (redis-cluster://...), byPort(port), rejoin(port), close };
- * rejoin starts a stopped node again, which comes back as a replica.
+ * A Redis Cluster of three primaries with `replicas` replicas each
+ * (cluster-node-timeout 1000 ms), made with `redis-cli --cluster create`; with
+ * `tls` certificates every node speaks TLS only, cluster bus and replication
+ * included. Resolves once every node answers cluster_state:ok and every replica
+ * is in sync. Returns { ports, nodes: [server], url (redis-cluster://...;
+ * rediss-cluster://... trusting the CA with `tls`), byPort(port), rejoin(port),
+ * close }; rejoin starts a stopped node again, which comes back as a replica.
  */
-export async function startCluster() {
+export async function startCluster({ replicas = 1, tls } = {}) {
   const tmp = tempDir('cluster');
   const nodes = [];
   const close = async () => {
@@ -287,13 +308,15 @@ export async function startCluster() {
     tmp.remove();
   };
   try {
-    for (let i = 0; i < 6; i += 1) {
+    for (let i = 0; i < 3 * (1 + replicas); i += 1) {
       const port = await freePort();
       nodes.push(await startRedisServer(port, ['--cluster-enabled', 'yes', '--cluster-node-timeout', '1000',
-        '--cluster-config-file', path.join(tmp.dir, `nodes-${port}.conf`), '--dir', tmp.dir]));
+        '--cluster-config-file', path.join(tmp.dir, `nodes-${port}.conf`), '--dir', tmp.dir,
+        ...(tls ? ['--tls-cluster', 'yes'] : [])], { tls }));
     }
-    await execFileAsync('redis-cli', ['--cluster', 'create', ...nodes.map((n) => `127.0.0.1:${n.port}`),
-      '--cluster-replicas', '1', '--cluster-yes'], { timeout: 30_000 });
+    await execFileAsync('redis-cli', [...(tls ? ['--tls', '--cacert', tls.ca] : []),
+      '--cluster', 'create', ...nodes.map((n) => `127.0.0.1:${n.port}`),
+      '--cluster-replicas', String(replicas), '--cluster-yes'], { timeout: 30_000 });
     await waitFor(async () => {
       for (const n of nodes) {
         const info = String(await onNode(n.port, (c) => c.call('CLUSTER', 'INFO')));
@@ -310,7 +333,7 @@ export async function startCluster() {
   return {
     ports: nodes.map((n) => n.port),
     nodes,
-    url: `redis-cluster://${nodes.slice(0, 3).map((n) => `127.0.0.1:${n.port}`).join(',')}`,
+    url: `${tls ? 'rediss' : 'redis'}-cluster://${nodes.slice(0, 3).map((n) => `127.0.0.1:${n.port}`).join(',')}${caQuery(tls, '?')}`,
     byPort: (port) => nodes.find((n) => n.port === port),
     rejoin: async (port) => {
       await restartIn(nodes, nodes.find((n) => n.port === port));

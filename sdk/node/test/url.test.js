@@ -1,6 +1,9 @@
-// Redis URLs: one Redis, Sentinel and Cluster forms, and the errors of bad ones.
+// Redis URLs: one Redis, Sentinel and Cluster forms, their TLS options, and the errors of bad ones.
 
 import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
 import { describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
 import { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from '../src/url.js';
@@ -29,9 +32,43 @@ describe('Redis URLs', () => {
 
   test('redis-cluster:// names seed nodes', () => {
     assert.deepEqual(parseRedisLocation('rediss-cluster://:pw@n1:7000,n2'), {
-      kind: 'cluster', tls: true, db: 0, password: 'pw', hosts: [{ host: 'n1', port: 7000 }, { host: 'n2', port: 6379 }],
+      kind: 'cluster', tls: true, tlsOptions: {}, db: 0, password: 'pw', hosts: [{ host: 'n1', port: 7000 }, { host: 'n2', port: 6379 }],
     });
     assert.throws(() => parseRedisUrl('redis-cluster://n1'), (err) => err instanceof InvalidRedisUrl && err.part === 'scheme');
+  });
+
+  test('a rediss URL of any form reads its TLS options from the query, for every connection', () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'envelope-url-tls-'));
+    try {
+      for (const name of ['ca.pem', 'cert.pem', 'key.pem']) fs.writeFileSync(path.join(dir, name), name);
+      const q = (name) => encodeURIComponent(path.join(dir, name));
+      const files = `ssl_ca_certs=${q('ca.pem')}&ssl_certfile=${q('cert.pem')}&ssl_keyfile=${q('key.pem')}`;
+      const read = { ca: Buffer.from('ca.pem'), cert: Buffer.from('cert.pem'), key: Buffer.from('key.pem') };
+      assert.deepEqual(parseRedisUrl(`rediss://h/1?${files}`), { host: 'h', port: 6379, db: 1, tls: read });
+      assert.deepEqual(parseRedisUrl('rediss://h?ssl_cert_reqs=none').tls, { rejectUnauthorized: false });
+      assert.deepEqual(parseRedisUrl('rediss://h?ssl_cert_reqs=required').tls, {});
+      const sentinel = parseRedisUrl(`rediss-sentinel://s1?sentinel_password=x&ssl_ca_certs=${q('ca.pem')}#m`);
+      assert.deepEqual([sentinel.tls, sentinel.sentinelTLS, sentinel.sentinelPassword], [{ ca: read.ca }, { ca: read.ca }, 'x']);
+      const cluster = createRedis(`rediss-cluster://n1?ssl_ca_certs=${q('ca.pem')}`, { lazyConnect: true });
+      try {
+        assert.deepEqual(cluster.options.redisOptions.tls, { ca: read.ca });
+      } finally {
+        cluster.disconnect();
+      }
+      const wrong = [
+        ['rediss://h?ssl_ca_certs=/no/such/ca.pem', /ssl_ca_certs: cannot read "\/no\/such\/ca.pem" \(ENOENT\)/],
+        [`rediss://h?ssl_certfile=${q('cert.pem')}`, /ssl_certfile and ssl_keyfile go together/],
+        ['rediss://h?ssl_cert_reqs=optional', /ssl_cert_reqs "optional" is not required or none/],
+        [`redis://h?ssl_ca_certs=${q('ca.pem')}`, /ssl_ca_certs needs TLS: use rediss:\/\//],
+        [`redis-sentinel://s1?ssl_cert_reqs=none#m`, /ssl_cert_reqs needs TLS/],
+        ['rediss://h?ssl_verify=no', /unknown parameter "ssl_verify" \(known: ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs\)/],
+      ];
+      for (const [url, message] of wrong) {
+        assert.throws(() => parseRedisLocation(url), (err) => err instanceof InvalidRedisUrl && err.part === 'query' && message.test(err.message), url);
+      }
+    } finally {
+      fs.rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   test('createRedis builds a Redis, a Sentinel-managed Redis or a Cluster', () => {
