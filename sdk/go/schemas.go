@@ -268,7 +268,9 @@ func collect(e *jsonschema.ValidationError, doc any, out *[]located) {
 		e.ErrorKind.LocalizedString(english)})
 }
 
-func member(at schemaPath, name string) schemaPath { return append(slices.Clone(at), segment{name: name}) }
+func member(at schemaPath, name string) schemaPath {
+	return append(slices.Clone(at), segment{name: name})
+}
 
 // instancePath types the segments of an instance location: an index where
 // the value is an array, a name where it is an object.

@@ -1103,7 +1103,11 @@ func (w *Worker) cancelledAmong(ctx context.Context, entries []*entry) map[strin
 // cancel mark stays: the same id published again is not run either.
 func (w *Worker) revoke(ctx context.Context, e *entry, why string) {
 	w.results.write(ctx, e.log, e.env, revoked(why))
-	w.ack(ctx, e, StateCancelled, why)
+	reason := "cancelled"
+	if why == revokedExpired {
+		reason = "expired"
+	}
+	w.ack(ctx, e, StateCancelled, reason)
 	if why == revokedExpired {
 		e.log.Info("expired task acknowledged without running it", "outcome", "expired",
 			"expires", e.env.Expires.String())
