@@ -1,9 +1,11 @@
 package envelope
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"log/slog"
 	"strconv"
 	"sync"
@@ -82,7 +84,17 @@ func (p *Producer) publish(ctx context.Context, queue string, e *Envelope, annou
 // checkServed applies the payload schema of e and, with RequireServed, the
 // served check against announced (nil: read them now).
 func (p *Producer) checkServed(ctx context.Context, queue string, e *Envelope, announced []Announcement) error {
-	if err := p.payloadSchemas().Check(ctx, e); err != nil {
+	// A schema read is safe to repeat: retried while Redis is away, as the publish is.
+	var invalid error
+	err := retryOutage(ctx, p.Client, p.logger(), "reading the payload schemas", IsOutage, func() error {
+		invalid = p.payloadSchemas().Check(ctx, e)
+		var refused *ValidationError
+		if errors.As(invalid, &refused) {
+			return nil
+		}
+		return invalid
+	})
+	if err := cmp.Or(err, invalid); err != nil {
 		return err
 	}
 	if !p.RequireServed {
