@@ -168,8 +168,8 @@ func TestWorkerStepsWriteRecords(t *testing.T) {
 
 	// A retry (retrying, with the error), then a dead letter, a purge and a replay.
 	flaky, _ := p.PublishTask(ctx, e.queue, "jobs.flaky", nil, WithTieredRetries(), WithMaxRetries(3))
-	r = e.waitState(flaky.TaskID, StateRetrying)
-	if r["retry_count"] != "1" || r["due_at"] == "" || r["error"] != "*errors.errorString: flaky" {
+	r = e.waitState(flaky.TaskID, StateRetrying) // one of the three retries' windows
+	if r["retry_count"] < "1" || r["retry_count"] > "3" || r["due_at"] == "" || r["error"] != "*errors.errorString: flaky" {
 		t.Fatalf("record of a retry %v", r)
 	}
 	r = e.waitState(flaky.TaskID, StateDead)
