@@ -100,3 +100,17 @@ func TestWorkerRunsUncheckedWhenTheSchemasCannotBeRead(t *testing.T) {
 		t.Fatal("the failed schema read was not logged")
 	}
 }
+
+// A stored schema is compiled only when it is an object that refers to itself alone:
+// nothing is fetched, and anything else is an error (so the schema is ignored).
+func TestCompileSchemaRefusesWhatCannotBeUsed(t *testing.T) {
+	for _, text := range []string{`true`, `{"type": 7}`, `{"$ref": "https://example.com/s.json"}`,
+		`{"$ref": "#/$defs/missing"}`, `{"pattern": "^(?=x)"}`, `{not json`} {
+		if _, err := CompileSchema([]byte(text)); err == nil {
+			t.Errorf("%s compiled", text)
+		}
+	}
+	if _, err := CompileSchema([]byte(`{"$defs": {"id": {"type": "integer"}}, "$ref": "#/$defs/id"}`)); err != nil {
+		t.Fatal(err)
+	}
+}
