@@ -102,11 +102,21 @@ func (p *Producer) checkServed(ctx context.Context, queue string, e *Envelope, a
 	}
 	if announced == nil {
 		var err error
-		if announced, err = p.announcements(ctx); err != nil {
+		if announced, err = p.announcedForCheck(ctx); err != nil {
 			return err
 		}
 	}
 	return servedBy(announced, queue, e)
+}
+
+// announcedForCheck reads the announcements for the served check, retried
+// while Redis is away, as the publish is.
+func (p *Producer) announcedForCheck(ctx context.Context) (announced []Announcement, err error) {
+	err = retryOutage(ctx, p.Client, p.logger(), "reading the worker announcements", IsOutage, func() error {
+		announced, err = p.announcements(ctx)
+		return err
+	})
+	return announced, err
 }
 
 // store writes a checked Envelope, with its task record.

@@ -196,7 +196,7 @@ func (p *Producer) PublishBatch(ctx context.Context, queue string, envelopes []*
 	var announced []Announcement
 	if p.RequireServed && len(envelopes) > 0 {
 		var err error
-		if announced, err = p.announcements(ctx); err != nil {
+		if announced, err = p.announcedForCheck(ctx); err != nil {
 			return ids, err
 		}
 	}
