@@ -7,6 +7,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -58,6 +59,23 @@ func TestWorkerAnnouncesWhatItServesAndWhenItStopped(t *testing.T) {
 	a = e.announcement(w.Consumer())
 	if a.StoppedAt == "" || e.client.Exists(ctx, e.keys.Consumer(w.Consumer())).Val() != 0 {
 		t.Fatalf("after a clean shutdown: %+v", a)
+	}
+}
+
+// With Concurrency n each of the n consumers announces itself, as each has its liveness key.
+func TestEveryConsumerOfAWorkerAnnouncesItself(t *testing.T) {
+	e := newEnv(t)
+	w := e.worker(func(c *Config) { c.Concurrency = 2 })
+	w.Handle("jobs.run", func(ctx context.Context, task *Task) error { return nil })
+	e.start(w)
+	for i := range 2 {
+		consumer := fmt.Sprintf("%s-%d", w.Consumer(), i)
+		e.waitFor("the announcement of "+consumer, func() bool {
+			return e.client.Exists(context.Background(), e.keys.Worker(consumer)).Val() == 1
+		})
+		if a := e.announcement(consumer); a.Consumer != consumer || a.Concurrency != 1 {
+			t.Fatalf("announcement %+v", a)
+		}
 	}
 }
 
