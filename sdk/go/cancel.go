@@ -35,7 +35,7 @@ type CancelResult struct {
 // Cancel cancels a task knowing only its id: it marks the id in
 // <prefix>:cancelled (marks older than CancelMarkTTL are dropped in the same
 // MULTI), then removes it from the delayed set of every queue listed in
-// <prefix>:queues with cancel.lua. The mark is written first and always, so a
+// <prefix>:queues with cancel.lua, which writes the task record (cancelled) there. The mark is written first and always, so a
 // task already in a stream, or published again within CancelMarkTTL, is
 // acknowledged without running by whichever worker receives it.
 func (p *Producer) Cancel(ctx context.Context, taskID string) (CancelResult, error) {
@@ -84,9 +84,12 @@ func (p *Producer) cancel(ctx context.Context, taskID string, queues []string) (
 	removed := CancelResult{}
 	for _, queue := range queues { // every queue: the same id may wait in several
 		q := p.Keys.Queue(queue)
+		keys, args := newRecords(p.TaskRecordRetention).finalStep(q, taskID,
+			map[string]string{"finished_at": recordTime(time.Now())}).script(
+			[]string{q.Delayed(), q.DelayedData()}, []any{taskID}, 1)
 		var got string
 		err := retried("cancel.lua", func() (err error) {
-			got, err = p.Scripts.Get("cancel").Run(ctx, p.Client, []string{q.Delayed(), q.DelayedData()}, taskID).Text()
+			got, err = p.Scripts.Get("cancel").Run(ctx, p.Client, keys, args...).Text()
 			return err
 		})
 		if err != nil {

@@ -24,6 +24,7 @@ type manifest struct {
 	FormatVersion int      `json:"format_version"`
 	Envelopes     []string `json:"envelopes"`
 	Entries       []string `json:"entries"`
+	Schemas       []string `json:"schemas"`
 }
 
 type envelopeCase struct {
@@ -219,7 +220,7 @@ func TestConformanceManifestListsEveryVector(t *testing.T) {
 	for _, kind := range []struct {
 		dir    string
 		listed []string
-	}{{"envelopes", m.Envelopes}, {"entries", m.Entries}} {
+	}{{"envelopes", m.Envelopes}, {"entries", m.Entries}, {"schemas", m.Schemas}} {
 		files, _ := filepath.Glob(filepath.Join(conformanceDir(t), kind.dir, "*.json"))
 		listed := map[string]bool{}
 		for _, name := range kind.listed {
@@ -230,5 +231,50 @@ func TestConformanceManifestListsEveryVector(t *testing.T) {
 				t.Errorf("%s is not in manifest.json", name)
 			}
 		}
+	}
+}
+
+type schemaCase struct {
+	Name       string          `json:"name"`
+	Schema     json.RawMessage `json:"schema"`
+	Payload    json.RawMessage `json:"payload"`
+	Violations []struct {
+		Field   string `json:"field"`
+		Rule    string `json:"rule"`
+		Keyword string `json:"keyword"`
+	} `json:"violations"`
+}
+
+// Every schema vector: the violations' fields, rules and keywords, in order
+// (messages may differ between languages).
+func TestConformanceSchemas(t *testing.T) {
+	m := loadManifest(t)
+	if len(m.Schemas) == 0 {
+		t.Fatal("the manifest lists no schema vectors")
+	}
+	for _, rel := range m.Schemas {
+		var c schemaCase
+		loadCase(t, rel, &c)
+		t.Run(c.Name, func(t *testing.T) {
+			schema, err := CompileSchema(c.Schema)
+			if err != nil {
+				t.Fatalf("compiling the schema: %v", err)
+			}
+			found, err := PayloadViolations(schema, c.Payload)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := make([]string, len(found))
+			for i, v := range found {
+				got[i] = v.Field + " " + v.Rule + " " + v.Keyword
+			}
+			want := make([]string, len(c.Violations))
+			for i, v := range c.Violations {
+				want[i] = v.Field + " " + v.Rule + " " + v.Keyword
+			}
+			if !reflect.DeepEqual(got, want) {
+				t.Fatalf("violations\n%v\nwant\n%v", got, want)
+			}
+		})
 	}
 }

@@ -36,6 +36,10 @@ type DeadLetters struct {
 	Scripts Scripts
 	Limits  Limits
 	GzipMin int
+	// TaskRecordRetention is that of Producer: the record a replay writes.
+	TaskRecordRetention time.Duration
+	// Schemas are the payload schemas a replay enforces (section 16); nil: none.
+	Schemas *PayloadSchemas
 }
 
 // NewDeadLetters returns the dead-letter tools of prefix with the default
@@ -45,7 +49,8 @@ func NewDeadLetters(client redis.UniversalClient, prefix string, scripts Scripts
 		scripts = DefaultScripts()
 	}
 	return &DeadLetters{Client: client, Keys: KeySpace{prefix}, Scripts: scripts,
-		Limits: DefaultLimits, GzipMin: GzipMinBytes}
+		Limits: DefaultLimits, GzipMin: GzipMinBytes,
+		Schemas: &PayloadSchemas{Client: client, Keys: KeySpace{prefix}}}
 }
 
 // Queues are the queues that have had dead-letter entries (<prefix>:dead-queues), sorted.
@@ -109,7 +114,8 @@ type ReplayOptions struct {
 // removed and a replay record (<prefix>:{<queue>}:replayed) added in the same
 // step, so two operators replaying one entry publish it once. It returns the
 // new stream entry id; ErrGone when the entry is gone, a *MalformedEntry when
-// it holds no valid Envelope, a *ValidationError when the edit broke it.
+// it holds no valid Envelope, a *ValidationError when the edit broke it or the
+// payload breaks its schema. The task record says queued again.
 func (d *DeadLetters) Replay(ctx context.Context, queue, id string, opts ReplayOptions) (string, error) {
 	entry, err := d.Show(ctx, queue, id)
 	if err != nil {
@@ -138,6 +144,11 @@ func (d *DeadLetters) Replay(ctx context.Context, queue, id string, opts ReplayO
 	if err := CheckPublishable(checked, d.Limits, time.Now()); err != nil {
 		return "", err
 	}
+	if d.Schemas != nil {
+		if err := d.Schemas.Check(ctx, checked); err != nil {
+			return "", err
+		}
+	}
 	enc, body, err := EncodeBody(checked, d.GzipMin, d.Limits)
 	if err != nil {
 		return "", err
@@ -147,9 +158,11 @@ func (d *DeadLetters) Replay(ctx context.Context, queue, id string, opts ReplayO
 		operator = defaultOperator()
 	}
 	q := d.Keys.Queue(queue)
-	newID, err := d.Scripts.Get("replay").Run(ctx, d.Client,
+	keys, args := newRecords(d.TaskRecordRetention).activeStep(q, checked.TaskID, time.Time{},
+		published(checked, queue)).script(
 		[]string{q.Dead(), q.Stream(BucketFor(checked.Priority)), q.Replayed()},
-		id, enc, string(body), "replayed_at", Now().String(), "operator", operator).Text()
+		[]any{id, enc, string(body), "replayed_at", Now().String(), "operator", operator}, 3)
+	newID, err := d.Scripts.Get("replay").Run(ctx, d.Client, keys, args...).Text()
 	if errors.Is(err, redis.Nil) {
 		return "", ErrGone
 	}

@@ -2,7 +2,11 @@ module github.com/kombu-envelope/kombu-envelope/sdk/go
 
 go 1.26.0
 
-require github.com/redis/go-redis/v9 v9.23.0
+require (
+	github.com/redis/go-redis/v9 v9.23.0
+	github.com/santhosh-tekuri/jsonschema/v6 v6.0.2
+	golang.org/x/text v0.14.0
+)
 
 require (
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect

@@ -83,6 +83,19 @@ func (k KeySpace) Retrying(taskType string) string { return k.Prefix + ":retryin
 // Wakeup is the pub/sub channel that wakes promoters.
 func (k KeySpace) Wakeup() string { return k.Prefix + ":wakeup" }
 
+// PeriodicQueues is the set of queues that have periodic entries.
+func (k KeySpace) PeriodicQueues() string { return k.Prefix + ":periodic-queues" }
+
+// Workers is the sorted set of consumers that announced themselves, scored by
+// when they last did, in ms (docs/protocol.md section 15).
+func (k KeySpace) Workers() string { return k.Prefix + ":workers" }
+
+// Worker is the announcement of a consumer (section 15).
+func (k KeySpace) Worker(consumer string) string { return k.Prefix + ":worker:" + consumer }
+
+// Schemas is the hash of payload schemas, field <task_type>@<payload_version> (section 16).
+func (k KeySpace) Schemas() string { return k.Prefix + ":schemas" }
+
 // Base is "<prefix>:{<queue>}".
 func (q QueueKeys) Base() string { return q.Prefix + ":{" + q.Queue + "}" }
 
@@ -103,6 +116,9 @@ func (q QueueKeys) Published(taskID string) string { return q.Base() + ":publish
 
 // DelayedData is the hash of delayed task id to stored entry.
 func (q QueueKeys) DelayedData() string { return q.Base() + ":delayed:data" }
+
+// Task is the task record of taskID (docs/protocol.md section 14).
+func (q QueueKeys) Task(taskID string) string { return q.Base() + ":task:" + taskID }
 
 // Dead is the dead-letter stream.
 func (q QueueKeys) Dead() string { return q.Base() + ":dead" }

@@ -1,11 +1,14 @@
 package envelope
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"log/slog"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -22,6 +25,20 @@ type Producer struct {
 	GzipMin    int          // bodies of at least this many bytes are compressed; <= 0 never
 	Durability Durability   // replicas each publish waits for (none by default)
 	Log        *slog.Logger // publish retries and WAIT warnings; nil: slog.Default()
+
+	// TaskRecordRetention is how long the record of a task that ended is kept
+	// (docs/protocol.md section 14): 0 is DefaultTaskRecordRetention, NoTaskRecords
+	// writes none.
+	TaskRecordRetention time.Duration
+	// SchemaCache is how long the payload schemas read are used (schema_cache_s):
+	// 0 is DefaultSchemaCache.
+	SchemaCache time.Duration
+	// RequireServed refuses a task that no live or recently seen worker of its
+	// queue serves (section 15) with a *NotServedError.
+	RequireServed bool
+
+	schemasOnce sync.Once
+	schemas     *PayloadSchemas
 }
 
 // NewProducer returns a Producer with the default limits and gzip threshold.
@@ -30,7 +47,8 @@ func NewProducer(client redis.UniversalClient, prefix string, scripts Scripts) *
 		Limits: DefaultLimits, GzipMin: GzipMinBytes}
 }
 
-// Publish validates e (including max_delay) and stores it: enqueue.lua into
+// Publish validates e (including max_delay and its payload schema, section 16;
+// with RequireServed, that a worker serves it) and stores it with its task record: enqueue.lua into
 // its priority stream when due (removing a delayed copy of the same task_id),
 // SADD <prefix>:queues then schedule.lua into the delayed set otherwise.
 // It returns the stream entry id, or "" when the task was delayed.
@@ -42,6 +60,11 @@ func NewProducer(client redis.UniversalClient, prefix string, scripts Scripts) *
 // e must carry its identity (task_id, trace_id, created_at): build it with
 // New, which fills them in.
 func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (string, error) {
+	return p.publish(ctx, queue, e, nil)
+}
+
+// publish is Publish with the announcements of a batch read once (nil: read now).
+func (p *Producer) publish(ctx context.Context, queue string, e *Envelope, announced []Announcement) (string, error) {
 	if err := CheckQueueName(queue); err != nil {
 		return "", err
 	}
@@ -52,6 +75,52 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	if err := CheckPublishable(e, p.Limits, now); err != nil {
 		return "", err
 	}
+	if err := p.checkServed(ctx, queue, e, announced); err != nil {
+		return "", err
+	}
+	return p.store(ctx, queue, e, now)
+}
+
+// checkServed applies the payload schema of e and, with RequireServed, the
+// served check against announced (nil: read them now).
+func (p *Producer) checkServed(ctx context.Context, queue string, e *Envelope, announced []Announcement) error {
+	// A schema read is safe to repeat: retried while Redis is away, as the publish is.
+	var invalid error
+	err := retryOutage(ctx, p.Client, p.logger(), "reading the payload schemas", IsOutage, func() error {
+		invalid = p.payloadSchemas().Check(ctx, e)
+		var refused *ValidationError
+		if errors.As(invalid, &refused) {
+			return nil
+		}
+		return invalid
+	})
+	if err := cmp.Or(err, invalid); err != nil {
+		return err
+	}
+	if !p.RequireServed {
+		return nil
+	}
+	if announced == nil {
+		var err error
+		if announced, err = p.announcedForCheck(ctx); err != nil {
+			return err
+		}
+	}
+	return servedBy(announced, queue, e)
+}
+
+// announcedForCheck reads the announcements for the served check, retried
+// while Redis is away, as the publish is.
+func (p *Producer) announcedForCheck(ctx context.Context) (announced []Announcement, err error) {
+	err = retryOutage(ctx, p.Client, p.logger(), "reading the worker announcements", IsOutage, func() error {
+		announced, err = p.announcements(ctx)
+		return err
+	})
+	return announced, err
+}
+
+// store writes a checked Envelope, with its task record.
+func (p *Producer) store(ctx context.Context, queue string, e *Envelope, now time.Time) (string, error) {
 	enc, body, err := EncodeBody(e, p.GzipMin, p.Limits)
 	if err != nil {
 		return "", err
@@ -61,14 +130,24 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 	token := PublishToken()
 	log := p.logger().With("task_id", e.TaskID, "queue", queue)
 	due := e.IsDue(now)
+	fields := published(e, queue)
+	fields["published_at"] = recordTime(now)
+	var rec *record
+	if due {
+		rec = newRecords(p.TaskRecordRetention).activeStep(keys, e.TaskID, time.Time{}, fields)
+	} else {
+		fields["due_at"] = recordTime(e.ScheduleTime.Time)
+		rec = newRecords(p.TaskRecordRetention).activeStep(keys, e.TaskID, e.ScheduleTime.Time, fields)
+	}
 	var id string
 	err = retryOutage(ctx, p.Client, log, "publish", IsOutage, func() error {
 		if due {
 			return p.Durability.write(ctx, p.Client, keys.Stream(bucket), log, func(c redis.Cmdable) error {
 				var err error
-				id, err = p.Scripts.Get("enqueue").Run(ctx, c,
+				k, args := rec.script(
 					[]string{keys.Stream(bucket), keys.Delayed(), keys.DelayedData(), keys.Published(e.TaskID)},
-					e.TaskID, enc, string(body), token, PublishDedupeMS).Text()
+					[]any{e.TaskID, enc, string(body), token, PublishDedupeMS}, 5)
+				id, err = p.Scripts.Get("enqueue").Run(ctx, c, k, args...).Text()
 				return err
 			})
 		}
@@ -77,7 +156,7 @@ func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (stri
 		}
 		return p.Durability.write(ctx, p.Client, keys.Delayed(), log, func(c redis.Cmdable) error {
 			_, err := c.Pipelined(ctx, func(pipe redis.Pipeliner) error {
-				StoreDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body, token)
+				storeDelayed(ctx, pipe, p.Scripts, p.Keys, queue, e.TaskID, e.DueMS(now), bucket, enc, body, token, rec)
 				return nil
 			})
 			return err
@@ -103,10 +182,17 @@ func (p *Producer) logger() *slog.Logger {
 // token is the publish token, the same for every try of one store.
 func StoreDelayed(ctx context.Context, pipe redis.Pipeliner, scripts Scripts, ks KeySpace, queue,
 	taskID string, dueMS int64, bucket Bucket, enc string, body []byte, token string) {
+	storeDelayed(ctx, pipe, scripts, ks, queue, taskID, dueMS, bucket, enc, body, token, nil)
+}
+
+// storeDelayed is StoreDelayed writing rec, the task record, too.
+func storeDelayed(ctx context.Context, pipe redis.Pipeliner, scripts Scripts, ks KeySpace, queue,
+	taskID string, dueMS int64, bucket Bucket, enc string, body []byte, token string, rec *record) {
 	q := ks.Queue(queue)
-	scripts.Get("schedule").Eval(ctx, pipe, []string{q.Delayed(), q.DelayedData(), q.Published(taskID)},
-		taskID, strconv.FormatInt(dueMS, 10), string(bucket), enc, string(body), ks.Wakeup(),
-		token, PublishDedupeMS)
+	keys, args := rec.script([]string{q.Delayed(), q.DelayedData(), q.Published(taskID)},
+		[]any{taskID, strconv.FormatInt(dueMS, 10), string(bucket), enc, string(body), ks.Wakeup(),
+			token, PublishDedupeMS}, 8)
+	scripts.Get("schedule").Eval(ctx, pipe, keys, args...)
 }
 
 // PublishDedupeMS is how long enqueue.lua and schedule.lua remember a publish
@@ -118,4 +204,12 @@ func PublishToken() string {
 	b := make([]byte, 8)
 	_, _ = rand.Read(b)
 	return hex.EncodeToString(b)
+}
+
+// payloadSchemas are the schemas this producer enforces, made on first use.
+func (p *Producer) payloadSchemas() *PayloadSchemas {
+	p.schemasOnce.Do(func() {
+		p.schemas = &PayloadSchemas{Client: p.Client, Keys: p.Keys, Cache: p.SchemaCache, Log: p.Log}
+	})
+	return p.schemas
 }

@@ -185,13 +185,21 @@ func (e *BatchError) Unwrap() []error {
 }
 
 // PublishBatch publishes every Envelope on queue, each as Publish does (each
-// one is atomic and deduplicated on its own; the batch is not a transaction).
+// one is checked, atomic and deduplicated on its own; the batch is not a
+// transaction; with RequireServed the announcements are read once).
 // It returns the stream entry ids in order ("" for a delayed task or one that
 // failed) and, when some failed, a *BatchError naming them; the others are
 // published either way.
 func (p *Producer) PublishBatch(ctx context.Context, queue string, envelopes []*Envelope) ([]string, error) {
 	ids := make([]string, len(envelopes))
 	failed := map[int]error{}
+	var announced []Announcement
+	if p.RequireServed && len(envelopes) > 0 {
+		var err error
+		if announced, err = p.announcedForCheck(ctx); err != nil {
+			return ids, err
+		}
+	}
 	for i, e := range envelopes {
 		if err := ctx.Err(); err != nil {
 			failed[i] = err
@@ -201,7 +209,7 @@ func (p *Producer) PublishBatch(ctx context.Context, queue string, envelopes []*
 			failed[i] = errors.New("nil Envelope")
 			continue
 		}
-		id, err := p.Publish(ctx, queue, e)
+		id, err := p.publish(ctx, queue, e, announced)
 		if err != nil {
 			failed[i] = err
 			continue

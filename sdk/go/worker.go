@@ -90,6 +90,13 @@ type Config struct {
 	// written, which is logged once per task type.
 	ResultBackend redis.UniversalClient
 
+	// TaskRecordRetention is how long the record of a task that ended is kept
+	// (docs/protocol.md section 14): 0 is DefaultTaskRecordRetention, NoTaskRecords
+	// writes none.
+	TaskRecordRetention time.Duration
+	// SchemaCache is how long the payload schemas read are used (section 16): 0 is DefaultSchemaCache.
+	SchemaCache time.Duration
+
 	Logger *slog.Logger
 	// OnDuplicate is called when a task is acknowledged without running because
 	// its idempotency key is already done.
@@ -185,10 +192,14 @@ type Worker struct {
 	byStream map[string]QueueKeys // the queue of each task stream
 	watch    *steadyWatch         // shared by the consumers of one Worker
 	handlers map[string]handler
-	results  *results // shared by the consumers of one Worker
+	results  *results        // shared by the consumers of one Worker
+	schemas  *PayloadSchemas // shared by the consumers of one Worker
+	records  records
 	log      *slog.Logger
 	host     string
 	pid      string
+	// startedAt is when this consumer started, for its announcement.
+	startedAt time.Time
 
 	stopOnce sync.Once
 	stop     chan struct{} // closed by Shutdown
@@ -217,8 +228,9 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 		return nil, err
 	}
 	cfg.defaults()
+	schemas := &PayloadSchemas{Client: client, Keys: KeySpace{cfg.Prefix}, Cache: cfg.SchemaCache, Log: cfg.Logger}
 	return newWorker(client, scripts, cfg, map[string]handler{}, &results{backend: cfg.ResultBackend},
-		watchClient(client, cfg.Lease/3)), nil
+		schemas, watchClient(client, cfg.Lease/3)), nil
 }
 
 // queueNames are the queues of c, checked, in the order they are served.
@@ -252,11 +264,12 @@ func (c *Config) queueAttr() slog.Attr {
 }
 
 func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handlers map[string]handler,
-	res *results, watch *steadyWatch) *Worker {
+	res *results, schemas *PayloadSchemas, watch *steadyWatch) *Worker {
 	keys := KeySpace{cfg.Prefix}
 	w := &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, byStream: map[string]QueueKeys{}, watch: watch,
-		handlers: handlers, results: res, stop: make(chan struct{}), overrun: map[string]bool{},
+		handlers: handlers, results: res, schemas: schemas, records: newRecords(cfg.TaskRecordRetention),
+		stop: make(chan struct{}), overrun: map[string]bool{},
 		log:  cfg.Logger.With("consumer", cfg.Consumer, cfg.queueAttr()),
 		host: hostname(), pid: strconv.Itoa(os.Getpid()),
 	}
@@ -340,7 +353,7 @@ func (w *Worker) Run(ctx context.Context) error {
 		cfg := w.cfg
 		cfg.Concurrency = 1
 		cfg.Consumer = fmt.Sprintf("%s-%d", w.cfg.Consumer, i)
-		child := newWorker(w.client, w.scripts, cfg, w.handlers, w.results, w.watch)
+		child := newWorker(w.client, w.scripts, cfg, w.handlers, w.results, w.schemas, w.watch)
 		consumers.Go(func() { errs <- child.consume(ctx, ready) })
 	}
 	consumers.Wait()
@@ -386,6 +399,7 @@ func (w *Worker) Shutdown(ctx context.Context) error {
 // consume is one consumer's loop; it signals ready once it consumes.
 func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	bg := context.Background()
+	w.startedAt = time.Now()
 	start := func() error {
 		if err := w.scripts.Load(bg, w.client); err != nil {
 			return err
@@ -467,6 +481,9 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	w.abandoned.Wait()
 	stopKeeper()
 	keeper.Wait()
+	if err := w.announceSelf(bg, true); err != nil {
+		w.log.Warn("could not write the stopped announcement", "error", err.Error())
+	}
 	if err := w.client.Del(bg, w.keys.Consumer(w.cfg.Consumer)).Err(); err != nil {
 		w.log.Warn("could not delete the liveness key", "error", err.Error())
 	}
@@ -638,9 +655,17 @@ func parseStreams(reply any) ([]redis.XStream, error) {
 
 // --- liveness and takeover -------------------------------------------------------
 
+// renew sets the liveness key, then announces the consumer (section 15); a
+// failed announcement is logged and does not fail the renewal.
 func (w *Worker) renew(ctx context.Context) error {
 	value := fmt.Sprintf("%s %s %s", w.host, w.pid, Language)
-	return w.client.Set(ctx, w.keys.Consumer(w.cfg.Consumer), value, w.cfg.Lease).Err()
+	if err := w.client.Set(ctx, w.keys.Consumer(w.cfg.Consumer), value, w.cfg.Lease).Err(); err != nil {
+		return err
+	}
+	if err := w.announceSelf(ctx, false); err != nil {
+		w.log.Warn("announcing the worker failed", "error", err.Error())
+	}
+	return nil
 }
 
 // keepAlive renews the liveness key every lease/3, whatever the tasks do, and
@@ -790,12 +815,16 @@ func (w *Worker) takeOver(ctx context.Context, steady steadySince, q QueueKeys, 
 	log := w.logFor(q)
 	moved := 0
 	for _, p := range pending {
-		args := append([]any{w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1,
-			w.cfg.MaxRedeliveries, Now().String()}, w.deadLetterWho(q, owner)...)
+		var rec *record
+		if err := steady.check(func() (err error) { rec, err = w.entryRecord(ctx, q, stream, p.ID); return err }); err != nil {
+			return moved, err
+		}
+		keys, args := rec.script([]string{stream, stream, q.Dead()},
+			append([]any{w.cfg.Group, p.ID, owner, w.cfg.Lease.Milliseconds(), 1,
+				w.cfg.MaxRedeliveries, recordTime(time.Now())}, w.deadLetterWho(q, owner)...), 7)
 		var res string
 		err := steady.check(func() (err error) {
-			res, err = w.scripts.Get("requeue").Run(ctx, w.client,
-				[]string{stream, stream, q.Dead()}, args...).Text()
+			res, err = w.scripts.Get("requeue").Run(ctx, w.client, keys, args...).Text()
 			if errors.Is(err, redis.Nil) {
 				res, err = "", nil
 			}
@@ -820,6 +849,24 @@ func (w *Worker) takeOver(ctx context.Context, steady steadySince, q QueueKeys, 
 			"entry_id", p.ID, "new_id", res)
 	}
 	return moved, nil
+}
+
+// entryRecord is the record requeue.lua writes for the entry id of stream:
+// the entry is read first to learn its task_id; nil when it cannot be decoded
+// (or records are off). It answers Redis's error.
+func (w *Worker) entryRecord(ctx context.Context, q QueueKeys, stream, id string) (*record, error) {
+	if w.records.retention <= 0 {
+		return nil, nil
+	}
+	msgs, err := w.client.XRange(ctx, stream, id, id).Result()
+	if err != nil || len(msgs) != 1 {
+		return nil, err
+	}
+	env, err := DecodeEntry(textFields(msgs[0].Values), w.cfg.Limits)
+	if err != nil {
+		return nil, nil
+	}
+	return w.records.requeueStep(q, env.TaskID), nil
 }
 
 // failRedelivered writes the FAILURE result of a task requeue.lua dead-lettered
@@ -907,9 +954,14 @@ func (w *Worker) requeueOwnPending(ctx context.Context) int {
 				continue
 			}
 			for _, p := range pending {
-				err := w.scripts.Get("requeue").Run(ctx, w.client,
-					[]string{stream, stream, q.Dead()},
-					w.cfg.Group, p.ID, "", 0, 0, 0, Now().String()).Err()
+				rec, err := w.entryRecord(ctx, q, stream, p.ID)
+				if err != nil {
+					log.Warn("reading an entry to put back failed; putting it back without its record",
+						"entry_id", p.ID, "error", err.Error())
+				}
+				keys, args := rec.script([]string{stream, stream, q.Dead()},
+					[]any{w.cfg.Group, p.ID, "", 0, 0, 0, recordTime(time.Now())}, 7)
+				err = w.scripts.Get("requeue").Run(ctx, w.client, keys, args...).Err()
 				if err != nil && !errors.Is(err, redis.Nil) {
 					log.Warn("putting an entry back failed", "entry_id", p.ID, "error", err.Error())
 					continue
@@ -1051,7 +1103,11 @@ func (w *Worker) cancelledAmong(ctx context.Context, entries []*entry) map[strin
 // cancel mark stays: the same id published again is not run either.
 func (w *Worker) revoke(ctx context.Context, e *entry, why string) {
 	w.results.write(ctx, e.log, e.env, revoked(why))
-	w.ack(ctx, e)
+	reason := "cancelled"
+	if why == revokedExpired {
+		reason = "expired"
+	}
+	w.ack(ctx, e, StateCancelled, reason)
 	if why == revokedExpired {
 		e.log.Info("expired task acknowledged without running it", "outcome", "expired",
 			"expires", e.env.Expires.String())
@@ -1073,6 +1129,9 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 	if !slices.Contains(h.versions, env.PayloadVersion) {
 		w.deadLetter(ctx, e, w.notRun(e, ClassUnsupportedPayloadVersion,
 			fmt.Sprintf("payload_version %d is not accepted (accepted: %v)", env.PayloadVersion, h.versions)))
+		return
+	}
+	if !w.payloadFits(ctx, e) {
 		return
 	}
 	task := &Task{Envelope: env, Queue: e.q.Queue, Stream: e.stream, EntryID: e.id, Log: e.log}
@@ -1105,7 +1164,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 			delay := w.cfg.Retry.BackoffDelay(env.RetryCount, FastRetriesTaken(env))
 			e.log.Info("retry slots of this task type are all taken; rescheduled",
 				"delay_ms", delay.Milliseconds())
-			w.replace(ctx, e, w.deferred(env, delay), delay)
+			w.deferTask(ctx, e, delay)
 			return
 		} else {
 			defer func() {
@@ -1116,6 +1175,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 		}
 	}
 
+	w.recordStart(ctx, e)
 	e.log.Info("task started", "retry_count", env.RetryCount, "redelivered", task.Redelivered)
 	started := time.Now()
 	value, late, err := w.run(h.run, task)
@@ -1129,7 +1189,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 			w.finishIdem(ctx, e, holder, "done")
 		}
 		w.results.write(ctx, e.log, env, succeeded(result))
-		w.ack(ctx, e)
+		w.ack(ctx, e, StateSucceeded, "")
 		e.log.Info("task succeeded", "outcome", "success", "duration_ms", elapsed.Milliseconds(),
 			"retry_count", env.RetryCount)
 		return
@@ -1144,6 +1204,40 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 		w.finishIdem(ctx, e, holder, "release")
 	}
 	w.fail(ctx, e, err, elapsed)
+}
+
+// payloadFits checks e's payload against its schema (section 16) and
+// dead-letters it as invalid_payload, unrun and not retried, when it breaks it.
+// A schema that cannot be read is logged and the task runs unchecked.
+func (w *Worker) payloadFits(ctx context.Context, e *entry) bool {
+	found, err := w.schemas.Violations(ctx, e.env)
+	if err != nil {
+		e.log.Warn("payload schema check failed; running the task unchecked", "error", err.Error())
+		return true
+	}
+	if len(found) == 0 {
+		return true
+	}
+	w.deadLetter(ctx, e, w.notRun(e, ClassInvalidPayload, SchemaDeadLetterReason(found)))
+	return false
+}
+
+// recordStart writes the task record of a start: state running, attempts + 1
+// and who runs it, in one MULTI. A failed write is logged; the task runs.
+func (w *Worker) recordStart(ctx context.Context, e *entry) {
+	rec := w.records.activeStep(e.q, e.env.TaskID, time.Time{}, map[string]string{
+		"started_at": recordTime(time.Now()), "worker": w.cfg.Consumer, "language": Language,
+		"host": w.host, "pid": w.pid})
+	if rec == nil {
+		return
+	}
+	_, err := w.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		rec.hset(ctx, p, StateRunning, true)
+		return nil
+	})
+	if err != nil {
+		e.log.Warn("writing the task record of the start failed", "error", err.Error())
+	}
 }
 
 // finishIdemWhenReturned keeps (renews) the idempotency claim of an abandoned attempt
@@ -1212,7 +1306,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 	if w.overrunning(key) {
 		e.log.Info("an abandoned attempt of this task still runs; deferred",
 			"delay_ms", w.cfg.DeferDelay.Milliseconds())
-		w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+		w.deferTask(ctx, e, w.cfg.DeferDelay)
 		return "", false
 	}
 	replace := ""
@@ -1221,7 +1315,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			holder, claimFor.Milliseconds(), replace).StringSlice()
 		if err != nil || len(res) == 0 {
 			e.log.Warn("idempotency claim failed; deferring", "error", fmt.Sprint(err))
-			w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+			w.deferTask(ctx, e, w.cfg.DeferDelay)
 			return "", false
 		}
 		switch res[0] {
@@ -1229,7 +1323,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			return holder, true
 		case "done":
 			w.results.write(ctx, e.log, env, succeeded(nil))
-			w.ack(ctx, e)
+			w.ack(ctx, e, StateSucceeded, "duplicate")
 			e.log.Info("duplicate: the effect already happened; acknowledged without running",
 				"outcome", "duplicate", "idempotency_key", *env.IdempotencyKey, "marker", res[1])
 			if w.cfg.OnDuplicate != nil {
@@ -1249,11 +1343,11 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			}
 			e.log.Info("another consumer runs this idempotency key; deferred",
 				"holder", other, "delay_ms", w.cfg.DeferDelay.Milliseconds())
-			w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+			w.deferTask(ctx, e, w.cfg.DeferDelay)
 			return "", false
 		}
 	}
-	w.replace(ctx, e, w.deferred(env, w.cfg.DeferDelay), w.cfg.DeferDelay)
+	w.deferTask(ctx, e, w.cfg.DeferDelay)
 	return "", false
 }
 
@@ -1419,19 +1513,21 @@ func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Dur
 	e.log.Warn("task failed; retrying", "outcome", "retry", "error", err.Error(),
 		"retry_count", d.Next, "fast", d.Action == RetryNow, "delay_ms", d.Delay.Milliseconds(),
 		"duration_ms", elapsed.Milliseconds())
-	w.replace(ctx, e, next, d.Delay)
+	w.replace(ctx, e, next, d.Delay, StateRetrying, recordError(ExceptionType(err), err.Error()))
 }
 
-// deferred is env pushed back by delay, retry_count unchanged.
-func (w *Worker) deferred(env *Envelope, delay time.Duration) *Envelope {
-	n := env.Clone()
-	n.ScheduleTime = scheduleAfter(time.Now(), delay)
-	return n
+// deferTask hands e back to run delay later, retry_count unchanged (a deferral).
+func (w *Worker) deferTask(ctx context.Context, e *entry, delay time.Duration) {
+	next := e.env.Clone()
+	next.ScheduleTime = scheduleAfter(time.Now(), delay)
+	w.replace(ctx, e, next, delay, StateScheduled, "")
 }
 
 // replace swaps the pending entry for next atomically with retry.lua. A
-// delayed next attempt registers the queue (SADD <prefix>:queues) first.
-func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration) {
+// delayed next attempt registers the queue (SADD <prefix>:queues) first. The
+// record gets state (retrying or scheduled; retry.lua writes queued when due
+// now) and errText, the failure that caused a retry.
+func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration, state, errText string) {
 	enc, body, err := EncodeBody(next, w.cfg.GzipMin, w.cfg.Limits)
 	if err != nil {
 		w.deadLetter(ctx, e, failure{class: ClassTaskError, reason: "cannot write the next attempt: " + err.Error(),
@@ -1443,6 +1539,18 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 		due = next.ScheduleTime.UnixMilli()
 	}
 	bucket := BucketFor(next.Priority)
+	fields := map[string]string{"state": state, "retry_count": strconv.FormatInt(next.RetryCount, 10)}
+	var dueAt time.Time
+	if due > 0 {
+		dueAt = next.ScheduleTime.Time
+		fields["due_at"] = recordTime(dueAt)
+	}
+	if errText != "" {
+		fields["error"] = errText
+	}
+	keys, args := w.records.activeStep(e.q, next.TaskID, dueAt, fields).script(
+		[]string{e.stream, e.q.Stream(bucket), e.q.Delayed(), e.q.DelayedData()},
+		[]any{w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup()}, 8)
 	w.settle(e, "retry.lua", func() error {
 		if due > 0 { // the registry first, on its own (docs/protocol.md section 2)
 			if err := w.client.SAdd(ctx, w.keys.Queues(), e.q.Queue).Err(); err != nil {
@@ -1450,9 +1558,7 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 			}
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
-			err := w.scripts.Get("retry").Run(ctx, c,
-				[]string{e.stream, e.q.Stream(bucket), e.q.Delayed(), e.q.DelayedData()},
-				w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup()).Err()
+			err := w.scripts.Get("retry").Run(ctx, c, keys, args...).Err()
 			if errors.Is(err, redis.Nil) {
 				e.log.Warn("entry was no longer pending when replaced (taken over?)")
 				return nil
@@ -1467,14 +1573,17 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 // in one MULTI (they touch one queue's keys).
 func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 	bucket := BucketFor(e.env.Priority)
+	fields := published(e.env, e.q.Queue)
+	fields["due_at"] = recordTime(e.env.ScheduleTime.Time)
+	rec := w.records.activeStep(e.q, e.env.TaskID, e.env.ScheduleTime.Time, fields)
 	w.settle(e, "reschedule", func() error {
 		if err := w.client.SAdd(ctx, w.keys.Queues(), e.q.Queue).Err(); err != nil {
 			return err
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
 			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
-				StoreDelayed(ctx, p, w.scripts, w.keys, e.q.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
-					e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id)
+				storeDelayed(ctx, p, w.scripts, w.keys, e.q.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
+					e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id, rec)
 				p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 				p.XDel(ctx, e.stream, e.id)
 				return nil
@@ -1486,13 +1595,21 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 		"schedule_time", e.env.ScheduleTime.String())
 }
 
-func (w *Worker) ack(ctx context.Context, e *entry) {
+// ack acknowledges a task that ended in state (succeeded or cancelled, with
+// reason: "" for a plain success), writing its record in the same MULTI.
+func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
+	fields := map[string]string{"finished_at": recordTime(time.Now())}
+	if reason != "" {
+		fields["reason"] = reason
+	}
+	rec := w.records.finalStep(e.q, e.env.TaskID, fields)
 	w.settle(e, "ack", func() error {
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
 			var acked *redis.IntCmd
 			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
 				acked = p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 				p.XDel(ctx, e.stream, e.id)
+				rec.hset(ctx, p, state, false)
 				return nil
 			})
 			if err == nil && acked.Val() == 0 {
@@ -1556,7 +1673,15 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 	if e.env != nil {
 		w.results.write(ctx, e.log, e.env, failed(f))
 	}
-	args := append([]any{w.cfg.Group, e.id}, w.deadLetterFields(e, f)...)
+	keys, args := []string{e.stream, e.q.Dead()}, append([]any{w.cfg.Group, e.id}, w.deadLetterFields(e, f)...)
+	if e.env != nil {
+		errText := recordError(f.class, f.reason)
+		if f.exceptionType != "" && f.message != "" {
+			errText = recordError(f.exceptionType, f.message)
+		}
+		keys, args = w.records.finalStep(e.q, e.env.TaskID,
+			map[string]string{"finished_at": recordTime(time.Now()), "error": errText}).script(keys, args, 2)
+	}
 	var deadID string
 	w.settle(e, "dead_letter.lua", func() error {
 		// The registry first, on its own (docs/protocol.md sections 2 and 7).
@@ -1564,7 +1689,7 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 			return err
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
-			id, err := w.scripts.Get("dead_letter").Run(ctx, c, []string{e.stream, e.q.Dead()}, args...).Text()
+			id, err := w.scripts.Get("dead_letter").Run(ctx, c, keys, args...).Text()
 			if errors.Is(err, redis.Nil) {
 				e.log.Warn("entry was no longer pending when dead-lettered (taken over?)")
 				return nil
