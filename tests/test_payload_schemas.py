@@ -92,6 +92,8 @@ def test_register_get_all_and_delete(schemas: PayloadSchemas, redis_client: redi
      "at #/properties/a/pattern: '(' is not a 'regex'"),
     ("order.close", 1, ["not", "an", "object"], "must be a JSON object, not list"),
     ("order.close", 1, {"$ref": "https://example.com/order.json"}, "cannot be resolved"),
+    ("order.close", 1, {"$schema": "http://json-schema.org/draft-07/schema#"},
+     "$schema must be https://json-schema.org/draft/2020-12/schema"),
     ("order close", 1, {}, "task_type 'order close' does not match"),
     ("order.close", 0, {}, "payload_version must be an integer >= 1, not 0"),
 ])

@@ -170,11 +170,18 @@ def field_name(task_type: str, payload_version: int) -> str:
     return f"{task_type}@{payload_version}"
 
 
+#: The only dialect payload schemas use (docs/protocol.md, section 16).
+DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
+
+
 def compile_schema(schema: Any) -> Validator:
     """The validator of ``schema``; :class:`~kombu_envelope.errors.InvalidSchema` if
     it is not a valid draft 2020-12 schema object."""
     if not isinstance(schema, dict):
         raise InvalidSchema(f"a payload schema must be a JSON object, not {type(schema).__name__}")
+    dialect = schema.get("$schema", DRAFT_2020_12)
+    if dialect != DRAFT_2020_12:
+        raise InvalidSchema(f"$schema must be {DRAFT_2020_12} (or left out), not {dialect!r}")
     try:
         PayloadValidator.check_schema(schema)
     except SchemaError as exc:
