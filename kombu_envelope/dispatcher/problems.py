@@ -50,12 +50,14 @@ def _answer(problem: Problem) -> JSONResponse:
 def _request_violations(exc: RequestValidationError) -> list[Violation]:
     found = []
     for error in exc.errors():
-        where = [str(part) for part in error.get("loc", ()) if part != "body"]
+        loc = list(error.get("loc", ()))
+        where = [str(part) for part in (loc[1:] if loc[:1] in _LOCATIONS else loc)]
         found.append(Violation(".".join(where) or "body", rule_name(error.get("type", "")),
                                str(error.get("msg", ""))))
     return found
 
 
+_LOCATIONS = (["body"], ["query"], ["path"], ["header"])
 _STATUS_ERRORS = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
