@@ -31,7 +31,7 @@ from kombu_envelope.store.dead_letters import DeadLetter, DeadLetterFilter, Repl
 
 router = APIRouter(tags=["dead letters"])
 
-EntryId = Annotated[str, Path(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$",
+EntryId = Annotated[str, Path(pattern=r"^[0-9]{1,19}-[0-9]{1,19}$",
                               description="the dead-letter stream entry id")]
 Queues = Annotated[list[str] | None, Query(alias="queue", max_length=100)]
 TaskType = Annotated[str | None, Query(max_length=255)]
