@@ -12,11 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from test_dispatcher_records import PREFIX, TOKEN, announce
+from support.announce import announce
 
 from kombu_envelope import Settings
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
+TOKEN = "w-" + "e" * 30
+PREFIX = f"t-di-{uuid.uuid4().hex[:8]}"
 CLIENTS = Path(__file__).resolve().parent / "interop" / "dispatcher"
 
 
@@ -46,7 +48,7 @@ def _command(language: str, tmp_path: Path) -> list[str]:
 def test_client_schedules_inspects_and_cancels(language: str, server: DispatcherProcess,
                                                redis_url: str, tmp_path: Path) -> None:
     queue = f"q-{language}-{uuid.uuid4().hex[:8]}"
-    announce(redis_url, queue, {"bill.charge": [1]})
+    announce(redis_url, PREFIX, queue, {"bill.charge": [1]})
     ran = subprocess.run([*_command(language, tmp_path), server.url, TOKEN, queue],
                          capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr + ran.stdout

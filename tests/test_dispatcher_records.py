@@ -12,10 +12,10 @@ import httpx
 import pytest
 import redis
 from support import wait_for
+from support.announce import announce as announce_worker
 from support.workers import CeleryWorker
 
 from kombu_envelope import Settings
-from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 TOKEN = "w-" + "d" * 30
@@ -37,14 +37,8 @@ def api(server: DispatcherProcess) -> Iterator[httpx.Client]:
 
 
 def announce(redis_url: str, queue: str, serves: dict[str, list[int]]) -> None:
-    """A worker on ``queue`` that was seen just now, serving ``serves``."""
-    client = redis.Redis.from_url(redis_url)
-    now = datetime.now(timezone.utc)
-    Announcements(client, Settings(key_prefix=PREFIX)).announce(WorkerAnnouncement(
-        consumer=f"test-{uuid.uuid4().hex[:8]}", language="python", host="localhost", pid=1,
-        queues=[queue], serves=serves, concurrency=1, started_at=now, seen_at=now,
-        stopped_at=None, live=True))
-    client.close()
+    """A worker on ``queue`` seen just now, serving ``serves``."""
+    announce_worker(redis_url, PREFIX, queue, serves)
 
 
 @pytest.fixture
