@@ -21,7 +21,6 @@ from bench.kombu_level import new_envelope
 from bench.payload import PAYLOAD, TASK_TYPE
 from bench.stats import percentile
 from kombu_envelope import Publisher, Settings
-from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 #: Tasks per batch.
@@ -33,6 +32,9 @@ BATCH_TARGET = 20_000
 
 def _announce(ctx: Context, queue: str) -> None:
     """A worker serving the bench task on ``queue``: the dispatcher refuses unserved tasks."""
+    # Imported here so that the other scenarios run where the store lacks announcements.
+    from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
+
     client = ctx.client()
     now = datetime.now(timezone.utc)
     Announcements(client, Settings()).announce(WorkerAnnouncement(
