@@ -143,6 +143,6 @@ def run_dispatcher(ctx: Context, result: ScenarioResult) -> None:
                   unit="tasks/s")
     result.notes.append(
         "One dispatcher process (uvicorn with uvloop and httptools, one worker, no token) and "
-        "one HTTP client (http.client) with a kept-alive connection, on the same machine as Redis; each request's round trip is "
-        "timed from send to parsed answer. The SDK figures come from the same process, the "
-        "same queue and the same Redis, right after.")
+        "one HTTP client (http.client) with a kept-alive connection, on the same machine as "
+        "Redis; each request's round trip is timed from send to read answer. The SDK "
+        "figures come from the same process, the same queue and the same Redis, right after.")
