@@ -41,7 +41,7 @@ class TaskAccepted(BaseModel):
     state: str = Field(description="queued or scheduled (or the state found, for a duplicate)")
     duplicate: bool = Field(description="true when this task was posted before: nothing "
                                         "was enqueued again")
-    entry_id: str | None = Field(None, description="stream entry id when queued now")
+    entry_id: str | None = Field(default=None, description="stream entry id when queued now")
 
 
 class BatchIn(Strict):
@@ -149,11 +149,12 @@ class ReplayIn(Strict):
     """How to edit a dead-lettered task before it runs again (all optional)."""
 
     payload: dict[str, Any] | None = None
-    merge_patch: dict[str, Any] | None = Field(None, description="RFC 7386 patch of the payload")
-    payload_version: int | None = Field(None, ge=1)
+    merge_patch: dict[str, Any] | None = Field(default=None,
+                                               description="RFC 7386 patch of the payload")
+    payload_version: int | None = Field(default=None, ge=1)
     bump_version: bool = False
-    retry_count: int = Field(0, ge=0)
-    max_retries: int | None = Field(None, ge=0)
+    retry_count: int = Field(default=0, ge=0)
+    max_retries: int | None = Field(default=None, ge=0)
 
 
 class ReplayOut(BaseModel):

@@ -7,6 +7,7 @@ import hashlib
 import json
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -194,13 +195,11 @@ async def get_task(request: Request, task_id: TaskId, queue: QueueQuery = None) 
     ``retrying``, ``succeeded``, ``failed``, ``dead``, ``cancelled`` or ``unknown``), times,
     attempts, last error, and the worker and language that ran it."""
     record = await blocking(stores(request).records.get, task_id, queue)
-    return TaskStateOut(
-        task_id=record.task_id, state=record.state.value, queue=record.queue,
-        **{name: text_time(value) if hasattr(value, "isoformat") else value
-           for name in ("task_type", "payload_version", "published_at", "due_at",
-                        "started_at", "finished_at", "updated_at", "worker", "language",
-                        "host", "error", "dead_id", "reason", "attempts", "retry_count", "pid")
-           if (value := getattr(record, name)) is not None})
+    fields = {name: getattr(record, name) for name in TaskStateOut.model_fields}
+    return TaskStateOut.model_validate({
+        **{name: text_time(value) if isinstance(value, datetime) else value
+           for name, value in fields.items() if value is not None},
+        "state": record.state.value})
 
 
 @router.post("/tasks/{task_id}/cancel", response_model=CancelOut, responses=responses(503),
