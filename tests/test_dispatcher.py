@@ -5,13 +5,19 @@ path (tests/test_dispatcher_records.py has the others)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import redis
+from support import wait_for
 
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.dispatcher.server import OPENAPI_PATH, render_openapi
@@ -19,11 +25,13 @@ from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.keys import Bucket
 from kombu_envelope.store.dead_letters import dead_letter_envelope
 from kombu_envelope.testing.dispatcher import DispatcherProcess
+from kombu_envelope.testing.redis_server import _free_port
 
 READ, WRITE, OPERATOR = ("r-" + "a" * 30, "w-" + "b" * 30, "o-" + "c" * 30)
 TOKENS = [{"name": "reader", "scope": "read", "token": READ},
           {"name": "writer", "scope": "write", "token": WRITE},
           {"name": "ops", "scope": "operator", "token": OPERATOR}]
+ROOT = Path(__file__).resolve().parent.parent
 PREFIX = f"t-disp-{uuid.uuid4().hex[:8]}"
 
 
@@ -259,3 +267,32 @@ def test_without_tokens_only_loopback_and_it_says_so(redis_url: str) -> None:
 
     with pytest.raises(ValueError, match="loopback"):
         DispatcherConfig(host="0.0.0.0")
+
+
+def test_celery_command_serves_the_apps_broker(redis_url: str, tmp_path: Path,
+                                               store: tuple[redis.Redis, Settings]) -> None:
+    client, settings = store
+    queue = _queue()
+    due = datetime.now(timezone.utc) + timedelta(hours=1)
+    Publisher(client, settings).publish(queue, Envelope.new(task_type="x.y", schedule_time=due))
+    port = _free_port()
+    env = {**os.environ, "TEST_BROKER_URL": redis_url.replace("redis://", "envelope://"),
+           "TEST_KEY_PREFIX": PREFIX, "PYTHONPATH": f"{ROOT / 'tests'}{os.pathsep}{ROOT}"}
+    log = (tmp_path / "log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "apps.envelope_app",
+                             "envelope", "dispatcher", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        def counts() -> Any:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/delayed").json()["queues"]
+            except httpx.HTTPError:
+                return None
+
+        assert wait_for(counts, timeout=30, interval=0.1,
+                        message=lambda: (tmp_path / "log").read_text())[queue] == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+    assert "no token configured" in (tmp_path / "log").read_text()
