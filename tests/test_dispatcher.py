@@ -296,3 +296,14 @@ def test_celery_command_serves_the_apps_broker(redis_url: str, tmp_path: Path,
         proc.wait(10)
         log.close()
     assert "no token configured" in (tmp_path / "log").read_text()
+
+
+def test_batch_answers_bad_json_and_non_objects(api: httpx.Client) -> None:
+    broken = api.post("/tasks:batch", content=b'{"tasks": [',
+                      headers={"Content-Type": "application/json"})
+    assert broken.status_code == 422
+    assert broken.json()["violations"][0] == {
+        "field": "body", "rule": "json", "message": "JSON decode error"}
+    items = api.post("/tasks:batch", json={"tasks": [1, "x"]}).json()["items"]
+    assert [(i["index"], i["status"], i["problem"]["violations"][0]["rule"]) for i in items] == [
+        (0, 422, "type"), (1, 422, "type")]

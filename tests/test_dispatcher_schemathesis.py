@@ -31,7 +31,7 @@ def server(redis_url: str) -> Iterator[DispatcherProcess]:
 
 
 @schema.parametrize()
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_every_operation(case: schemathesis.Case, server: DispatcherProcess) -> None:
     case.call_and_validate(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 
 class Strict(BaseModel):
@@ -47,8 +47,9 @@ class TaskAccepted(BaseModel):
 class BatchIn(Strict):
     """``POST /tasks:batch``: tasks for one queue (or each routed by its version)."""
 
-    queue: str | None = None
-    tasks: list[dict[str, Any]]
+    queue: str | None = Field(default=None, min_length=1, max_length=255, pattern=r"^[^{}]+$")
+    #: Each item is checked on its own (a non-object item is that item's 422).
+    tasks: list[Annotated[Any, WithJsonSchema({"$ref": "#/components/schemas/TaskInput"})]]
 
 
 class BatchItem(BaseModel):

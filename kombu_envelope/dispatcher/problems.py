@@ -53,6 +53,8 @@ def _request_violations(exc: RequestValidationError) -> list[Violation]:
     found = []
     for error in exc.errors():
         loc = list(error.get("loc", ()))
+        if error.get("type") == "json_invalid":  # its loc holds the offset, not a field
+            loc = loc[:1]
         where = [str(part) for part in (loc[1:] if loc[:1] in _LOCATIONS else loc)]
         found.append(Violation(".".join(where) or "body", rule_name(error.get("type", "")),
                                str(error.get("msg", ""))))
