@@ -307,3 +307,6 @@ def test_batch_answers_bad_json_and_non_objects(api: httpx.Client) -> None:
     items = api.post("/tasks:batch", json={"tasks": [1, "x"]}).json()["items"]
     assert [(i["index"], i["status"], i["problem"]["violations"][0]["rule"]) for i in items] == [
         (0, 422, "type"), (1, 422, "type")]
+    replay = api.post("/dead-letters/q/1-0/replay", content=b"\n\xff",
+                      headers={"Content-Type": "application/json"})
+    assert replay.status_code == 422 and replay.json()["violations"][0]["rule"] == "json"

@@ -91,5 +91,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8 JSON)
+            return _answer(invalid([Violation("body", "json", str(exc.detail))]))
         error = _STATUS_ERRORS.get(exc.status_code, "error")
         return _answer(Problem(exc.status_code, error, str(exc.detail)))
