@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any
 
+from kombu_envelope.dispatcher.routing import Router
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import DeadLetters
 from kombu_envelope.store.delayed import DelayedTasks
@@ -37,6 +38,11 @@ class Stores:
         from kombu_envelope.store.announcements import Announcements
 
         return Announcements(self.client, self.settings)
+
+    @cached_property
+    def router(self) -> Router:
+        """Where posted tasks go (section 15's served check)."""
+        return Router(self.announcements)
 
     @cached_property
     def schemas(self) -> Any:

@@ -58,7 +58,6 @@ class Prepared:
     queue: str
     envelope: Envelope
     token: str
-    duplicate_state: str | None
 
 
 def _reject_constant(name: str) -> Any:
@@ -73,30 +72,9 @@ def parse_json(body: bytes) -> Any:
         raise invalid([Violation("envelope", "json", f"the body is not JSON: {exc}")]) from exc
 
 
-def _served_queue(found: Stores, queue: str | None, envelope: Envelope) -> str:
-    """``queue`` when a worker there serves the task, else the queue that serves it; 409."""
-    task_type, version = envelope.task_type, envelope.payload_version
-    announcements = found.announcements
-    if queue is not None:
-        if announcements.served(queue, task_type, version):
-            return queue
-        served = announcements.serves_on(queue)
-        raise Problem(409, "not_served", (
-            f"no live or recently seen worker on queue {queue!r} serves {task_type} version "
-            f"{version}; its workers serve {json.dumps(served, sort_keys=True)}"),
-            queue=queue, task_type=task_type, payload_version=version, served=served)
-    queues = announcements.serving_queues(task_type, version)
-    if not queues:
-        raise Problem(409, "not_served", (
-            f"no live or recently seen worker on any queue serves {task_type} version "
-            f"{version}"), task_type=task_type, payload_version=version, served={})
-    routed: str = queues[0]
-    return routed
-
-
 def prepare(found: Stores, data: Any, queue: str | None, key: str | None) -> Prepared:
-    """Check one posted task: Envelope rules, its schema, who serves it, whether it is
-    a duplicate. Raises :class:`Problem` (422, 409)."""
+    """Check one posted task: Envelope rules, its schema, who serves it. Raises
+    :class:`Problem` (422, 409)."""
     if not isinstance(data, dict):
         raise invalid([Violation("envelope", "type", "must be a JSON object")])
     if "limits" in data:  # the one name Envelope.new takes for itself
@@ -110,29 +88,44 @@ def prepare(found: Stores, data: Any, queue: str | None, key: str | None) -> Pre
         found.schemas.check(envelope)
     except InvalidEnvelope as exc:
         raise invalid(exc.violations) from exc
-    queue = _served_queue(found, queue, envelope)
+    queue = found.router.queue_for(queue, envelope.task_type, envelope.payload_version)
     found.settings.keys.queue(queue)  # an invalid queue name is a 422 here
-    record = found.records.get(envelope.task_id, queue)
-    state = record.state.value
     token = hashlib.sha256(f"{queue}\n{envelope.task_id}\n{key or ''}".encode()).hexdigest()[:32]
-    return Prepared(queue, envelope, token, None if state == "unknown" else state)
+    return Prepared(queue, envelope, token)
 
 
-def _accepted(item: Prepared, entry_id: str | None) -> TaskAccepted:
-    if item.duplicate_state is not None:
-        return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue,
-                            state=item.duplicate_state, duplicate=True)
+def _known_states(found: Stores, items: list[Prepared]) -> list[str | None]:
+    """The state of each task that has a record (posted before), else None: one round
+    trip for the lot, then one look per task found."""
+    if not items:
+        return []
+    records = found.records
+    pipe = found.client.pipeline(transaction=False)
+    for item in items:
+        pipe.exists(records.record_key(item.queue, item.envelope.task_id))
+    exists = pipe.execute()
+    return [records.get(item.envelope.task_id, item.queue).state.value if there else None
+            for item, there in zip(items, exists)]
+
+
+def _accepted(item: Prepared, state: str | None, entry_id: str | None) -> TaskAccepted:
+    if state is not None and state != "unknown":
+        return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue, state=state,
+                            duplicate=True)
     return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue,
                         state="queued" if item.envelope.is_due() else "scheduled",
                         duplicate=False, entry_id=entry_id)
 
 
 def _publish(found: Stores, items: list[Prepared]) -> list[TaskAccepted]:
-    fresh = [item for item in items if item.duplicate_state is None]
+    """Publish the tasks not posted before; the answer for each."""
+    states = _known_states(found, items)
+    fresh = [item for item, state in zip(items, states) if state in (None, "unknown")]
     ids = iter(found.publisher.publish_many(
         [(item.queue, item.envelope) for item in fresh], utcnow(),
         tokens=[item.token for item in fresh]) if fresh else [])
-    return [_accepted(item, None if item.duplicate_state else next(ids)) for item in items]
+    return [_accepted(item, state, next(ids) if state in (None, "unknown") else None)
+            for item, state in zip(items, states)]
 
 
 @router.post("/tasks", status_code=201, response_model=TaskAccepted, openapi_extra=TASK_BODY,
