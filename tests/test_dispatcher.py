@@ -254,10 +254,14 @@ def test_rate_limit_per_token(redis_url: str) -> None:
         answers = [httpx.get(proc.url + "/delayed", headers={"Authorization": f"Bearer {READ}"})
                    for _ in range(5)]
         other = httpx.get(proc.url + "/delayed", headers={"Authorization": f"Bearer {WRITE}"})
+        guesses = [httpx.get(proc.url + "/delayed",
+                             headers={"Authorization": f"Bearer guess-{n:020d}"}).status_code
+                   for n in range(5)]
     assert [a.status_code for a in answers[:3]] == [200, 200, 200]
     assert [a.status_code for a in answers[3:]] == [429, 429]
     assert int(answers[4].headers["retry-after"]) >= 1
     assert other.status_code == 200
+    assert guesses == [401, 401, 401, 429, 429]  # unknown tokens are limited per address
 
 
 def test_without_tokens_only_loopback_and_it_says_so(redis_url: str) -> None:

@@ -73,18 +73,27 @@ def caller(request: Request, config: DispatcherConfig) -> Token | None:
     return token
 
 
+def _within_rate(limiter: RateLimiter, who: str) -> None:
+    wait = limiter.wait_s(who)
+    if wait:
+        raise Problem(429, "rate_limited", "too many requests; try again later",
+                      headers={"Retry-After": str(max(1, round(wait)))})
+
+
 def require(scope: Scope) -> Callable[[Request], None]:
     """A route dependency: the caller's token must allow ``scope``, within its rate."""
 
     def check(request: Request) -> None:
         state = request.app.state
-        token = caller(request, state.config)
-        who = token.name if token else (request.client.host if request.client else "?")
+        address = request.client.host if request.client else "?"
+        try:
+            token = caller(request, state.config)
+        except Problem:
+            _within_rate(state.limiter, f"unauthorized:{address}")  # no guessing at speed
+            raise
+        who = token.name if token else address
         request.state.caller = who
-        wait = state.limiter.wait_s(who)
-        if wait:
-            raise Problem(429, "rate_limited", "too many requests for this token; try again "
-                          "later", headers={"Retry-After": str(max(1, round(wait)))})
+        _within_rate(state.limiter, who)
         if token is not None and not token.scope.allows(scope):
             raise Problem(403, "forbidden", f"this endpoint needs scope {scope.value}; the "
                           f"token has scope {token.scope.value}")
