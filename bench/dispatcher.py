@@ -142,7 +142,7 @@ def run_dispatcher(ctx: Context, result: ScenarioResult) -> None:
                   measures[f"batch of {BATCH}, POST /tasks:batch"], BATCH_TARGET,
                   unit="tasks/s")
     result.notes.append(
-        "One dispatcher process (uvicorn with uvloop and httptools, one worker, no token) and "
+        "One dispatcher process (uvicorn with uvloop and h11, one worker, no token) and "
         "one HTTP client (http.client) with a kept-alive connection, on the same machine as "
         "Redis; each request's round trip is timed from send to read answer. The SDK "
         "figures come from the same process, the same queue and the same Redis, right after.")

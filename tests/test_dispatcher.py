@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -315,3 +316,18 @@ def test_batch_answers_bad_json_and_non_objects(api: httpx.Client) -> None:
     replay = api.post("/dead-letters/q/1-0/replay", content=b"\n\xff",
                       headers={"Content-Type": "application/json"})
     assert replay.status_code == 422 and replay.json()["violations"][0]["rule"] == "json"
+
+
+def test_a_post_that_asks_for_an_h2c_upgrade_keeps_its_body(server: DispatcherProcess) -> None:
+    """java.net.http's default client asks every HTTP/1.1 request to upgrade to h2c."""
+    body = b'{"merge_patch": 1}'
+    request = (f"POST /dead-letters/q/1-0/replay HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Authorization: Bearer {OPERATOR}\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+               f"Upgrade: h2c\r\nHTTP2-Settings: AAEAAEAAAAIAAAABAAMAAABkAAQBAAAAAAUAAEAA\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+        conn.sendall(request)
+        answer = conn.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 422"), answer  # the body was read: merge_patch is no object
+    assert '"field":"merge_patch"' in answer

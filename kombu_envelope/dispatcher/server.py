@@ -64,8 +64,10 @@ def serve(client: Any, settings: Settings, config: DispatcherConfig) -> None:
     else:
         logger.warning("no token configured: the dispatcher accepts every request and listens "
                        "on %s:%d (loopback) only", config.host, config.port)
+    # h11, not httptools: uvicorn's httptools protocol drops the body of a request that
+    # also asks for an h2c upgrade, which java.net.http's default client does.
     uvicorn.run(create_app(client, settings, config), host=config.host, port=config.port,
-                log_level="warning", access_log=False, server_header=False)
+                http="h11", log_level="error", access_log=False, server_header=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
