@@ -34,7 +34,7 @@ from kombu_envelope.dispatcher.routes.common import (
     text_time,
 )
 from kombu_envelope.dispatcher.stores import Stores
-from kombu_envelope.envelope import Envelope, check_publishable, utcnow
+from kombu_envelope.envelope import Envelope, check_publishable
 from kombu_envelope.errors import InvalidEnvelope, Violation
 from kombu_envelope.store.delayed import Cancellation
 
@@ -113,7 +113,7 @@ def _accepted(item: Prepared, state: str | None, entry_id: str | None) -> TaskAc
         return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue, state=state,
                             duplicate=True)
     return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue,
-                        state="queued" if item.envelope.is_due() else "scheduled",
+                        state="queued" if entry_id else "scheduled",  # delayed: no entry
                         duplicate=False, entry_id=entry_id)
 
 
@@ -122,7 +122,7 @@ def _publish(found: Stores, items: list[Prepared]) -> list[TaskAccepted]:
     states = _known_states(found, items)
     fresh = [item for item, state in zip(items, states) if state in (None, "unknown")]
     ids = iter(found.publisher.publish_many(
-        [(item.queue, item.envelope) for item in fresh], utcnow(),
+        [(item.queue, item.envelope) for item in fresh],
         tokens=[item.token for item in fresh]) if fresh else [])
     return [_accepted(item, state, next(ids) if state in (None, "unknown") else None)
             for item, state in zip(items, states)]
