@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,14 @@ def test_limits_must_be_positive() -> None:
         DispatcherConfig(batch_max=0)
     with pytest.raises(ValueError, match="rate_per_s"):
         DispatcherConfig(rate_per_s=0)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--url", "envelope-sentinel://127.0.0.1:1"], "transport option 'master_name'"),
+    (["--url", "envelope://127.0.0.1:1", "-o", "lease=1"], "did you mean 'lease_ms'"),
+    (["--url", "envelope://127.0.0.1:1", "--host", "0.0.0.0"], "loopback address only"),
+])
+def test_command_line_refuses_bad_options_naming_them(args: list[str], message: str) -> None:
+    ran = subprocess.run([sys.executable, "-m", "kombu_envelope.dispatcher", *args],
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 2 and message in ran.stderr, ran.stderr

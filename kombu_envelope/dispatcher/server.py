@@ -104,8 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.from_transport_options(options)
         config = config_from(args)
-    except ValueError as exc:
+        client = client_for_url(args.url, settings)
+    except ValueError as exc:  # InvalidTransportOption names the option or the URL part
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    serve(client_for_url(args.url, settings), settings, config)
+    serve(client, settings, config)
     return 0
