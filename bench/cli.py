@@ -18,6 +18,7 @@ from bench.celery_level import run_celery, run_countdown, run_memory, run_recove
 from bench.cluster import run_cluster
 from bench.core import Context, Scenario, ScenarioResult
 from bench.delayed import run_delayed
+from bench.dispatcher import run_dispatcher
 from bench.kombu_level import run_consume, run_latency, run_publish
 from bench.report import write_json, write_markdown
 from bench.sysinfo import amqp_server_version, load_average, machine_info
@@ -66,6 +67,11 @@ SCENARIOS = (
              "Time from SIGKILL of a worker holding unacknowledged tasks to those tasks "
              "running on another worker.",
              run_recovery, {"held": 20, "lease_ms": 2_000}, {"held": 5, "lease_ms": 2_000}),
+    Scenario("dispatcher", "Dispatcher HTTP API against the Python SDK",
+             "Single POST /tasks at a fixed rate (p50/p99) and POST /tasks:batch of 1,000 "
+             "(tasks/s), next to Publisher.publish at the same rate and publish_many of 1,000.",
+             run_dispatcher, {"rate": 500, "seconds": 4, "batches": 10},
+             {"rate": 100, "seconds": 0.5, "batches": 1}),
     Scenario("cluster", "Redis Cluster (three shards) against one Redis",
              "N Envelopes spread over queues on every shard: bulk publish, consume+ack by "
              "one consumer of every queue, and publish-to-start at a fixed rate; the same "

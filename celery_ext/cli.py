@@ -90,6 +90,29 @@ def scheduler(ctx: click.Context, batch: int) -> None:
     click.echo("scheduler stopped")
 
 
+@envelope.command(context_settings={"ignore_unknown_options": True})
+@click.argument("options", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def dispatcher(ctx: click.Context, options: tuple[str, ...]) -> None:
+    """Run the HTTP dispatcher on the app's broker (options: --host, --port,
+    --tokens-file, --max-body-bytes, --batch-max, --rate, --burst; see docs/dispatcher.md).
+    Needs the ``dispatcher`` extra."""
+    import argparse
+
+    from kombu_envelope.dispatcher.server import add_options, config_from, serve
+
+    parser = argparse.ArgumentParser(prog="celery envelope dispatcher")
+    add_options(parser)
+    args = parser.parse_args(list(options))
+    app = _app(ctx)
+    settings = broker_settings(app)
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    serve(broker_redis(app, settings), settings, config)
+
+
 # ------------------------------------------------------------------ delayed
 
 

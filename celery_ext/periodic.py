@@ -77,6 +77,7 @@ from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
+from kombu_envelope.store.periodic_entries import FINGERPRINT_FIELD_PREFIX
 from kombu_envelope.store.promoter import redis_now_ms
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.schemas import PayloadSchemas
@@ -97,8 +98,6 @@ logger = logging.getLogger(__name__)
 
 #: Celery setting: None (default) runs a non-empty beat_schedule, True always, False never.
 ENABLED_SETTING = "envelope_periodic_enabled"
-#: Start of the hash field holding an entry's fingerprint; entry names may not start with it.
-FINGERPRINT_FIELD_PREFIX = "fingerprint:"
 #: Namespace of the uuid5 task ids of occurrences.
 OCCURRENCE_NAMESPACE = uuid.UUID("1daf98c6-0a35-4b38-bedf-a428601b5a38")
 

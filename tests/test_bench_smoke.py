@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("publish", "consume", "bulk", "celery", "latency", "delayed", "countdown",
-             "memory", "recovery")
+             "memory", "recovery", "dispatcher")
 
 
 @pytest.mark.slow

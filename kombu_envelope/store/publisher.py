@@ -12,7 +12,7 @@ Usable without kombu::
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -52,7 +52,8 @@ class Publisher:
         return self.publish_many([(queue, envelope)], now)[0]
 
     def publish_many(
-        self, items: Iterable[tuple[str, Envelope]], now: datetime | None = None
+        self, items: Iterable[tuple[str, Envelope]], now: datetime | None = None,
+        tokens: Sequence[str] | None = None,
     ) -> list[str | None]:
         """Publish many Envelopes in one pipelined round trip (one per node on a Cluster).
 
@@ -64,6 +65,11 @@ class Publisher:
         Every Envelope is validated first (publish-time rules, payload schema); if any
         is invalid nothing is sent.
         Returns, in order, each stream entry id (None for delayed ones).
+
+        ``tokens`` gives each Envelope its publish token (docs/protocol.md, section 4)
+        instead of one random token for the call: a caller that derives the token from
+        what identifies a publish (the dispatcher: the task id or ``Idempotency-Key``)
+        has a second publish of it within ``publish_dedupe_ms`` store nothing.
         """
         now = now or utcnow()
         settings = self.settings
@@ -79,7 +85,10 @@ class Publisher:
         )
         # One token for every try of this call: a try repeated after a lost reply
         # (kombu_envelope.store.outages) is absorbed by the scripts.
-        token = os.urandom(8).hex()
+        if tokens is None:
+            tokens = [os.urandom(8).hex()] * len(prepared)
+        elif len(tokens) != len(prepared):
+            raise ValueError(f"{len(tokens)} publish tokens for {len(prepared)} Envelopes")
         dedupe_ms = settings.publish_dedupe_ms
         if len(prepared) == 1 and not delayed_queues and not settings.wait_replicas:
             # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
@@ -90,7 +99,7 @@ class Publisher:
             enqueue = script(self.client, "enqueue")
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
                                   keys.delayed_data, keys.published(envelope.task_id)],
-                            args=[envelope.task_id, enc, body, token, dedupe_ms])
+                            args=[envelope.task_id, enc, body, tokens[0], dedupe_ms])
             return [reply.decode() if isinstance(reply, bytes) else reply]
         batch = Batch(self.client, settings, "publish")  # WAIT with wait_replicas
         if delayed_queues:
@@ -99,7 +108,7 @@ class Publisher:
             # lost with a Redis restart is rebuilt by the next publish.
             for queue in delayed_queues:
                 batch.first("sadd", settings.keys.queues, queue)
-        for keys, envelope, enc, body in prepared:
+        for (keys, envelope, enc, body), token in zip(prepared, tokens):
             if envelope.is_due(now):
                 batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
                                          keys.delayed, keys.delayed_data,

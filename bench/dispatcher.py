@@ -1,0 +1,148 @@
+"""Scenario ``dispatcher``: the HTTP API against publishing through the Python SDK.
+
+Single ``POST /tasks`` at a fixed rate (p50/p99 of each request's round trip) and
+``POST /tasks:batch`` of 1,000 tasks (tasks/s), each next to the same work done with
+:class:`~kombu_envelope.Publisher` in the same run: ``publish`` at the same rate and
+``publish_many`` of 1,000.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from time import perf_counter
+
+from bench.core import ENVELOPE, Context, ScenarioResult, new_run_id
+from bench.kombu_level import new_envelope
+from bench.payload import PAYLOAD, TASK_TYPE
+from bench.stats import percentile
+from kombu_envelope import Publisher, Settings
+from kombu_envelope.testing.dispatcher import DispatcherProcess
+
+#: Tasks per batch.
+BATCH = 1000
+#: Goals of issue 12: single POST p99 (ms) at 500 requests/s, batch tasks/s.
+P99_TARGET_MS = 5.0
+BATCH_TARGET = 20_000
+
+
+def _announce(ctx: Context, queue: str) -> None:
+    """A worker serving the bench task on ``queue``: the dispatcher refuses unserved tasks."""
+    # Imported here so that the other scenarios run where the store lacks announcements.
+    from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
+
+    client = ctx.client()
+    now = datetime.now(timezone.utc)
+    Announcements(client, Settings()).announce(WorkerAnnouncement(
+        consumer=f"bench-{new_run_id()}", language="python", host="bench", pid=1,
+        queues=[queue], serves={TASK_TYPE: []}, concurrency=1, started_at=now, seen_at=now,
+        stopped_at=None, live=True))
+    client.close()
+
+
+def _paced(rate: float, seconds: float, send: Callable[[], None]) -> list[float]:
+    """Call ``send`` ``rate`` times a second for ``seconds``; each call's time in ms."""
+    interval = 1 / rate
+    latencies = []
+    start = perf_counter()
+    for number in range(int(rate * seconds)):
+        pause = start + number * interval - perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+        began = perf_counter()
+        send()
+        latencies.append((perf_counter() - began) * 1000)
+    return latencies
+
+
+def _poster(port: int, path: str, body: bytes, status: int) -> Callable[[], None]:
+    """A function that POSTs ``body`` on one kept-alive connection and checks the status."""
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    headers = {"Content-Type": "application/json"}
+
+    def post() -> None:
+        connection.request("POST", path, body, headers)
+        answer = connection.getresponse()
+        text = answer.read()
+        assert answer.status == status, text
+
+    return post
+
+
+def _repetition(ctx: Context, port: int, rate: float, seconds: float,
+                batches: int) -> dict[str, float]:
+    """One repetition on a fresh queue: every figure, by measure label."""
+    queue = f"bench.dispatcher.{new_run_id()}"
+    _announce(ctx, queue)
+    body = json.dumps({"task_type": TASK_TYPE, "payload": PAYLOAD}).encode()
+    batch_body = json.dumps(
+        {"tasks": [{"task_type": TASK_TYPE, "payload": PAYLOAD}] * BATCH}).encode()
+    client = ctx.client()
+    publisher = Publisher(client, Settings())
+    figures: dict[str, float] = {}
+    try:
+        def publish() -> None:
+            publisher.publish(queue, new_envelope())
+
+        post = _poster(port, f"/tasks?queue={queue}", body, 201)
+        for who, send in (("POST /tasks", post), ("Publisher.publish", publish)):
+            send()  # warm up the connection
+            latencies = _paced(rate, seconds, send)
+            for pct in (50, 99):
+                figures[f"single {who} p{pct}"] = percentile(latencies, pct)
+        post_batch = _poster(port, f"/tasks:batch?queue={queue}", batch_body, 200)
+        started = perf_counter()
+        for _ in range(batches):
+            post_batch()
+        figures[f"batch of {BATCH}, POST /tasks:batch"] = (
+            batches * BATCH / (perf_counter() - started))
+        started = perf_counter()
+        for _ in range(batches):
+            publisher.publish_many([(queue, new_envelope()) for _ in range(BATCH)])
+        figures[f"batch of {BATCH}, Publisher.publish_many"] = (
+            batches * BATCH / (perf_counter() - started))
+    finally:
+        client.close()
+        ctx.flush()
+    return figures
+
+
+def run_dispatcher(ctx: Context, result: ScenarioResult) -> None:
+    """Single POSTs at a fixed rate and batches, against the SDK doing the same."""
+    rate, seconds = ctx.real("dispatcher", "rate"), ctx.real("dispatcher", "seconds")
+    batches = ctx.size("dispatcher", "batches")
+    result.params.update(rate_per_s=rate, seconds=seconds, batch=BATCH, batches=batches)
+    measures = {}
+    for who in ("POST /tasks", "Publisher.publish"):
+        for pct in ("p50", "p99"):
+            label = f"single {who} {pct}"
+            measures[label] = result.measure(label, ENVELOPE, "ms", higher_is_better=False)
+    for who in ("POST /tasks:batch", "Publisher.publish_many"):
+        label = f"batch of {BATCH}, {who}"
+        measures[label] = result.measure(label, ENVELOPE, "tasks/s")
+    with DispatcherProcess(ctx.redis_url, extra_args=[
+            "--rate", "1000000", "--burst", "1000000", "--batch-max", str(BATCH)]) as server:
+        for rep in range(ctx.repeat):
+            figures = _repetition(ctx, server.port, rate, seconds, batches)
+            for label, value in figures.items():
+                measures[label].add(value)
+            ctx.log(f"dispatcher rep {rep + 1}: " + ", ".join(
+                f"{label} {value:,.2f}" for label, value in figures.items()))
+    result.ratio("single p99: POST /tasks / Publisher.publish",
+                 measures["single POST /tasks p99"], measures["single Publisher.publish p99"])
+    result.ratio(f"batch of {BATCH}: POST /tasks:batch / publish_many",
+                 measures[f"batch of {BATCH}, POST /tasks:batch"],
+                 measures[f"batch of {BATCH}, Publisher.publish_many"])
+    result.target(f"single POST /tasks p99 <= {P99_TARGET_MS} ms at {rate:.0f}/s",
+                  measures["single POST /tasks p99"], P99_TARGET_MS, at_least=False, unit="ms")
+    result.target(f"POST /tasks:batch >= {BATCH_TARGET:,} tasks/s",
+                  measures[f"batch of {BATCH}, POST /tasks:batch"], BATCH_TARGET,
+                  unit="tasks/s")
+    result.notes.append(
+        "One dispatcher process (uvicorn with uvloop and h11, one worker, no token) and "
+        "one HTTP client (http.client) with a kept-alive connection, on the same machine as "
+        "Redis; each request's round trip is timed from send to read answer. The SDK "
+        "figures come from the same process, the same queue and the same Redis, right after.")

@@ -1,0 +1,68 @@
+"""ASGI middleware: security headers on every answer, and the request body size limit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from kombu_envelope.dispatcher.problems import Problem
+
+Scope_ = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
+
+#: Sent with every answer: nothing is framed, sniffed, cached or referred.
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"cache-control", b"no-store"),
+    (b"cross-origin-resource-policy", b"same-origin"),
+]
+
+
+class Guarded:
+    """Adds :data:`SECURITY_HEADERS` and answers 413 to a body above ``max_body_bytes``
+    (by its ``Content-Length``, or while it is read)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self._message = f"the request body is larger than {max_body_bytes} bytes"
+
+    async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        async def send_secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+            await send(message)
+
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await self._too_large(send_secured)
+            return
+        seen = 0
+
+        async def receive_limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:  # answered 413 by the app's handler
+                    raise Problem(413, "body_too_large", self._message)
+            return message
+
+        await self.app(scope, receive_limited, send_secured)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps({"error": "body_too_large", "message": self._message}).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,1 @@
+"""The dispatcher's endpoints, one module per kind of resource."""

@@ -1,0 +1,3 @@
+module dispatcherclient
+
+go 1.21

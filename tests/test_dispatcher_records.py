@@ -1,0 +1,145 @@
+"""The dispatcher's endpoints built on task records, worker announcements and payload
+schemas (docs/protocol.md, sections 14-16), against a real Redis, a real uvicorn process
+and, for task states, a real Celery worker."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import pytest
+import redis
+from support import wait_for
+from support.announce import announce as announce_worker
+from support.workers import CeleryWorker
+
+from kombu_envelope import Settings
+from kombu_envelope.testing.dispatcher import DispatcherProcess
+
+TOKEN = "w-" + "d" * 30
+PREFIX = f"t-dr-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def server(redis_url: str) -> Iterator[DispatcherProcess]:
+    with DispatcherProcess(redis_url, [{"name": "ops", "scope": "operator", "token": TOKEN}],
+                           {"key_prefix": PREFIX, "schema_cache_s": 0}) as proc:
+        yield proc
+
+
+@pytest.fixture
+def api(server: DispatcherProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=10,
+                      headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        yield client
+
+
+def announce(redis_url: str, queue: str, serves: dict[str, list[int]]) -> None:
+    """A worker on ``queue`` seen just now, serving ``serves``."""
+    announce_worker(redis_url, PREFIX, queue, serves)
+
+
+@pytest.fixture
+def queue(redis_url: str) -> str:
+    name = f"q-{uuid.uuid4().hex[:8]}"
+    announce(redis_url, name, {"bill.charge": [1, 2], "bill.any": []})
+    return name
+
+
+def test_post_queues_now_or_schedules_and_get_reports_it(api: httpx.Client, queue: str) -> None:
+    now = api.post("/tasks", params={"queue": queue},
+                   json={"task_type": "bill.charge", "payload": {"order": 1}})
+    assert now.status_code == 201, now.text
+    assert now.json()["state"] == "queued" and now.json()["entry_id"]
+    later = api.post("/tasks", params={"queue": queue}, json={
+        "task_type": "bill.charge",
+        "schedule_time": (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()})
+    assert later.status_code == 201 and later.json()["state"] == "scheduled"
+    state = api.get(f"/tasks/{later.json()['task_id']}").json()
+    assert state["state"] == "scheduled" and state["queue"] == queue
+    assert state["task_type"] == "bill.charge" and state["due_at"]
+    assert api.get("/tasks/no-such-task").json()["state"] == "unknown"
+
+
+def test_duplicate_task_id_and_idempotency_key_enqueue_once(
+        api: httpx.Client, queue: str, redis_url: str) -> None:
+    body = {"task_type": "bill.charge", "task_id": f"dup-{uuid.uuid4().hex}"}
+    first = api.post("/tasks", params={"queue": queue}, json=body)
+    again = api.post("/tasks", params={"queue": queue}, json=body)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["duplicate"] is True
+    key = {"Idempotency-Key": f"order-{uuid.uuid4().hex}"}
+    keyed = [api.post("/tasks", params={"queue": queue}, headers=key,
+                      json={"task_type": "bill.charge"}) for _ in range(2)]
+    assert keyed[0].json()["task_id"] == keyed[1].json()["task_id"]
+    assert [k.status_code for k in keyed] == [201, 200]
+    client = redis.Redis.from_url(redis_url)
+    stream = Settings(key_prefix=PREFIX).keys.queue(queue).task_streams[1]
+    assert client.xlen(stream) == 2  # one entry per task, whatever was posted twice
+    client.close()
+
+
+def test_not_served_is_409_naming_what_is_served_and_versions_are_routed(
+        api: httpx.Client, queue: str, redis_url: str) -> None:
+    refused = api.post("/tasks", params={"queue": queue},
+                       json={"task_type": "bill.charge", "payload_version": 3})
+    assert refused.status_code == 409
+    assert refused.json()["served"] == {"bill.charge": [1, 2], "bill.any": []}
+    other = f"q-{uuid.uuid4().hex[:8]}"
+    announce(redis_url, other, {"bill.charge": [3]})
+    routed = api.post("/tasks", json={"task_type": "bill.charge", "payload_version": 3})
+    assert routed.status_code == 201 and routed.json()["queue"] == other
+    nobody = api.post("/tasks", json={"task_type": "nobody.serves"})
+    assert nobody.status_code == 409 and nobody.json()["error"] == "not_served"
+
+
+def test_batch_answers_each_item(api: httpx.Client, queue: str) -> None:
+    answer = api.post("/tasks:batch", json={"queue": queue, "tasks": [
+        {"task_type": "bill.charge"}, {"task_type": "bill.charge", "priority": -1},
+        {"task_type": "bill.unknown"}, {"task_type": "bill.any", "payload_version": 9}]})
+    assert answer.status_code == 200, answer.text
+    items = answer.json()["items"]
+    assert [i["status"] for i in items] == [201, 422, 409, 201]
+    assert items[1]["problem"]["violations"][0]["rule"] == "range"
+
+
+def test_schemas_register_enforce_list_delete(api: httpx.Client, queue: str) -> None:
+    schema = {"type": "object", "properties": {"order": {"type": "integer"}},
+              "required": ["order"], "additionalProperties": False}
+    assert api.post("/schemas/bill.charge/2", json=schema).status_code == 200
+    assert api.get("/schemas/bill.charge/2").json()["schema"] == schema
+    assert any(s["task_type"] == "bill.charge" for s in api.get("/schemas").json())
+    bad = api.post("/tasks", params={"queue": queue}, json={
+        "task_type": "bill.charge", "payload_version": 2, "payload": {"order": "x"}})
+    assert bad.status_code == 422
+    assert bad.json()["violations"][0]["field"] == "payload.order"
+    assert bad.json()["violations"][0]["rule"] == "schema"
+    extra = api.post("/tasks", params={"queue": queue}, json={
+        "task_type": "bill.charge", "payload_version": 2, "payload": {"order": 1, "x": 1}})
+    assert extra.status_code == 422 and extra.json()["violations"][0]["rule"] == "schema"
+    unknown_version = api.post("/tasks", params={"queue": queue}, json={
+        "task_type": "bill.charge", "payload_version": 7, "payload": {"order": "x"}})
+    assert unknown_version.status_code == 409  # no schema for 7, and no worker serves it
+    invalid = api.post("/schemas/bill.charge/3", json={"type": "no-such-type"})
+    assert invalid.status_code == 422 and invalid.json()["violations"][0]["field"] == "schema"
+    assert api.delete("/schemas/bill.charge/2").status_code == 204
+    assert api.get("/schemas/bill.charge/2").status_code == 404
+
+
+def test_state_of_a_task_run_by_a_celery_worker(api: httpx.Client, redis_url: str) -> None:
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    env = {"TEST_BROKER_URL": redis_url.replace("redis://", "envelope://"),
+           "TEST_KEY_PREFIX": PREFIX, "TEST_LEASE_MS": "1500"}
+    with CeleryWorker("apps.envelope_app", queues=[queue], env=env, gossip=False,
+                      mingle=False):
+        posted = api.post("/tasks", params={"queue": queue}, json={
+            "task_type": "envelope_app.add", "payload": {"x": 1, "y": 2}})
+        assert posted.status_code == 201, posted.text
+        task_id = posted.json()["task_id"]
+        wait_for(lambda: api.get(f"/tasks/{task_id}").json()["state"] == "succeeded",
+                 timeout=20)
+    state = api.get(f"/tasks/{task_id}").json()
+    assert state["language"] == "python" and state["attempts"] == 1
+    assert state["worker"] and state["started_at"] and state["finished_at"]
