@@ -3,10 +3,13 @@
 //   1. mark it: ZREMRANGEBYSCORE <prefix>:cancelled -inf <now - 7 days> and
 //      ZADD <prefix>:cancelled NX <now> <task_id>, in one MULTI;
 //   2. run cancel.lua on the delayed set of every queue in <prefix>:queues (or
-//      of the one queue named), which answers removed or absent.
+//      of the one queue named), which answers removed or absent, and writes the
+//      task record (state cancelled, reason cancelled) where it removed the task.
 //
 // The mark comes first and always, so a task promoted, published again or on its
 // way to a consumer is caught wherever it arrives; consumers never remove it.
+
+import { withRecord } from './records.js';
 
 /** How long cancel marks are kept (ms). */
 export const CANCEL_MARK_TTL_MS = 7 * 24 * 3600 * 1000;
@@ -20,15 +23,15 @@ export const CANCEL_MARK_TTL_MS = 7 * 24 * 3600 * 1000;
 /**
  * Cancel `taskId` on `client` (an ioredis client whose scripts are `scripts`),
  * in the key space `keys`. Options: queue (only this queue's delayed set),
- * nowMs (the mark's time).
+ * nowMs (the mark's time), records (the TaskRecords written; none when absent).
  * @param {any} client
  * @param {import('./scripts.js').Scripts} scripts
  * @param {import('./keys.js').KeySpace} keys
  * @param {string} taskId
- * @param {{ queue?: string, nowMs?: number }} [options]
+ * @param {{ queue?: string, nowMs?: number, records?: import('./records.js').TaskRecords }} [options]
  * @returns {Promise<CancelResult>}
  */
-export async function cancelTask(client, scripts, keys, taskId, { queue, nowMs = Date.now() } = {}) {
+export async function cancelTask(client, scripts, keys, taskId, { queue, nowMs = Date.now(), records } = {}) {
   if (typeof taskId !== 'string' || !taskId) throw new TypeError('cancel: taskId must be a non-empty string');
   const named = queue === undefined ? null : keys.queue(queue); // InvalidQueueName for a bad name
   const replies = await client.multi()
@@ -46,7 +49,8 @@ export async function cancelTask(client, scripts, keys, taskId, { queue, nowMs =
   });
   let removedFrom = null;
   for (const qk of queues) {
-    const answer = await scripts.run('cancel', [qk.delayed, qk.delayedData], [taskId]);
+    const [k, args] = withRecord(records?.final(qk, taskId, { reason: 'cancelled' }) ?? null, [qk.delayed, qk.delayedData], [taskId], 1);
+    const answer = await scripts.run('cancel', k, args);
     if (answer === 'removed' && removedFrom === null) removedFrom = qk.queue;
   }
   if (removedFrom !== null) return { outcome: 'removed', queue: removedFrom };

@@ -9,6 +9,8 @@ import { DEFAULT_GZIP_MIN_BYTES, MalformedEntry, decodeEntry, encodeBody } from 
 import { DEFAULT_LIMITS, envelopeToJson, newEnvelope } from './envelope.js';
 import { parseJson } from './json.js';
 import { KeySpace, bucketFor } from './keys.js';
+import { TaskRecords, publishedFields, withRecord } from './records.js';
+import { PayloadSchemas } from './schemas.js';
 import { Scripts } from './scripts.js';
 import { Timestamp } from './time.js';
 import { closeClient, isRedisClient, openConnection } from './connection.js';
@@ -47,21 +49,26 @@ export class DeadLetters {
    * new DeadLetters({ connection, prefix }) or new DeadLetters(client, { prefix });
    * connection: an ioredis client or Cluster, a Redis URL (any form of src/url.js) or ioredis options.
    * Connection errors of a connection opened here go to `logger` (JSON lines on stderr by default).
+   * taskRecordRetentionMs and schemaCacheMs as for the Producer: a replay is a
+   * publish, which writes the task record and enforces the payload schema.
    * @param {any} clientOrOptions
-   * @param {{ prefix?: string, limits?: object, gzipMinBytes?: number, logger?: any }} [options]
+   * @param {{ prefix?: string, limits?: object, gzipMinBytes?: number, logger?: any,
+   *   taskRecordRetentionMs?: number, schemaCacheMs?: number }} [options]
    */
   constructor(clientOrOptions, options = {}) {
     const direct = isRedisClient(clientOrOptions);
     const { connection, ...rest } = direct ? {} : clientOrOptions ?? {};
     const opts = direct ? options : rest;
-    const { client, owned } = openConnection(direct ? clientOrOptions : connection, 'envelope-node-dead-letters',
-      opts.logger ?? createLogger());
+    const log = opts.logger ?? createLogger();
+    const { client, owned } = openConnection(direct ? clientOrOptions : connection, 'envelope-node-dead-letters', log);
     this.client = client;
     this.owned = owned;
     this.keys = new KeySpace(opts.prefix);
     this.limits = { ...DEFAULT_LIMITS, ...(opts.limits ?? {}) };
     this.gzipMinBytes = opts.gzipMinBytes ?? DEFAULT_GZIP_MIN_BYTES;
     this.scripts = new Scripts(this.client);
+    this.records = new TaskRecords(opts.taskRecordRetentionMs);
+    this.schemas = new PayloadSchemas({ client, keys: this.keys, cacheMs: opts.schemaCacheMs, log });
   }
 
   /** Queues that have had dead-letter entries (<prefix>:dead-queues), sorted. */
@@ -140,7 +147,7 @@ export class DeadLetters {
   /**
    * Publish a dead-lettered task again, edited first; returns the new stream entry id,
    * or null when the entry is gone (replayed or purged by someone else first). Throws
-   * InvalidEnvelope when the edited Envelope breaks a rule, MalformedEntry when the
+   * InvalidEnvelope when the edited Envelope breaks a rule (its payload schema included), MalformedEntry when the
    * entry holds no valid Envelope.
    * @param {string} queue
    * @param {string} id
@@ -154,11 +161,14 @@ export class DeadLetters {
       throw new MalformedEntry('envelope', `dead-letter entry ${id} holds no valid Envelope: ${entry.decodeError}`);
     }
     const envelope = this.edited(entry.envelope, edit);
+    await this.schemas.check(envelope);
     const { enc, body } = encodeBody(envelope, { gzipMinBytes: this.gzipMinBytes, limits: this.limits });
     const qk = this.keys.queue(queue);
     const operator = edit.operator ?? `${os.userInfo().username}@${os.hostname()}`;
-    const reply = await this.scripts.run('replay', [qk.dead, qk.stream(bucketFor(envelope.priority)), qk.replayed],
-      [id, enc, body, 'replayed_at', Timestamp.now().toString(), 'operator', operator]);
+    const [keys, args] = withRecord(this.records.active(qk, envelope.task_id, 0, publishedFields(envelope, queue)),
+      [qk.dead, qk.stream(bucketFor(envelope.priority)), qk.replayed],
+      [id, enc, body, 'replayed_at', Timestamp.now().toString(), 'operator', operator], 3);
+    const reply = await this.scripts.run('replay', keys, args);
     return reply ? text(reply) : null;
   }
 

@@ -19,6 +19,11 @@ export {
 } from './results.js';
 export { OUTAGE_TOLERANCE_MS, isRedisAway } from './outage.js';
 export { createLogger } from './log.js';
+export { TASK_RECORD_RETENTION_MS, TASK_STATES } from './records.js';
+export { ANNOUNCE_KEEP_MS, NotServed, accepts } from './announce.js';
+export {
+  PayloadSchemas, RULE_SCHEMA, SCHEMA_CACHE_MS, compileSchema, payloadViolations, schemaDeadLetterReason,
+} from './schemas.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 
 /** @typedef {import('./producer.js').PublishResult} PublishResult */
@@ -31,3 +36,6 @@ export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
 /** @typedef {import('./worker.js').WorkerOptions} WorkerOptions */
 /** @typedef {import('./deadletters.js').DeadLetter} DeadLetter */
 /** @typedef {import('./deadletters.js').ReplayEdit} ReplayEdit */
+/** @typedef {import('./tasks.js').TaskInfo} TaskInfo */
+/** @typedef {import('./announce.js').Announcement} Announcement */
+/** @typedef {import('./schemas.js').SchemaViolation} SchemaViolation */

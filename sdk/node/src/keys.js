@@ -16,6 +16,11 @@
 //   <prefix>:idem:<task_type>:<key>          idempotency claim / done marker
 //   <prefix>:retrying:<task_type>            ZSET of running retries (retry_slot.lua)
 //   <prefix>:wakeup                          pub/sub channel of the promoters
+//   <prefix>:{<queue>}:task:<task_id>        HASH task record (section 14), with expiry
+//   <prefix>:periodic-queues                 SET of queues with periodic entries
+//   <prefix>:workers                         ZSET consumer -> when it last announced itself (ms)
+//   <prefix>:worker:<consumer>               a worker's announcement (section 15), with expiry
+//   <prefix>:schemas                         HASH <task_type>@<payload_version> -> payload schema (section 16)
 
 export const DEFAULT_PREFIX = 'envelope';
 export const DEFAULT_GROUP = 'workers';
@@ -60,6 +65,11 @@ export class QueueKeys {
     return `${this.base}:published:${taskId}`;
   }
 
+  /** The task record of `taskId` (section 14). */
+  task(taskId) {
+    return `${this.base}:task:${taskId}`;
+  }
+
   stream(bucket) {
     if (!BUCKETS.includes(bucket)) throw new Error(`unknown bucket ${bucket}`);
     return `${this.base}:${bucket}`;
@@ -79,6 +89,9 @@ export class KeySpace {
     this.deadQueues = `${prefix}:dead-queues`;
     this.cancelled = `${prefix}:cancelled`;
     this.wakeup = `${prefix}:wakeup`;
+    this.periodicQueues = `${prefix}:periodic-queues`;
+    this.workers = `${prefix}:workers`;
+    this.schemas = `${prefix}:schemas`;
     Object.freeze(this);
   }
 
@@ -88,6 +101,11 @@ export class KeySpace {
 
   consumer(name) {
     return `${this.prefix}:consumer:${name}`;
+  }
+
+  /** The announcement of one consumer (section 15). */
+  worker(name) {
+    return `${this.prefix}:worker:${name}`;
   }
 
   idempotency(taskType, key) {

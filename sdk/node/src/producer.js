@@ -6,8 +6,12 @@
 // token, so a publish retried while Redis is away (a failover) is stored once.
 // With waitReplicas, WAIT follows every publish. cancel() marks a task_id
 // cancelled for every queue (src/cancel.js).
+// Before writing, payloads are checked against their schemas (src/schemas.js)
+// and, with requireServed, against what the queue's workers announce
+// (src/announce.js). Each publish writes its task record (src/records.js).
 
 import crypto from 'node:crypto';
+import { notServed, readAnnouncements } from './announce.js';
 import { cancelTask } from './cancel.js';
 import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isDue, newEnvelope } from './envelope.js';
@@ -15,9 +19,12 @@ import { closeClient, isRedisClient, openConnection } from './connection.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, retryWhileAway } from './outage.js';
+import { TaskRecords, publishedFields, recordTime, withRecord } from './records.js';
 import { registerThen } from './registry.js';
 import { ReplicaWait } from './replicas.js';
+import { PayloadSchemas, SCHEMA_CACHE_MS } from './schemas.js';
 import { Scripts } from './scripts.js';
+import { getTask } from './tasks.js';
 
 /** How long enqueue.lua and schedule.lua remember a publish token (ms, docs/protocol.md section 4). */
 export const PUBLISH_DEDUPE_MS = 90_000;
@@ -49,11 +56,17 @@ export class Producer {
    * close(); a client that was given stays open.
    * Options: prefix, limits, gzipMinBytes, outageToleranceMs (how long a
    * publish is retried while Redis is away), waitReplicas and waitTimeoutMs
-   * (WAIT for that many replicas after each publish; 0: no wait), logger.
+   * (WAIT for that many replicas after each publish; 0: no wait), logger,
+   * taskRecordRetentionMs (task_record_retention: how long the record of a
+   * finished task is kept, default 3,600,000; 0 writes no records),
+   * schemaCacheMs (schema_cache_s: how long payload schemas read from Redis
+   * are used, default 30,000), requireServed (refuse a task that no live or
+   * recently seen worker of its queue serves, with NotServed; default false).
    * @param {any} clientOrOptions
    * @param {ProducerOptions} [options]
    * @typedef {{ prefix?: string, limits?: object, gzipMinBytes?: number, scripts?: any, outageToleranceMs?: number,
-   *   waitReplicas?: number, waitTimeoutMs?: number, logger?: any }} ProducerOptions
+   *   waitReplicas?: number, waitTimeoutMs?: number, logger?: any, taskRecordRetentionMs?: number,
+   *   schemaCacheMs?: number, requireServed?: boolean }} ProducerOptions
    */
   constructor(clientOrOptions, options = {}) {
     const direct = isRedisClient(clientOrOptions);
@@ -62,6 +75,7 @@ export class Producer {
     const {
       prefix, limits = DEFAULT_LIMITS, gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, scripts,
       outageToleranceMs = OUTAGE_TOLERANCE_MS, waitReplicas = 0, waitTimeoutMs = 1000, logger,
+      taskRecordRetentionMs, schemaCacheMs = SCHEMA_CACHE_MS, requireServed = false,
     } = opts;
     this.log = logger ?? createLogger();
     const { client, owned } = openConnection(direct ? clientOrOptions : connection, 'envelope-node-producer', this.log);
@@ -73,6 +87,9 @@ export class Producer {
     this.limits = { ...DEFAULT_LIMITS, ...limits };
     this.gzipMinBytes = gzipMinBytes;
     this.scripts = scripts ?? new Scripts(client);
+    this.records = new TaskRecords(taskRecordRetentionMs);
+    this.schemas = new PayloadSchemas({ client, keys: this.keys, cacheMs: schemaCacheMs, log: this.log });
+    this.requireServed = requireServed === true;
   }
 
   /**
@@ -100,12 +117,15 @@ export class Producer {
    * @returns {Promise<PublishResult>}
    */
   async publish(queue, fields, { nowMs = Date.now(), expiresInMs } = {}) {
-    return this.write(queue, this.prepare(fields, { nowMs, expiresInMs }), nowMs);
+    const envelope = this.prepare(fields, { nowMs, expiresInMs });
+    await this.admit(queue, [envelope]);
+    return this.write(queue, envelope, nowMs);
   }
 
   /**
    * Publish several tasks to one queue. Every Envelope is built and checked
-   * first: when one breaks a rule, InvalidEnvelope is thrown and nothing is
+   * first (its schema, and with requireServed whether it is served, included):
+   * when one breaks a rule, InvalidEnvelope (or NotServed) is thrown and nothing is
    * written. Each task is then written on its own (one script call each, sent
    * together); results are in the order of `list`.
    * `expiresInMs` applies to each.
@@ -116,6 +136,7 @@ export class Producer {
    */
   async publishMany(queue, list, { nowMs = Date.now(), expiresInMs } = {}) {
     const envelopes = list.map((fields) => this.prepare(fields, { nowMs, expiresInMs }));
+    await this.admit(queue, envelopes);
     return Promise.all(envelopes.map((envelope) => this.write(queue, envelope, nowMs)));
   }
 
@@ -131,7 +152,48 @@ export class Producer {
    * @returns {Promise<import('./cancel.js').CancelResult>}
    */
   async cancel(taskId, options = {}) {
-    return cancelTask(this.client, this.scripts, this.keys, taskId, options);
+    return cancelTask(this.client, this.scripts, this.keys, taskId, { ...options, records: this.records });
+  }
+
+  /**
+   * What became of a task (docs/protocol.md section 14): { taskId, queue,
+   * state, record }. `state` is scheduled, queued, running, retrying,
+   * succeeded, dead, cancelled, failed (dead, its dead-letter entry purged) or
+   * unknown. Without `queue`, every queue of the registries and of the
+   * announced workers is looked in.
+   * @param {string} taskId
+   * @param {{ queue?: string }} [options]
+   * @returns {Promise<import('./tasks.js').TaskInfo>}
+   */
+  async getTask(taskId, { queue } = {}) {
+    return getTask(this.client, this.keys, taskId, { queue, log: this.log });
+  }
+
+  /**
+   * The announcements of the workers live or recently seen (docs/protocol.md section 15).
+   * @returns {Promise<import('./announce.js').Announcement[]>}
+   */
+  async announcements() {
+    return readAnnouncements(this.client, this.keys, this.log);
+  }
+
+  /**
+   * The checks that need Redis, before anything is written: payload schemas
+   * (InvalidEnvelope, rule schema) and, with requireServed, NotServed.
+   * Reads are retried while Redis is away, then their error is thrown.
+   */
+  async admit(queue, envelopes) {
+    const retrying = (what, fn) => retryWhileAway(fn, {
+      toleranceMs: this.outageToleranceMs,
+      onRetry: (err, attempt) => this.log.warn(`${what} failed while Redis is away; retrying`, { err, attempt, queue }),
+    });
+    for (const envelope of envelopes) await retrying('reading the payload schemas', () => this.schemas.check(envelope));
+    if (!this.requireServed) return;
+    const announced = await retrying('reading the worker announcements', () => this.announcements());
+    for (const envelope of envelopes) {
+      const refused = notServed(announced, queue, envelope);
+      if (refused) throw refused;
+    }
   }
 
   /** Close the connection when the producer opened it. */
@@ -148,6 +210,7 @@ export class Producer {
     const { enc, body } = encodeBody(envelope, { gzipMinBytes: this.gzipMinBytes, limits: this.limits });
     const bucket = bucketFor(envelope.priority);
     const token = publishToken(); // the same for every try of this publish
+    const recordFields = { ...publishedFields(envelope, queue), published_at: recordTime(nowMs) };
     const log = this.log.child({ task_id: envelope.task_id, trace_id: envelope.trace_id, queue });
     const retrying = (fn) => retryWhileAway(fn, {
       toleranceMs: this.outageToleranceMs,
@@ -157,9 +220,11 @@ export class Producer {
       // enqueue.lua: an XADD that also removes a delayed copy of the same task_id,
       // so a task first scheduled and then published to run now is delivered once.
       const stream = qk.stream(bucket);
+      const [keys, args] = withRecord(this.records.active(qk, envelope.task_id, 0, recordFields),
+        [stream, qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
+        [envelope.task_id, enc, body, token, PUBLISH_DEDUPE_MS], 5);
       const entryId = await retrying(async () => {
-        const id = await this.scripts.run('enqueue', [stream, qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
-          [envelope.task_id, enc, body, token, PUBLISH_DEDUPE_MS]);
+        const id = await this.scripts.run('enqueue', keys, args);
         await this.replicas.after(this.client, stream, 'publish', log);
         return id;
       });
@@ -169,10 +234,11 @@ export class Producer {
     // it and wakes the promoters: a registry lost with its node is rebuilt by
     // the next publish.
     const due = dueMs(envelope, nowMs);
+    const [keys, args] = withRecord(this.records.active(qk, envelope.task_id, due, { ...recordFields, due_at: recordTime(due) }),
+      [qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
+      [envelope.task_id, due, bucket, enc, body, this.keys.wakeup, token, PUBLISH_DEDUPE_MS], 8);
     await retrying(async () => {
-      await registerThen(this.client, this.keys.queues, queue, () => this.scripts.run('schedule',
-        [qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
-        [envelope.task_id, due, bucket, enc, body, this.keys.wakeup, token, PUBLISH_DEDUPE_MS]));
+      await registerThen(this.client, this.keys.queues, queue, () => this.scripts.run('schedule', keys, args));
       await this.replicas.after(this.client, qk.delayed, 'publish', log);
     });
     return { taskId: envelope.task_id, envelope, entryId: null, delayed: true, dueMs: due };

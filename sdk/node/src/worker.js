@@ -25,8 +25,13 @@
 //   - takes over the entries of dead consumers with requeue.lua and forgets
 //     dead consumers that hold nothing with forget_consumer.lua;
 //   - promotes delayed tasks (promote.lua), like every other worker;
+//   - dead-letters a payload that breaks its schema (section 16) as
+//     invalid_payload, before claiming its idempotency key;
+//   - writes the task record (section 14) in each step's script call or MULTI;
+//   - announces itself (section 15) with every liveness renewal;
 //   - on stop: prefetched, unstarted entries go back with requeue.lua, running
-//     tasks get a grace period, the liveness key is deleted.
+//     tasks get a grace period, the liveness key is deleted, and the
+//     announcement is written once more with stopped_at.
 // Every dead-letter write is preceded by SADD <prefix>:dead-queues <queue>, every
 // delayed store by SADD <prefix>:queues, each on its own (no step crosses a
 // Cluster slot). Failover errors and resets are outages: settling steps are
@@ -41,6 +46,7 @@ import { EventEmitter } from 'node:events';
 import os from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { AbandonedClaims } from './abandoned.js';
+import { ANNOUNCE_KEEP_MS, announce } from './announce.js';
 import { closeClient, disconnectClient, isRedisClient, logConnectionErrors, roleConnection } from './connection.js';
 import { MalformedEntry, decodeEntry, encodeBody, entryFields } from './codec.js';
 import { readDeadLetter } from './deadletters.js';
@@ -51,6 +57,7 @@ import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, isRedisAway, retryWhileAway } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
 import { Promoter } from './promoter.js';
+import { TASK_RECORD_RETENTION_MS, TASK_STATES, TaskRecords, publishedFields, recordError, recordTime, withRecord } from './records.js';
 import { Renewals, WaitedForRedis } from './renewals.js';
 import { registerThen } from './registry.js';
 import { ReplicaWait } from './replicas.js';
@@ -59,6 +66,7 @@ import {
   decideFailure, fastRetriesTaken, isTransientError, nextAttempt, permanentClassOf,
 } from './retry.js';
 import { ResultWriter, checkResult } from './results.js';
+import { PayloadSchemas, SCHEMA_CACHE_MS, schemaDeadLetterReason } from './schemas.js';
 import { Scripts } from './scripts.js';
 import { parseRedisUrl } from './url.js';
 
@@ -99,6 +107,12 @@ export const WORKER_DEFAULTS = Object.freeze({
   // WAIT for this many replicas after each settling step (0: no wait), at most waitTimeoutMs.
   waitReplicas: 0,
   waitTimeoutMs: 1_000,
+  // task_record_retention: how long the record of a finished task is kept (0: no records).
+  taskRecordRetentionMs: TASK_RECORD_RETENTION_MS,
+  // schema_cache_s: how long the payload schemas read from Redis are used.
+  schemaCacheMs: SCHEMA_CACHE_MS,
+  // announce_keep_ms: how long this worker's announcement is kept after each write.
+  announceKeepMs: ANNOUNCE_KEEP_MS,
 });
 
 const LANGUAGE = 'node';
@@ -181,7 +195,8 @@ function queueNames(o) {
  *   promoter?: boolean, promoterMaxIdleMs?: number, defaultTimeoutMs?: number | null,
  *   forgetAfterMs?: number, idemClaimMs?: number, idemDoneTtlMs?: number, retrySlotHoldMs?: number,
  *   takeoverBatch?: number, gzipMinBytes?: number, autorun?: boolean,
- *   resultBackend?: any, outageToleranceMs?: number, waitReplicas?: number, waitTimeoutMs?: number }} WorkerOptions
+ *   resultBackend?: any, outageToleranceMs?: number, waitReplicas?: number, waitTimeoutMs?: number,
+ *   taskRecordRetentionMs?: number, schemaCacheMs?: number, announceKeepMs?: number }} WorkerOptions
  */
 
 /** @extends {EventEmitter<any>} */
@@ -204,7 +219,10 @@ export class Worker extends EventEmitter {
    * deferMs, shutdownGraceMs, limits, isTransient(err) (extra transient
    * errors), logger, consumer, promoter, autorun, resultBackend (the Redis of
    * Celery's result backend: client, URL or options), outageToleranceMs,
-   * waitReplicas and waitTimeoutMs (WAIT after each settling step).
+   * waitReplicas and waitTimeoutMs (WAIT after each settling step),
+   * taskRecordRetentionMs (how long the record of a finished task is kept;
+   * 0: no records), schemaCacheMs (how long payload schemas are cached),
+   * announceKeepMs (how long the worker's announcement is kept).
    *
    * Events: 'ready', 'completed' (envelope, { result, durationMs }),
    * 'failed' (envelope, error, { retrying, delayMs }) for every failed attempt,
@@ -229,10 +247,10 @@ export class Worker extends EventEmitter {
     const o = { ...WORKER_DEFAULTS, ...Object.fromEntries(Object.entries(given).filter(([, v]) => v !== undefined)) };
     o.queues = queueNames(o);
     delete o.queue;
-    for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs']) {
+    for (const name of ['leaseMs', 'blockMs', 'concurrency', 'backoffMs', 'maxBackoffMs', 'retryConcurrency', 'deferMs', 'takeoverBatch', 'forgetAfterMs', 'retrySlotHoldMs', 'idemClaimMs', 'announceKeepMs']) {
       positiveInt(name, o[name]);
     }
-    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs', 'outageToleranceMs', 'waitReplicas', 'waitTimeoutMs']) positiveInt(name, o[name], { allowZero: true });
+    for (const name of ['fastRetries', 'maxRedeliveries', 'shutdownGraceMs', 'outageToleranceMs', 'waitReplicas', 'waitTimeoutMs', 'taskRecordRetentionMs', 'schemaCacheMs']) positiveInt(name, o[name], { allowZero: true });
     if (o.prefetch !== null) positiveInt('prefetch', o.prefetch);
     this.opts = o;
     this.keys = new KeySpace(o.prefix);
@@ -246,6 +264,7 @@ export class Worker extends EventEmitter {
     this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queues: o.queues });
     this.queueLogs = new Map(this.queues.map((qk) => [qk, this.log.child({ queue: qk.queue })]));
     this.replicas = new ReplicaWait({ replicas: o.waitReplicas, timeoutMs: o.waitTimeoutMs, log: this.log });
+    this.records = new TaskRecords(o.taskRecordRetentionMs);
     this.handlers = new Map();
     this.inflight = new Map(); // "<stream> <id>" -> { entry, abort, promise }
     this.waiting = []; // read, not started (most urgent first)
@@ -315,6 +334,8 @@ export class Worker extends EventEmitter {
     this.readers = new Map(this.queues.map((qk) => [qk, this.client('reader')]));
     this.leaseClient = this.client('lease');
     this.scripts = new Scripts(this.cmd);
+    this.schemas = new PayloadSchemas({ client: this.cmd, keys: this.keys, cacheMs: this.opts.schemaCacheMs, log: this.log });
+    this.startedAt = recordTime();
     // Takeovers trust what these two answer only when it came at once (renewals.js).
     this.renewals.watch(this.cmd);
     this.renewals.watch(this.leaseClient);
@@ -373,6 +394,28 @@ export class Worker extends EventEmitter {
     const counted = await this.renewals.renew(this.leaseClient,
       () => this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs));
     if (!counted) this.log.info('a liveness renewal waited for Redis; takeovers wait for two renewals answered at once');
+    await this.announceSelf().catch((err) => this.log.warn('could not write the worker announcement', { err }));
+  }
+
+  /**
+   * This consumer's announcement (section 15): its queues, the task types it
+   * serves with their payload versions, its concurrency; `stopped` marks a clean shutdown.
+   * @returns {import('./announce.js').Announcement}
+   */
+  announcement(stopped = false) {
+    const seenAt = recordTime();
+    const serves = Object.fromEntries([...this.handlers].filter(([, h]) => h.payloadVersions.size)
+      .map(([type, h]) => [type, [...h.payloadVersions].sort((a, b) => a - b)]));
+    return {
+      consumer: this.consumer, language: LANGUAGE, host: this.host, pid: process.pid, queues: [...this.opts.queues],
+      serves, concurrency: this.opts.concurrency, started_at: this.startedAt, seen_at: seenAt,
+      ...(stopped ? { stopped_at: seenAt } : {}),
+    };
+  }
+
+  /** Write the announcement: ZADD <prefix>:workers first and awaited, then SET PX announceKeepMs. */
+  announceSelf(stopped = false) {
+    return announce(this.leaseClient, this.keys, this.announcement(stopped), this.opts.announceKeepMs);
   }
 
   // ---------------------------------------------------------------- reading
@@ -597,7 +640,7 @@ export class Worker extends EventEmitter {
    */
   async skipCancelled(entry) {
     await this.results.revoked(entry.env, 'revoked', entry.log);
-    await this.ack(entry, entry.log);
+    await this.ack(entry, entry.log, { state: TASK_STATES.cancelled, reason: 'cancelled' });
     this.stats.cancelled += 1;
     entry.log.info('task was cancelled; acknowledged without running it');
   }
@@ -605,7 +648,7 @@ export class Worker extends EventEmitter {
   /** An expired task (section 5.1, step 3): its REVOKED result when asked, then acknowledged without running. */
   async skipExpired(entry) {
     await this.results.revoked(entry.env, 'expired', entry.log);
-    await this.ack(entry, entry.log);
+    await this.ack(entry, entry.log, { state: TASK_STATES.cancelled, reason: 'expired' });
     this.stats.expired += 1;
     entry.log.info('task expired; acknowledged without running it', { expires: entry.env.expires });
   }
@@ -649,6 +692,7 @@ export class Worker extends EventEmitter {
         `payload_version ${env.payload_version} is not accepted by the handler of ${env.task_type} (accepts ${[...handler.payloadVersions].join(', ')})`));
       return;
     }
+    if (await this.breaksSchema(entry, env, log)) return;
     if (env.idempotency_key === null) {
       await this.runSlotted(entry, env, handler, abort, log, null);
       return;
@@ -666,7 +710,7 @@ export class Worker extends EventEmitter {
       const claim = await this.claim(env, log);
       if (claim.state === 'done') {
         await this.results.success(env, null, log); // as a Celery worker does for a duplicate
-        await this.ack(entry, log);
+        await this.ack(entry, log, { state: TASK_STATES.succeeded, reason: 'duplicate' });
         this.stats.duplicates += 1;
         log.info('duplicate: the effect of this idempotency key already happened; acknowledged without running', {
           idempotency_key: env.idempotency_key, marker: claim.value,
@@ -683,6 +727,24 @@ export class Worker extends EventEmitter {
     }
   }
 
+  /**
+   * A payload that breaks its schema (section 16) is dead-lettered as
+   * invalid_payload, never run nor retried: answers true then. When the
+   * schemas cannot be read, the task runs unchecked (logged).
+   */
+  async breaksSchema(entry, env, log) {
+    let found;
+    try {
+      found = await this.schemas.violations(env);
+    } catch (err) {
+      log.warn('payload schemas could not be read; running the task unchecked', { err });
+      return false;
+    }
+    if (!found.length) return false;
+    await this.deadLetter(entry, env, log, this.notRun(env, 'invalid_payload', schemaDeadLetterReason(found)));
+    return true;
+  }
+
   /** Step 5 of section 8 (a retry slot for a tiered retry), then the run. */
   async runSlotted(entry, env, handler, abort, log, claim) {
     const slotKey = this.keys.retrying(env.task_type);
@@ -694,7 +756,7 @@ export class Worker extends EventEmitter {
         if (claim) await this.finishClaim(claim, 'release', log);
         // The backoff tier computed with next = retry_count: the count does not change.
         const delayMs = backoffDelayMs(env.retry_count, fastRetriesTaken(env.headers), this.opts);
-        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
+        await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log, { state: TASK_STATES.scheduled });
         this.stats.deferred += 1;
         log.info('all retry slots of this task type are taken; attempt rescheduled', { delay_ms: delayMs });
         return;
@@ -713,7 +775,7 @@ export class Worker extends EventEmitter {
   /** Hand the entry back without running it, due deferMs later, retry_count unchanged (a deferral, section 8). */
   async defer(entry, env, log, message, fields = {}) {
     const delayMs = this.opts.deferMs;
-    await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log);
+    await this.replace(entry, nextAttempt(env, { delayMs }), delayMs, log, { state: TASK_STATES.scheduled });
     this.stats.deferred += 1;
     log.info(message, { ...fields, delay_ms: delayMs });
   }
@@ -728,11 +790,12 @@ export class Worker extends EventEmitter {
 
   async runClaimed(entry, env, handler, abort, log, claim) {
     const timeoutMs = env.timeout_ms ?? handler.timeoutMs ?? this.opts.defaultTimeoutMs;
+    await this.recordStart(entry, env, log);
     const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
     if (outcome.ok) {
       if (claim) await this.finishClaim(claim, 'done', log);
       await this.results.success(env, outcome.result, log);
-      await this.ack(entry, log);
+      await this.ack(entry, log, { state: TASK_STATES.succeeded });
       this.stats.succeeded += 1;
       log.info('task succeeded', { attempt: env.retry_count, duration_ms: outcome.durationMs });
       this.notify('completed', env, { result: outcome.result, durationMs: outcome.durationMs });
@@ -745,6 +808,19 @@ export class Worker extends EventEmitter {
       return;
     }
     await this.failed(entry, env, outcome, log);
+  }
+
+  /** The record of a start: state running, attempts + 1 and who runs it, one MULTI; a failed write is logged. */
+  async recordStart(entry, env, log) {
+    const record = this.records.active(this.queueOf(entry.stream), env.task_id, 0, {
+      started_at: recordTime(), worker: this.consumer, language: LANGUAGE, host: this.host, pid: String(process.pid),
+    });
+    if (!record) return;
+    try {
+      for (const [err] of await record.hset(this.cmd.multi(), TASK_STATES.running, { start: true }).exec()) if (err) throw err;
+    } catch (err) {
+      log.warn('could not write the task record of the start; the task runs', { err });
+    }
   }
 
   /**
@@ -822,7 +898,8 @@ export class Worker extends EventEmitter {
     }
     const headers = { ...decision.headers, [FIRST_FAILURE_HEADER]: firstFailureAt };
     const next = nextAttempt(env, { retryCount: decision.retryCount, headers, delayMs: decision.delayMs }, now.epochMs);
-    await this.replace(entry, next, decision.delayMs, log);
+    await this.replace(entry, next, decision.delayMs, log,
+      { state: TASK_STATES.retrying, error: recordError(failure.exception_type, failure.reason) });
     this.stats.retried += 1;
     this.notify('failed', env, error, { retrying: true, delayMs: decision.delayMs });
     log.warn('attempt failed; retrying', {
@@ -902,10 +979,17 @@ export class Worker extends EventEmitter {
     });
   }
 
-  /** XACK + XDEL in one MULTI (the keys of one stream). */
-  async ack(entry, log) {
+  /**
+   * XACK + XDEL in one MULTI (the keys of one queue's slot), with the task
+   * record of the final `state` (and `reason`) the acknowledgement writes
+   * (state null: no record, the step that moved the task wrote it).
+   * @param {{ state: string | null, reason?: string }} ending
+   */
+  async ack(entry, log, { state, reason }) {
+    const record = state ? this.records.final(this.queueOf(entry.stream), entry.env.task_id, reason ? { reason } : {}) : null;
     const replies = await this.settle('ack', entry.stream, log, async () => {
-      const r = await this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id).exec();
+      const multi = this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id);
+      const r = await (record ? record.hset(multi, state) : multi).exec();
       for (const [err] of r) if (err) throw err;
       return r;
     });
@@ -922,24 +1006,35 @@ export class Worker extends EventEmitter {
    */
   async scheduleEntry(entry, fields, env, log) {
     const qk = this.queueOf(entry.stream);
+    const due = dueMs(env);
+    const [keys, args] = withRecord(this.records.active(qk, env.task_id, due, { ...publishedFields(env, qk.queue), due_at: recordTime(due) }),
+      [qk.delayed, qk.delayedData, qk.published(env.task_id)],
+      [env.task_id, due, bucketFor(env.priority), fields.get('enc'), fields.get('body'),
+        this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS], 8);
     await this.settle('move to the delayed set', qk.delayed, log, () => registerThen(this.cmd, this.keys.queues, qk.queue,
-      () => this.scripts.run('schedule', [qk.delayed, qk.delayedData, qk.published(env.task_id)],
-        [env.task_id, dueMs(env), bucketFor(env.priority), fields.get('enc'), fields.get('body'),
-          this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS])));
-    await this.ack(entry, log);
+      () => this.scripts.run('schedule', keys, args)));
+    await this.ack(entry, log, { state: null });
     this.stats.scheduled += 1;
     log.info('entry not due yet; moved to the delayed set', { schedule_time: env.schedule_time });
   }
 
-  /** Replace the pending entry by `next` (retry.lua), now or after delayMs. */
-  async replace(entry, next, delayMs, log) {
+  /**
+   * Replace the pending entry by `next` (retry.lua), now or after delayMs; its
+   * task record gets `state` (retrying, or scheduled for a deferral; the
+   * script writes queued when due now) and the `error` of a retry.
+   * @param {{ state: string, error?: string }} record
+   */
+  async replace(entry, next, delayMs, log, { state, error }) {
     const qk = this.queueOf(entry.stream);
     const bucket = bucketFor(next.priority);
     const { enc, body } = encodeBody(next, { gzipMinBytes: this.opts.gzipMinBytes, limits: this.opts.limits });
     const due = delayMs > 0 && next.schedule_time !== null ? Timestamp.parse(next.schedule_time).epochMs : 0;
+    const fields = { state, retry_count: String(next.retry_count), ...(due ? { due_at: recordTime(due) } : {}), ...(error ? { error } : {}) };
+    const [keys, args] = withRecord(this.records.active(qk, next.task_id, due, fields),
+      [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
+      [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup], 8);
     // A delayed next attempt registers the queue for promotion first.
-    const run = () => this.scripts.run('retry', [entry.stream, qk.stream(bucket), qk.delayed, qk.delayedData],
-      [this.opts.group, entry.id, next.task_id, due, bucket, enc, body, this.keys.wakeup]);
+    const run = () => this.scripts.run('retry', keys, args);
     const stored = await this.settle('replace the entry', entry.stream, log,
       () => (due ? registerThen(this.cmd, this.keys.queues, qk.queue, run) : run()));
     if (!stored) log.warn('the entry was no longer pending (taken over); its next attempt was not stored by this consumer');
@@ -976,10 +1071,13 @@ export class Worker extends EventEmitter {
   async deadLetter(entry, env, log, failure) {
     if (env?.ext) await this.failureResult(env, failure, log);
     const qk = this.queueOf(entry.stream);
-    const args = [this.opts.group, entry.id];
-    for (const [name, value] of this.failureFields(failure, env, qk.queue)) args.push(name, typeof value === 'string' ? value : String(value));
+    const failureArgs = [this.opts.group, entry.id];
+    for (const [name, value] of this.failureFields(failure, env, qk.queue)) failureArgs.push(name, typeof value === 'string' ? value : String(value));
+    // Only a decoded task (entry.env) has a record; its error names the exception, else the failure class.
+    const error = recordError(failure.exception_type ?? failure.failure_class, failure.reason);
+    const [keys, args] = withRecord(this.records.final(qk, entry.env?.task_id, { error }), [entry.stream, qk.dead], failureArgs, 2);
     const deadId = await this.settle('dead-letter', qk.dead, log, () => registerThen(
-      this.cmd, this.keys.deadQueues, qk.queue, () => this.scripts.run('dead_letter', [entry.stream, qk.dead], args)));
+      this.cmd, this.keys.deadQueues, qk.queue, () => this.scripts.run('dead_letter', keys, args)));
     if (!deadId) {
       log.warn('the entry was no longer pending (taken over, or a retried dead letter had landed); not dead-lettered by this consumer', { failure_class: failure.failure_class });
       return;
@@ -1032,13 +1130,33 @@ export class Worker extends EventEmitter {
       }
     }
     const qk = this.queueOf(entry.stream);
-    const reply = await this.scripts.run('requeue', [entry.stream, entry.stream, qk.dead],
-      [this.opts.group, entry.id, this.consumer, 0, 0, 0, Timestamp.now().toString()]);
+    const record = entry.fields ? this.records.requeue(qk, entry.taskId) : await this.entryRecord(qk, entry.stream, entry.id);
+    const [keys, args] = withRecord(record, [entry.stream, entry.stream, qk.dead],
+      [this.opts.group, entry.id, this.consumer, 0, 0, 0, recordTime()], 7);
+    const reply = await this.scripts.run('requeue', keys, args);
     if (reply) {
       this.stats.requeued += 1;
       this.queueLogs.get(qk).info('entry put back in its stream', {
         why, stream: entry.stream, entry_id: entry.id, new_id: reply, task_id: entry.taskId ?? null, trace_id: entry.traceId ?? null,
       });
+    }
+  }
+
+  /**
+   * The record requeue.lua writes for entry `id` of `stream`: the entry is read
+   * first (XRANGE, through `read`) to learn its task_id; null when it cannot be
+   * decoded, is gone, or records are off.
+   * @param {QueueKeys} qk
+   */
+  async entryRecord(qk, stream, id, read = (command) => command()) {
+    if (!this.records.on) return null;
+    const [item] = await read(() => this.cmd.xrangeBuffer(stream, id, id));
+    if (!item) return null;
+    try {
+      return this.records.requeue(qk, decodeEntry(entryFields(item[1]), { limits: this.opts.limits }).task_id);
+    } catch (err) {
+      if (err instanceof MalformedEntry) return null;
+      throw err;
     }
   }
 
@@ -1097,11 +1215,12 @@ export class Worker extends EventEmitter {
       for (const [id] of items) {
         // ARGV[8..]: who and where, for a redelivery_limit dead-letter entry (section 7);
         // the consumer is the one that died holding the entry.
-        const now = Timestamp.now().toString();
+        const now = recordTime(); // also the record's finished_at when dead-lettered
         const who = ['queue', qk.queue, 'language', LANGUAGE, 'host', this.host, 'pid', String(process.pid),
           'consumer', owner, 'first_failure_at', now, 'last_failure_at', now];
-        const reply = await checked('requeue.lua', () => this.scripts.run('requeue', [stream, stream, qk.dead],
-          [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who]));
+        const record = await this.entryRecord(qk, stream, id, (command) => checked('XRANGE', command));
+        const [keys, args] = withRecord(record, [stream, stream, qk.dead], [group, id, owner, leaseMs, 1, maxRedeliveries, now, ...who], 7);
+        const reply = await checked('requeue.lua', () => this.scripts.run('requeue', keys, args));
         if (!reply) continue;
         this.stats.taken_over += 1;
         const dead = String(reply).startsWith('dead:');
@@ -1213,6 +1332,9 @@ export class Worker extends EventEmitter {
       await this.leaseClient.del(this.keys.consumer(this.consumer));
     } catch (err) {
       this.log.warn('could not delete the liveness key; it expires after the lease', { err });
+    }
+    if (this.leaseClient) {
+      await this.announceSelf(true).catch((err) => this.log.warn('could not write the stopped announcement', { err }));
     }
     for (const client of [this.cmd, this.leaseClient, this.subscriber, this.resultClient]) {
       if (client) await closeClient(client);

@@ -7,6 +7,7 @@ import { describe, test } from 'node:test';
 import { decodeEntry, MalformedEntry } from '../src/codec.js';
 import { envelopeToJson, validateEnvelope } from '../src/envelope.js';
 import { stringifyJson } from '../src/json.js';
+import { compileSchema, payloadViolations, schemaDeadLetterReason } from '../src/schemas.js';
 import { Timestamp } from '../src/time.js';
 import { CONFORMANCE, manifest, readVector } from '../support/helpers.js';
 
@@ -62,7 +63,7 @@ function entryFieldsOf(vector) {
 
 describe('manifest', () => {
   test('lists every vector file on disk, and only those', () => {
-    for (const kind of ['envelopes', 'entries']) {
+    for (const kind of ['envelopes', 'entries', 'schemas']) {
       const onDisk = fs.readdirSync(path.join(CONFORMANCE, kind)).filter((f) => f.endsWith('.json')).map((f) => `${kind}/${f}`).sort();
       assert.deepEqual([...MANIFEST[kind]].sort(), onDisk);
     }
@@ -130,4 +131,30 @@ describe('entry vectors', () => {
       }
     });
   }
+});
+
+describe('payload schema vectors', () => {
+  for (const relative of MANIFEST.schemas) {
+    test(relative, () => {
+      const vector = readVector(relative);
+      const found = payloadViolations(compileSchema(JSON.stringify(vector.schema)), vector.payload);
+      // Fields, rules and keywords in order; messages are each validator's own.
+      assert.deepEqual(found.map(({ field, rule, keyword }) => ({ field, rule, keyword })), vector.violations);
+      for (const v of found) assert.ok(v.message, `${v.field} has a message`);
+    });
+  }
+
+  test('a dead-letter reason joins the violations and is cut to 1,000 characters', () => {
+    const one = { field: 'payload.a', rule: 'schema', keyword: 'type', message: 'must be integer' };
+    assert.equal(schemaDeadLetterReason([one, { ...one, field: 'payload.b' }]),
+      'schema: payload.a: must be integer; payload.b: must be integer');
+    const long = schemaDeadLetterReason(Array.from({ length: 100 }, () => one));
+    assert.equal([...long].length, 1000);
+  });
+
+  test('a schema that is not an object, or refers outside itself, does not compile', () => {
+    assert.throws(() => compileSchema('true'), /must be a JSON object/);
+    assert.throws(() => compileSchema('{"$ref": "https://example.com/other.json"}'));
+    assert.throws(() => compileSchema('{"$ref": "#/$defs/missing"}'));
+  });
 });
