@@ -1,5 +1,10 @@
 """Shared fixtures: a private Redis server per session and per-test key prefixes.
 
+The suite runs on two pytest-xdist workers (``-n 2``, README): each module stays on one
+worker, so its module fixtures (a Celery worker, a Cluster) start once, and the modules
+that build or run the other languages' shared build outputs (``sdk/java/target``,
+``sdk/node/dist``, the peers) run one after another on one worker.
+
 Set ``KOMBU_ENVELOPE_TEST_REDIS_URL`` to run against an existing server instead
 of starting a private one.  Tests never flush the database: every test gets its
 own key prefix.
@@ -19,6 +24,23 @@ import redis
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 REDIS_URL_ENV = "KOMBU_ENVELOPE_TEST_REDIS_URL"
+
+
+#: Modules that build or run the SDKs and the interop peers (see the module docstring).
+PEER_MODULES = frozenset({
+    "test_fault_drill", "test_interop_celery", "test_interop_go", "test_interop_node",
+    "test_matrix", "test_sdk_java", "test_sentinel",
+})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group tests for ``--dist loadgroup``: one group per module, one for the peers."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.path.stem
+            item.add_marker(pytest.mark.xdist_group("peers" if module in PEER_MODULES
+                                                    else module))
 
 
 @dataclass(frozen=True)
