@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from apps.matrix_app import create_app
@@ -47,6 +48,7 @@ from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.delayed import DelayedTasks
+from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 MISSING = [tool for tool, found in (("go", GO), ("node", NODE), ("mvn", shutil.which("mvn")),
                                     ("java", shutil.which("java"))) if found is None]
@@ -537,3 +539,31 @@ def test_celery_async_result_get_of_a_task_run_in_each_language(matrix: Matrix) 
         assert "matrix.task failed attempt" in str(caught.value), (worker, caught.value)
         assert failed.state == "FAILURE"
     matrix.assert_drained(*(matrix.queue("result", w) for w in LANGUAGES))
+
+
+def test_the_dispatcher_reports_the_state_of_a_task_run_in_each_language(
+        matrix: Matrix, redis_url: str) -> None:
+    """Posted through the dispatcher, run by each language's worker: ``GET /tasks/{id}``
+    answers from the task record that worker wrote (docs/protocol.md, section 14), and
+    the dispatcher accepts the task because that worker announced it serves it
+    (section 15)."""
+    with DispatcherProcess(redis_url, options={"key_prefix": matrix.prefix}) as dispatcher:
+        expected = {}
+        for worker in LANGUAGES:
+            tid = task_id("state", "http", worker)
+            posted = httpx.post(f"{dispatcher.url}/tasks",
+                                params={"queue": matrix.queue("now", worker)},
+                                json={"task_id": tid, "task_type": TASK, "payload": {}},
+                                timeout=10)
+            assert posted.status_code == 201, posted.text
+            expected[tid] = worker
+        matrix.expect_effects(expected)
+        for tid, worker in expected.items():
+            def succeeded(tid: str = tid) -> dict[str, Any] | None:
+                state = httpx.get(f"{dispatcher.url}/tasks/{tid}", timeout=10).json()
+                return state if state["state"] == "succeeded" else None
+            state = wait_for(succeeded, timeout=10, message=matrix.logs)
+            assert state["language"] == DEAD_LETTER_LANGUAGE[worker], state
+            assert state["queue"] == matrix.queue("now", worker)
+            assert state["attempts"] == 1 and state["worker"], state
+            assert state["started_at"] and state["finished_at"], state
