@@ -141,6 +141,20 @@ class TaskRecordsTest {
     }
 
     @Test
+    void anEntryNotDueYetIsRecordedScheduledByItsConsumer() throws Exception {
+        Envelope later = Envelope.builder("later").scheduleTime(Instant.now().plusSeconds(600)).build();
+        redis.xadd(keys.stream(queue, "normal"), EntryCodec.encodeEntry(later, 0, Limits.DEFAULT));
+        try (Producer p = producer().build(); Worker w = worker().runPromoter(false).handler("later", t -> { }).build().start()) {
+            awaitState(p, later.taskId(), "scheduled");
+            Map<String, String> r = record(later.taskId());
+            assertEquals(later.scheduleTime().toEpochMilli(), Timestamp.parse(r.get("due_at")).toEpochMilli());
+            assertEquals("later", r.get("task_type"));
+            assertTrue(ttl(later.taskId()) > WEEK_S + 500, "kept 7 days after its due time: " + ttl(later.taskId()));
+            assertEquals("scheduled", p.getTask(queue, later.taskId()).state());
+        }
+    }
+
+    @Test
     void skipsAreRecordedWithTheirReason() throws Exception {
         try (Producer p = producer().build()) {
             String expired = p.publish(Envelope.builder("noop").expires(Instant.now().plusMillis(50)).build()).taskId();
