@@ -70,7 +70,7 @@ class TaskRecordsTest {
         return redis.ttl(keys.task(queue, taskId));
     }
 
-    void awaitState(Producer p, String taskId, String state) throws InterruptedException {
+    void awaitState(String taskId, String state) throws InterruptedException {
         await("state " + state + " of " + taskId, () -> state.equals(record(taskId).get("state")));
     }
 
@@ -102,7 +102,7 @@ class TaskRecordsTest {
             assertEquals("queued", p.getTask(queue, id).state());
 
             try (Worker w = worker().handler("add", t -> seenRunning.put(t.taskId(), record(t.taskId()))).build().start()) {
-                awaitState(p, id, "succeeded");
+                awaitState(id, "succeeded");
                 Map<String, String> running = seenRunning.get(id);
                 assertEquals("running", running.get("state"));
                 assertEquals("1", running.get("attempts"));
@@ -145,7 +145,7 @@ class TaskRecordsTest {
         Envelope later = Envelope.builder("later").scheduleTime(Instant.now().plusSeconds(600)).build();
         redis.xadd(keys.stream(queue, "normal"), EntryCodec.encodeEntry(later, 0, Limits.DEFAULT));
         try (Producer p = producer().build(); Worker w = worker().runPromoter(false).handler("later", t -> { }).build().start()) {
-            awaitState(p, later.taskId(), "scheduled");
+            awaitState(later.taskId(), "scheduled");
             Map<String, String> r = record(later.taskId());
             assertEquals(later.scheduleTime().toEpochMilli(), Timestamp.parse(r.get("due_at")).toEpochMilli());
             assertEquals("later", r.get("task_type"));
@@ -162,11 +162,11 @@ class TaskRecordsTest {
             String first = p.publish(twice).taskId();
             Thread.sleep(100);
             try (Worker w = worker().handler("noop", t -> { }).build().start()) {
-                awaitState(p, first, "succeeded");
+                awaitState(first, "succeeded");
                 String dup = p.publish(Envelope.builder("noop").idempotencyKey("k1").build()).taskId();
-                awaitState(p, dup, "succeeded");
+                awaitState(dup, "succeeded");
                 assertEquals("duplicate", record(dup).get("reason"));
-                awaitState(p, expired, "cancelled");
+                awaitState(expired, "cancelled");
                 assertEquals("expired", record(expired).get("reason"));
             }
         }
@@ -183,8 +183,8 @@ class TaskRecordsTest {
             }).handler("bad", t -> {
                 throw new TaskFailure.Rejected("no such order");
             }).build().start()) {
-                awaitState(p, retried, "retrying");
-                awaitState(p, rejected, "dead");
+                awaitState(retried, "retrying");
+                awaitState(rejected, "dead");
             }
             Map<String, String> r = record(retried);
             assertEquals("1", r.get("retry_count"));
@@ -217,7 +217,7 @@ class TaskRecordsTest {
             Scripts.run(redis, "read", io.lettuce.core.ScriptOutputType.MULTI, keys.taskStreams(queue),
                     Keys.DEFAULT_GROUP, "ghost", 1);
             try (Worker w = worker().maxRedeliveries(1).handler("lost", t -> { }).build().start()) {
-                awaitState(p, id, "dead");
+                awaitState(id, "dead");
             }
             Map<String, String> r = record(id);
             assertNotNull(r.get("dead_id"));
