@@ -11,6 +11,7 @@ import io.lettuce.core.cluster.RedisClusterClient;
 import java.time.Duration;
 import java.util.ArrayList;
 import java.util.List;
+import java.util.Map;
 import java.util.Objects;
 import java.util.TreeSet;
 
@@ -29,18 +30,21 @@ public final class Canceller implements AutoCloseable {
     private final Link link;
     private final Keys keys;
     private final Duration outageTolerance;
+    private final TaskRecords records;
 
-    private Canceller(AbstractRedisClient client, boolean ownsClient, Keys keys, Duration outageTolerance) {
+    private Canceller(AbstractRedisClient client, boolean ownsClient, Keys keys, Duration outageTolerance,
+                      TaskRecords records) {
         this.client = client;
         this.ownsClient = ownsClient;
         this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, Link.Durability.NONE));
         this.keys = keys;
         this.outageTolerance = outageTolerance;
+        this.records = records;
     }
 
     /** A canceller on a client it does not own (the producer's). */
-    static Canceller on(AbstractRedisClient client, Keys keys, Duration outageTolerance) {
-        return new Canceller(client, false, keys, outageTolerance);
+    static Canceller on(AbstractRedisClient client, Keys keys, Duration outageTolerance, TaskRecords records) {
+        return new Canceller(client, false, keys, outageTolerance, records);
     }
 
     public static Builder builder() {
@@ -62,13 +66,17 @@ public final class Canceller implements AutoCloseable {
      * slot), and each queue's cancel.lua touches that queue's slot only.
      */
     private synchronized CancelResult run(String onlyQueue, String taskId) {
-        checkTaskId(taskId);
+        Envelope.checkTaskId(taskId);
         boolean marked = Redis.retrying(link, outageTolerance, () -> mark(taskId));
         List<String> queues = onlyQueue != null ? List.of(onlyQueue) : Redis.retrying(link, outageTolerance, this::queues);
         String removedFrom = null;
         for (String queue : queues) {
+            String now = TaskRecords.time(java.time.Instant.now());
+            TaskRecords.Step record = records.finalStep(queue, taskId, Map.of("finished_at", now, "reason", "cancelled",
+                    "updated_at", now));
             byte[] r = Redis.retrying(link, outageTolerance, () -> Scripts.run(link.sync(), "cancel",
-                    ScriptOutputType.VALUE, List.of(keys.delayed(queue), keys.delayedData(queue)), taskId));
+                    ScriptOutputType.VALUE, record.keys(List.of(keys.delayed(queue), keys.delayedData(queue))),
+                    record.args(1, taskId)));
             if ("removed".equals(Redis.s(r)) && removedFrom == null) {
                 removedFrom = queue;
             }
@@ -96,12 +104,6 @@ public final class Canceller implements AutoCloseable {
         return new ArrayList<>(names);
     }
 
-    private static void checkTaskId(String taskId) {
-        if (taskId == null || taskId.length() > 255 || !Envelope.TOKEN.matcher(taskId).matches()) {
-            throw new IllegalArgumentException("task_id must be 1-255 printable ASCII characters without spaces [pattern]");
-        }
-    }
-
     @Override
     public void close() {
         link.close();
@@ -116,6 +118,7 @@ public final class Canceller implements AutoCloseable {
         private AbstractRedisClient client;
         private String prefix = Keys.DEFAULT_PREFIX;
         private Duration outageTolerance = Duration.ofSeconds(30);
+        private Duration taskRecordRetention = TaskRecords.DEFAULT_RETENTION;
 
         private Builder() {}
 
@@ -128,10 +131,14 @@ public final class Canceller implements AutoCloseable {
         public Builder prefix(String v) { prefix = v; return this; }
         /** How long each step is retried while Redis is unreachable (30 s by default). */
         public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
+        /** How long the record of a cancelled task is kept ({@code task_record_retention}, 1 h); zero: no records. */
+        public Builder taskRecordRetention(Duration v) { taskRecordRetention = Objects.requireNonNull(v); return this; }
 
         public Canceller build() {
             boolean owns = client == null;
-            return new Canceller(Redis.clientOr(client, redisUri), owns, new Keys(prefix), outageTolerance);
+            Keys keys = new Keys(prefix);
+            return new Canceller(Redis.clientOr(client, redisUri), owns, keys, outageTolerance,
+                    new TaskRecords(keys, taskRecordRetention));
         }
     }
 }

@@ -10,6 +10,7 @@ import io.lettuce.core.cluster.RedisClusterClient;
 import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 
 import java.net.InetAddress;
+import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Collections;
 import java.util.LinkedHashMap;
@@ -27,6 +28,8 @@ public final class DeadLetters implements AutoCloseable {
     private final Keys keys;
     private final Limits limits;
     private final int gzipMin;
+    private final TaskRecords records;
+    private final PayloadSchemas schemas;
 
     private DeadLetters(Builder b) {
         this.ownsClient = b.client == null;
@@ -35,6 +38,8 @@ public final class DeadLetters implements AutoCloseable {
         this.keys = new Keys(b.prefix);
         this.limits = b.limits;
         this.gzipMin = b.gzipMin;
+        this.records = new TaskRecords(keys, b.taskRecordRetention);
+        this.schemas = new PayloadSchemas(() -> redis().hgetall(keys.schemas()), b.schemaCache);
     }
 
     public static Builder builder() {
@@ -87,7 +92,8 @@ public final class DeadLetters implements AutoCloseable {
      * the entry is gone (replayed or purged by someone else first).
      *
      * @throws MalformedEntryException when the entry holds no decodable Envelope
-     * @throws EnvelopeValidationException when the edited Envelope is invalid
+     * @throws EnvelopeValidationException when the edited Envelope is invalid or its payload breaks
+     *         its schema (rule {@code schema})
      */
     public String replay(String queue, String entryId, UnaryOperator<Envelope.Builder> edit, String operator) {
         DeadLetter d = get(queue, entryId);
@@ -101,11 +107,18 @@ public final class DeadLetters implements AutoCloseable {
         Envelope e = edit.apply(d.envelope().toBuilder().retryCount(0).scheduleTime((Timestamp) null)
                 .limits(limits)).build();
         e.checkPublishable(limits, java.time.Instant.now());
+        List<SchemaViolation> broken = schemas.violations(e);
+        if (!broken.isEmpty()) {
+            throw new EnvelopeValidationException(broken.stream().map(SchemaViolation::toViolation).toList());
+        }
         EntryCodec.Body body = EntryCodec.encodeBody(e, gzipMin, limits);
         String who = operator != null ? operator : System.getProperty("user.name", "?") + "@" + hostName();
+        TaskRecords.Step record = records.activeStep(queue, e.taskId(), 0, TaskRecords.published(e, queue));
         byte[] r = Scripts.run(redis(), "replay", ScriptOutputType.VALUE,
-                List.of(keys.dead(queue), keys.stream(queue, Keys.bucketFor(e.priority())), keys.replayed(queue)),
-                entryId, body.enc(), body.bytes(), "replayed_at", Timestamp.now().toString(), "operator", who);
+                record.keys(List.of(keys.dead(queue), keys.stream(queue, Keys.bucketFor(e.priority())),
+                        keys.replayed(queue))),
+                record.args(3, entryId, body.enc(), body.bytes(), "replayed_at", Timestamp.now().toString(),
+                        "operator", who));
         return Redis.s(r);
     }
 
@@ -157,6 +170,8 @@ public final class DeadLetters implements AutoCloseable {
         private String prefix = Keys.DEFAULT_PREFIX;
         private Limits limits = Limits.DEFAULT;
         private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
+        private Duration taskRecordRetention = TaskRecords.DEFAULT_RETENTION;
+        private Duration schemaCache = PayloadSchemas.DEFAULT_CACHE;
 
         private Builder() {}
 
@@ -169,6 +184,10 @@ public final class DeadLetters implements AutoCloseable {
         public Builder prefix(String v) { prefix = Objects.requireNonNull(v); return this; }
         public Builder limits(Limits v) { limits = Objects.requireNonNull(v); return this; }
         public Builder gzipMinBytes(int v) { gzipMin = v; return this; }
+        /** How long task records are kept ({@code task_record_retention}, 1 h); zero: no records. */
+        public Builder taskRecordRetention(Duration v) { taskRecordRetention = Objects.requireNonNull(v); return this; }
+        /** How long payload schemas read from Redis are used ({@code schema_cache_s}, 30 s). */
+        public Builder schemaCache(Duration v) { schemaCache = Objects.requireNonNull(v); return this; }
 
         public DeadLetters build() {
             return new DeadLetters(this);

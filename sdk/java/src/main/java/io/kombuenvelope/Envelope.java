@@ -39,6 +39,14 @@ public final class Envelope {
             "[A-Za-z_][A-Za-z0-9_\\-]*(\\.[A-Za-z_][A-Za-z0-9_\\-]*)*");
     /** Printable ASCII without spaces: task_id and trace_id. */
     static final Pattern TOKEN = Pattern.compile("[\\x21-\\x7e]+");
+
+    /** Refuses a task_id a caller names that no Envelope could carry. */
+    static void checkTaskId(String taskId) {
+        if (taskId == null || taskId.length() > 255 || !TOKEN.matcher(taskId).matches()) {
+            throw new IllegalArgumentException("task_id must be 1-255 printable ASCII characters without spaces [pattern]");
+        }
+    }
+
     private static final Pattern EXT_NAME = Pattern.compile("[a-z][a-z0-9_.\\-]*");
     private static final Set<String> KNOWN = Set.of("task_id", "task_type", "payload_version", "payload",
             "schedule_time", "timeout_ms", "expires", "max_retries", "retry_count", "priority", "trace_id", "created_at",

@@ -45,8 +45,17 @@ public final class Keys {
     public String published(String queue, String taskId) { return base(queue) + ":published:" + taskId; }
     public String dead(String queue) { return base(queue) + ":dead"; }
     public String replayed(String queue) { return base(queue) + ":replayed"; }
+    /** The task record of {@code taskId} in {@code queue} (section 14). */
+    public String task(String queue, String taskId) { return base(queue) + ":task:" + taskId; }
     public String queues() { return prefix + ":queues"; }
     public String deadQueues() { return prefix + ":dead-queues"; }
+    public String periodicQueues() { return prefix + ":periodic-queues"; }
+    /** Consumers that announced themselves, scored by when they last did (section 15). */
+    public String workers() { return prefix + ":workers"; }
+    /** The announcement of {@code consumer} (section 15). */
+    public String worker(String consumer) { return prefix + ":worker:" + consumer; }
+    /** Payload schemas, field {@code <task_type>@<payload_version>} (section 16). */
+    public String schemas() { return prefix + ":schemas"; }
     /** Cancel marks of every queue (section 10). */
     public String cancelled() { return prefix + ":cancelled"; }
     public String consumer(String name) { return prefix + ":consumer:" + name; }

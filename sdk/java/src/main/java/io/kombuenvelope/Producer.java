@@ -33,6 +33,9 @@ public final class Producer implements AutoCloseable {
     private final Limits limits;
     private final int gzipMin;
     private final Duration outageTolerance;
+    private final TaskRecords records;
+    private final PayloadSchemas schemas;
+    private final boolean requireServed;
     private Canceller canceller;
 
     private Producer(Builder b) {
@@ -44,6 +47,10 @@ public final class Producer implements AutoCloseable {
         this.limits = b.limits;
         this.gzipMin = b.gzipMin;
         this.outageTolerance = b.outageTolerance;
+        this.records = new TaskRecords(keys, b.taskRecordRetention);
+        this.schemas = new PayloadSchemas(() -> Redis.retrying(link, outageTolerance,
+                () -> link.sync().hgetall(keys.schemas())), b.schemaCache);
+        this.requireServed = b.requireServed;
     }
 
     public static Builder builder() {
@@ -67,11 +74,16 @@ public final class Producer implements AutoCloseable {
         return publish(queue, Envelope.builder(taskType).payload(payload).build());
     }
 
-    /** Publishes several Envelopes to the producer's queue, in order; answers one result each. */
+    /**
+     * Publishes several Envelopes to the producer's queue, in order; answers one result each. All
+     * are checked (rules, payload schemas, the served check when asked for) before any is stored.
+     */
     public List<PublishResult> publishAll(List<Envelope> envelopes) {
-        List<PublishResult> out = new java.util.ArrayList<>(envelopes.size());
-        for (Envelope e : envelopes) {
-            out.add(publish(queue, e));
+        Instant now = Instant.now();
+        List<Envelope> valid = envelopes.stream().map(e -> checked(queue, e, now)).toList();
+        List<PublishResult> out = new java.util.ArrayList<>(valid.size());
+        for (Envelope e : valid) {
+            out.add(store(queue, e, now));
         }
         return out;
     }
@@ -87,37 +99,86 @@ public final class Producer implements AutoCloseable {
     }
 
     /**
-     * Publishes to {@code queue}: validated (including {@code max_delay}), then stored in its
-     * priority stream when due, else in the delayed set.
+     * Publishes to {@code queue}: validated (including {@code max_delay}) and checked against the
+     * payload schema of its type and version, then stored in its priority stream when due, else in
+     * the delayed set, with its task record.
      *
-     * @throws EnvelopeValidationException naming the field and the rule
+     * @throws EnvelopeValidationException naming the field and the rule ({@code schema} for a
+     *         payload that breaks its schema, on field {@code payload<path>})
+     * @throws NotServedException when the producer requires a served task and no worker serves it
      */
     public PublishResult publish(String queue, Envelope e) {
+        Instant now = Instant.now();
+        return store(queue, checked(queue, e, now), now);
+    }
+
+    /** {@code e} validated for a publish to {@code queue} at {@code now}: rules, schema, served check. */
+    private Envelope checked(String queue, Envelope e, Instant now) {
         Keys.checkQueueName(queue);
         Objects.requireNonNull(e, "envelope");
-        Instant now = Instant.now();
         Envelope valid = e.validate(limits);
         valid.checkPublishable(limits, now);
+        List<SchemaViolation> broken = schemas.violations(valid);
+        if (!broken.isEmpty()) {
+            throw new EnvelopeValidationException(broken.stream().map(SchemaViolation::toViolation).toList());
+        }
+        if (requireServed) {
+            NotServedException refused = NotServedException.check(announcements(), queue, valid);
+            if (refused != null) {
+                throw refused;
+            }
+        }
+        return valid;
+    }
+
+    /** Stores a checked Envelope with its task record. */
+    private PublishResult store(String queue, Envelope valid, Instant now) {
         EntryCodec.Body body = EntryCodec.encodeBody(valid, gzipMin, limits);
         String bucket = Keys.bucketFor(valid.priority());
         String token = newPublishToken();
         String taskId = valid.taskId();
+        Map<String, String> fields = TaskRecords.published(valid, queue);
+        fields.put("published_at", TaskRecords.time(now));
         if (valid.isDue(now)) {
             String stream = keys.stream(queue, bucket);
+            TaskRecords.Step record = records.activeStep(queue, taskId, 0, fields);
             byte[] id = Redis.retrying(link, outageTolerance, () -> link.write(stream, r -> Scripts.run(r, "enqueue",
-                    ScriptOutputType.VALUE, List.of(stream, keys.delayed(queue), keys.delayedData(queue),
-                            keys.published(queue, taskId)),
-                    taskId, body.enc(), body.bytes(), token, PUBLISH_DEDUPE_MS)));
+                    ScriptOutputType.VALUE, record.keys(List.of(stream, keys.delayed(queue), keys.delayedData(queue),
+                            keys.published(queue, taskId))),
+                    record.args(5, taskId, body.enc(), body.bytes(), token, PUBLISH_DEDUPE_MS))));
             return new PublishResult(taskId, Redis.s(id), false);
         }
         long due = valid.dueMs(now.toEpochMilli());
+        fields.put("due_at", TaskRecords.time(Instant.ofEpochMilli(due)));
+        TaskRecords.Step record = records.activeStep(queue, taskId, due, fields);
         // The registry first, on its own: a crash in between leaves a listed empty queue (section 2).
         Redis.retrying(link, outageTolerance, () -> link.sync().sadd(keys.queues(), Redis.b(queue)));
         String delayed = keys.delayed(queue);
         Redis.retrying(link, outageTolerance, () -> link.write(delayed, r -> Scripts.run(r, "schedule",
-                ScriptOutputType.INTEGER, List.of(delayed, keys.delayedData(queue), keys.published(queue, taskId)),
-                taskId, due, bucket, body.enc(), body.bytes(), keys.wakeup(), token, PUBLISH_DEDUPE_MS)));
+                ScriptOutputType.INTEGER,
+                record.keys(List.of(delayed, keys.delayedData(queue), keys.published(queue, taskId))),
+                record.args(8, taskId, due, bucket, body.enc(), body.bytes(), keys.wakeup(), token, PUBLISH_DEDUPE_MS))));
         return new PublishResult(taskId, null, true);
+    }
+
+    /**
+     * What became of {@code taskId}, looked for in every queue of the registries and of the
+     * announced workers (a task published now to a queue nobody lists is found only by
+     * {@link #getTask(String, String)}).
+     */
+    public TaskInfo getTask(String taskId) {
+        return Redis.retrying(link, outageTolerance, () -> new TaskStates(link.sync(), keys).get(null, taskId));
+    }
+
+    /** What became of {@code taskId} in {@code queue} (docs/protocol.md section 14). */
+    public TaskInfo getTask(String queue, String taskId) {
+        Keys.checkQueueName(queue);
+        return Redis.retrying(link, outageTolerance, () -> new TaskStates(link.sync(), keys).get(queue, taskId));
+    }
+
+    /** The announcements of the workers live or seen within the last hour (docs/protocol.md section 15). */
+    public List<Announcement> announcements() {
+        return Redis.retrying(link, outageTolerance, () -> Announcements.read(link.sync(), keys));
     }
 
     /**
@@ -137,7 +198,7 @@ public final class Producer implements AutoCloseable {
     /** The producer's {@link Canceller} (same client, prefix and outage tolerance), opened on first use. */
     public synchronized Canceller canceller() {
         if (canceller == null) {
-            canceller = Canceller.on(client, keys, outageTolerance);
+            canceller = Canceller.on(client, keys, outageTolerance, records);
         }
         return canceller;
     }
@@ -165,6 +226,9 @@ public final class Producer implements AutoCloseable {
         private int gzipMin = EntryCodec.GZIP_MIN_BYTES;
         private Duration outageTolerance = Duration.ofSeconds(30);
         private Link.Durability durability = Link.Durability.NONE;
+        private Duration taskRecordRetention = TaskRecords.DEFAULT_RETENTION;
+        private Duration schemaCache = PayloadSchemas.DEFAULT_CACHE;
+        private boolean requireServed;
 
         private Builder() {}
 
@@ -193,6 +257,18 @@ public final class Producer implements AutoCloseable {
         public Builder gzipMinBytes(int v) { gzipMin = v; return this; }
         /** How long a publish is retried while Redis is unreachable (30 s by default). */
         public Builder outageTolerance(Duration v) { outageTolerance = Objects.requireNonNull(v); return this; }
+        /**
+         * How long the record of a finished task is kept ({@code task_record_retention}, 1 h by
+         * default); zero writes no task records (docs/protocol.md section 14).
+         */
+        public Builder taskRecordRetention(Duration v) { taskRecordRetention = Objects.requireNonNull(v); return this; }
+        /** How long payload schemas read from Redis are used ({@code schema_cache_s}, 30 s by default). */
+        public Builder schemaCache(Duration v) { schemaCache = Objects.requireNonNull(v); return this; }
+        /**
+         * Refuse, with {@link NotServedException}, a task that no live or recently seen worker of
+         * its queue serves in its payload version (off by default; docs/protocol.md section 15).
+         */
+        public Builder requireServed(boolean v) { requireServed = v; return this; }
 
         public Producer build() {
             return new Producer(this);

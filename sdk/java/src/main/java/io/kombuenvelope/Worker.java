@@ -100,6 +100,9 @@ public final class Worker implements AutoCloseable {
     private volatile Promoter promoter;
     private final CeleryResults results;
     private final AbandonedClaims abandoned;
+    private final TaskRecords records;
+    private final PayloadSchemas schemas;
+    private final Instant startedAt = Instant.now();
 
     private Worker(Builder b) {
         this.cfg = b;
@@ -129,6 +132,8 @@ public final class Worker implements AutoCloseable {
         this.waiters = Executors.newCachedThreadPool(named("envelope-wait-" + name));
         this.results = new CeleryResults(b.resultBackend);
         this.abandoned = new AbandonedClaims(lease);
+        this.records = new TaskRecords(keys, b.taskRecordRetention);
+        this.schemas = new PayloadSchemas(() -> redis().hgetall(keys.schemas()), b.schemaCache);
     }
 
     public static Builder builder() {
@@ -163,6 +168,7 @@ public final class Worker implements AutoCloseable {
         }
         ensureGroups();
         liveness.renew();
+        announce(false);
         long every = liveness.intervalMs();
         lease.scheduleWithFixedDelay(this::leaseTick, every, every, TimeUnit.MILLISECONDS);
         if (cfg.runPromoter) {
@@ -205,7 +211,9 @@ public final class Worker implements AutoCloseable {
      */
     private void leaseTick() {
         try {
-            if (!liveness.renew()) {
+            boolean counted = liveness.renew();
+            announce(false);
+            if (!counted) {
                 LOG.info("the liveness key was renewed late; no takeover until two renewals in a row "
                         + "are answered at once");
                 return;
@@ -223,6 +231,23 @@ public final class Worker implements AutoCloseable {
         } catch (RuntimeException e) {
             link.recover(e);
             LOG.warn("renewing the liveness key or taking over failed: {}", e.toString());
+        }
+    }
+
+    /** This consumer's announcement (docs/protocol.md section 15); {@code stopped} marks a clean shutdown. */
+    Announcement announcement(boolean stopped) {
+        String now = TaskRecords.time(Instant.now());
+        return new Announcement(consumer, LANGUAGE, host, Long.parseLong(pid), queues, serves(), cfg.concurrency,
+                TaskRecords.time(startedAt), now, stopped ? now : null);
+    }
+
+    /** Writes the announcement with the liveness key; a failure is logged, the worker goes on. */
+    private void announce(boolean stopped) {
+        try {
+            Announcements.write(redis(), keys, announcement(stopped));
+        } catch (RuntimeException e) {
+            link.recover(e);
+            LOG.warn("writing the worker announcement failed: {}", e.toString());
         }
     }
 
@@ -264,13 +289,15 @@ public final class Worker implements AutoCloseable {
                             () -> redis().sadd(keys.deadQueues(), Redis.b(queue)));
                 }
                 for (PendingMessage m : idle) {
-                    String now = Timestamp.now().toString();
+                    String now = TaskRecords.time(Instant.now());
+                    TaskRecords.Step record = liveness.prompt("reading entry " + m.getId(),
+                            () -> entryRecord(queue, stream, m.getId()));
                     Liveness.Look look = liveness.look("taking over entry " + m.getId());
                     byte[] r = link.write(stream, node -> look.timed(() -> Scripts.run(node, "requeue",
-                            ScriptOutputType.VALUE, List.of(stream, stream, keys.dead(queue)), cfg.group, m.getId(),
-                            owner, cfg.leaseMs, 1, cfg.maxRedeliveries, now, "queue", queue, "language", LANGUAGE,
-                            "host", host, "pid", pid, "consumer", owner, "first_failure_at", now,
-                            "last_failure_at", now)));
+                            ScriptOutputType.VALUE, record.keys(List.of(stream, stream, keys.dead(queue))),
+                            record.args(7, cfg.group, m.getId(), owner, cfg.leaseMs, 1, cfg.maxRedeliveries, now,
+                                    "queue", queue, "language", LANGUAGE, "host", host, "pid", pid, "consumer", owner,
+                                    "first_failure_at", now, "last_failure_at", now))));
                     String answer = Redis.s(r);
                     if (answer != null) {
                         moved++;
@@ -287,6 +314,25 @@ public final class Worker implements AutoCloseable {
             }
         }
         return moved;
+    }
+
+    /**
+     * The record requeue.lua writes for entry {@code id} of {@code stream}: the entry is read first
+     * to learn its task_id; none when it is gone or cannot be decoded, or records are off.
+     */
+    private TaskRecords.Step entryRecord(String queue, String stream, String id) {
+        if (!records.enabled()) {
+            return TaskRecords.Step.NONE;
+        }
+        List<StreamMessage<String, byte[]>> found = redis().xrange(stream, Range.create(id, id));
+        if (found.size() != 1) {
+            return TaskRecords.Step.NONE;
+        }
+        try {
+            return records.requeueStep(queue, EntryCodec.decodeEntry(found.get(0).getBody(), cfg.limits).taskId());
+        } catch (MalformedEntryException e) {
+            return TaskRecords.Step.NONE;
+        }
     }
 
     /**
@@ -598,13 +644,13 @@ public final class Worker implements AutoCloseable {
         }
         if (cancelled) {
             results.report(env, () -> CeleryResults.revoked(env.taskId(), "revoked"));
-            ack(e);
+            ack(e, env, "cancelled", "cancelled");
             LOG.info("task cancelled; acknowledged without running (outcome=cancelled)");
             return;
         }
         if (env.isExpired(now)) {
             results.report(env, () -> CeleryResults.revoked(env.taskId(), "expired"));
-            ack(e);
+            ack(e, env, "cancelled", "expired");
             LOG.info("task expired at {}; acknowledged without running (outcome=expired)", env.expires());
             return;
         }
@@ -617,6 +663,11 @@ public final class Worker implements AutoCloseable {
         if (!h.versions.contains(env.payloadVersion())) {
             deadLetter(e, env, notRun(env, "unsupported_payload_version",
                     "payload_version " + env.payloadVersion() + " is not accepted (accepted: " + h.versions + ")"));
+            return;
+        }
+        List<SchemaViolation> broken = schemaViolations(env);
+        if (!broken.isEmpty()) {
+            deadLetter(e, env, notRun(env, "invalid_payload", PayloadSchemas.deadLetterReason(broken)));
             return;
         }
         int redeliveries = intField(e, "n") + intField(e, "r");
@@ -642,7 +693,7 @@ public final class Worker implements AutoCloseable {
                     }
                     Duration delay = cfg.retryPolicy.backoffDelay(env.retryCount(), RetryPolicy.fastRetriesTaken(env));
                     LOG.info("retry slots of {} are all taken; rescheduled in {} ms", env.taskType(), delay.toMillis());
-                    replace(e, env, deferred(env, delay), delay);
+                    replace(e, env, deferred(env, delay), delay, "scheduled", null);
                     return;
                 }
             } catch (RuntimeException ex) {
@@ -651,6 +702,7 @@ public final class Worker implements AutoCloseable {
             }
         }
         try {
+            recordStart(e, env);
             LOG.info("task started: retry_count={} redelivered={}", env.retryCount(), redeliveries);
             long started = System.nanoTime();
             Attempt attempt = run(h.handler, task);
@@ -670,7 +722,7 @@ public final class Worker implements AutoCloseable {
                 }
                 JsonNode result = value;
                 results.report(env, () -> CeleryResults.success(env.taskId(), result));
-                ack(e);
+                ack(e, env, "succeeded", null);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
                 return;
             }
@@ -685,6 +737,40 @@ public final class Worker implements AutoCloseable {
                 String s = slot;
                 settle("release retry slot", () -> redis().zrem(s, Redis.b(env.taskId())));
             }
+        }
+    }
+
+    /**
+     * The ways the payload breaks its schema (section 16); none when the schemas cannot be read
+     * (Redis failing): the task then runs unchecked.
+     */
+    private List<SchemaViolation> schemaViolations(Envelope env) {
+        try {
+            return schemas.violations(env);
+        } catch (RuntimeException ex) {
+            link.recover(ex);
+            LOG.warn("reading the payload schemas failed; the task runs unchecked: {}", ex.toString());
+            return List.of();
+        }
+    }
+
+    /** The record of a start: state running, attempts + 1 and who runs it, one MULTI; a failure is logged. */
+    private void recordStart(Entry e, Envelope env) {
+        Map<String, String> fields = new LinkedHashMap<>();
+        fields.put("started_at", TaskRecords.time(Instant.now()));
+        fields.put("worker", consumer);
+        fields.put("language", LANGUAGE);
+        fields.put("host", host);
+        fields.put("pid", pid);
+        TaskRecords.Step record = records.activeStep(e.queue(), env.taskId(), 0, fields);
+        if (record == TaskRecords.Step.NONE) {
+            return;
+        }
+        try {
+            txLink.transaction(record.key(), tx -> record.write(tx, "running", true));
+        } catch (RuntimeException ex) {
+            txLink.recover(ex);
+            LOG.warn("writing the task record of the start failed: {}", ex.toString());
         }
     }
 
@@ -754,7 +840,7 @@ public final class Worker implements AutoCloseable {
         long claimFor = claimTime(env);
         if (abandoned.holds(key)) {
             LOG.info("an abandoned attempt of this idempotency key still runs here; deferred");
-            replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
+            replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
             return null;
         }
         String replace = "";
@@ -764,7 +850,7 @@ public final class Worker implements AutoCloseable {
                 res = Scripts.run(redis(), "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, replace);
             } catch (RuntimeException ex) {
                 LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
-                replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
+                replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
                 return null;
             }
             String answer = Redis.s(res.get(0));
@@ -773,7 +859,7 @@ public final class Worker implements AutoCloseable {
             }
             if ("done".equals(answer)) {
                 results.report(env, () -> CeleryResults.success(env.taskId(), null));
-                ack(e);
+                ack(e, env, "succeeded", "duplicate");
                 LOG.info("duplicate: the effect already happened; acknowledged without running "
                         + "(outcome=duplicate idempotency_key={} marker={})", env.idempotencyKey(), Redis.s(res.get(1)));
                 if (cfg.onDuplicate != null) {
@@ -795,7 +881,7 @@ public final class Worker implements AutoCloseable {
             }
             break;
         }
-        replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
+        replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
         return null;
     }
 
@@ -933,7 +1019,7 @@ public final class Worker implements AutoCloseable {
             }
             LOG.warn("task asked for a retry in {} ms (outcome=retry retry_count={}): {}",
                     r.countdown().toMillis(), next, message);
-            replace(e, env, b.build(), r.countdown());
+            replace(e, env, b.build(), r.countdown(), "retrying", TaskRecords.error(type, message));
             return;
         }
         RetryPolicy.Kind kind = err instanceof AttemptTimeout ? RetryPolicy.Kind.TIMEOUT
@@ -955,7 +1041,7 @@ public final class Worker implements AutoCloseable {
         }
         LOG.warn("task failed; retrying (outcome=retry retry_count={} delay_ms={}): {}", d.next(),
                 d.delay().toMillis(), message);
-        replace(e, env, b.build(), d.delay());
+        replace(e, env, b.build(), d.delay(), "retrying", TaskRecords.error(type, message));
     }
 
     private static String stackTrace(Throwable t) {
@@ -970,8 +1056,12 @@ public final class Worker implements AutoCloseable {
         return env.toBuilder().scheduleTime(delay.isZero() ? null : Timestamp.of(Instant.now().plus(delay))).build();
     }
 
-    /** Swaps the pending entry for {@code next} atomically with retry.lua. */
-    private void replace(Entry e, Envelope env, Envelope next, Duration delay) {
+    /**
+     * Swaps the pending entry for {@code next} atomically with retry.lua, its record in
+     * {@code state} ({@code retrying} or {@code scheduled}; queued when due now) with {@code error}
+     * (null for a deferral).
+     */
+    private void replace(Entry e, Envelope env, Envelope next, Duration delay, String state, String error) {
         EntryCodec.Body body;
         try {
             body = EntryCodec.encodeBody(next, cfg.gzipMin, cfg.limits);
@@ -986,10 +1076,22 @@ public final class Worker implements AutoCloseable {
         if (due > 0) {
             registerDelayed(queue);
         }
+        Map<String, String> fields = new LinkedHashMap<>();
+        fields.put("state", state);
+        fields.put("retry_count", String.valueOf(next.retryCount()));
+        if (due > 0) {
+            fields.put("due_at", TaskRecords.time(Instant.ofEpochMilli(due)));
+        }
+        if (error != null) {
+            fields.put("error", error);
+        }
+        TaskRecords.Step record = records.activeStep(queue, next.taskId(), due, fields);
         settle("retry.lua", () -> {
             Long r = link.write(e.stream(), node -> Scripts.run(node, "retry", ScriptOutputType.INTEGER,
-                    List.of(e.stream(), keys.stream(queue, bucket), keys.delayed(queue), keys.delayedData(queue)),
-                    cfg.group, e.id(), next.taskId(), due, bucket, body.enc(), body.bytes(), keys.wakeup()));
+                    record.keys(List.of(e.stream(), keys.stream(queue, bucket), keys.delayed(queue),
+                            keys.delayedData(queue))),
+                    record.args(8, cfg.group, e.id(), next.taskId(), due, bucket, body.enc(), body.bytes(),
+                            keys.wakeup())));
             if (r == null) {
                 LOG.warn("entry was no longer pending when replaced (taken over?)");
             }
@@ -1012,23 +1114,40 @@ public final class Worker implements AutoCloseable {
         byte[] enc = e.fields().get("enc");
         byte[] body = e.fields().get("body");
         String queue = e.queue();
+        long due = env.dueMs(0);
+        Map<String, String> fields = TaskRecords.published(env, queue);
+        fields.put("due_at", TaskRecords.time(Instant.ofEpochMilli(due)));
+        TaskRecords.Step record = records.activeStep(queue, env.taskId(), due, fields);
+        Object[] args = record.args(8, env.taskId(), due, bucket, enc, body, keys.wakeup(), "entry:" + e.id(),
+                Producer.PUBLISH_DEDUPE_MS);
+        byte[][] argv = java.util.Arrays.stream(args).map(Scripts::arg).toArray(byte[][]::new);
         registerDelayed(queue);
         settle("reschedule", () -> txLink.transaction(e.stream(), tx -> {
             tx.eval(Scripts.get("schedule").source(), ScriptOutputType.INTEGER,
-                    new String[] {keys.delayed(queue), keys.delayedData(queue), keys.published(queue, env.taskId())},
-                    Redis.b(env.taskId()), Redis.b(String.valueOf(env.dueMs(0))), Redis.b(bucket), enc, body,
-                    Redis.b(keys.wakeup()), Redis.b("entry:" + e.id()), Redis.b(String.valueOf(Producer.PUBLISH_DEDUPE_MS)));
+                    record.keys(List.of(keys.delayed(queue), keys.delayedData(queue), keys.published(queue,
+                            env.taskId()))).toArray(new String[0]), argv);
             tx.xack(e.stream(), cfg.group, e.id());
             tx.xdel(e.stream(), e.id());
         }));
         LOG.info("task not due yet; moved to the delayed set (outcome=scheduled schedule_time={})", env.scheduleTime());
     }
 
-    private void ack(Entry e) {
+    /**
+     * Acknowledges a task that ended in {@code state} ({@code succeeded} or {@code cancelled}, with
+     * {@code reason}: null for a plain success), its record written in the same MULTI.
+     */
+    private void ack(Entry e, Envelope env, String state, String reason) {
+        Map<String, String> fields = new LinkedHashMap<>();
+        fields.put("finished_at", TaskRecords.time(Instant.now()));
+        if (reason != null) {
+            fields.put("reason", reason);
+        }
+        TaskRecords.Step record = records.finalStep(e.queue(), env.taskId(), fields);
         settle("ack", () -> {
             TransactionResult r = txLink.transaction(e.stream(), tx -> {
                 tx.xack(e.stream(), cfg.group, e.id());
                 tx.xdel(e.stream(), e.id());
+                record.write(tx, state, false);
             });
             Object acked = r.isEmpty() ? null : r.get(0);
             if (acked instanceof Long && (Long) acked == 0) {
@@ -1068,11 +1187,21 @@ public final class Worker implements AutoCloseable {
                     f.exceptionType() != null ? f.exceptionType() : f.failureClass(),
                     f.message() != null && !f.message().isEmpty() ? f.message() : f.reason(), f.traceback()));
         }
-        Object[] a = args.toArray();
+        TaskRecords.Step record = TaskRecords.Step.NONE;
+        if (env != null) {
+            String error = f.exceptionType() != null && f.message() != null && !f.message().isEmpty()
+                    ? TaskRecords.error(f.exceptionType(), f.message()) : TaskRecords.error(f.failureClass(), f.reason());
+            Map<String, String> fields = new LinkedHashMap<>();
+            fields.put("finished_at", TaskRecords.time(Instant.now()));
+            fields.put("error", error);
+            record = records.finalStep(queue, env.taskId(), fields);
+        }
+        Object[] a = record.args(2, args.toArray());
+        List<String> deadKeys = record.keys(List.of(e.stream(), keys.dead(queue)));
         settle("register the dead-letter queue", () -> redis().sadd(keys.deadQueues(), Redis.b(queue)));
         Object id = settle("dead_letter.lua", () -> {
             byte[] r = link.write(e.stream(), node -> Scripts.run(node, "dead_letter", ScriptOutputType.VALUE,
-                    List.of(e.stream(), keys.dead(queue)), a));
+                    deadKeys, a));
             if (r == null) {
                 LOG.warn("entry was no longer pending when dead-lettered (taken over?)");
                 return null;
@@ -1212,6 +1341,7 @@ public final class Worker implements AutoCloseable {
     private void finishClose() {
         lease.shutdownNow();
         handlerThreads.shutdownNow();
+        announce(true);
         liveness.close();
         try {
             liveness.delete();
@@ -1277,6 +1407,8 @@ public final class Worker implements AutoCloseable {
         private Predicate<Throwable> isTransient;
         private java.util.function.Consumer<Envelope> onDuplicate;
         private RedisClient resultBackend;
+        private Duration taskRecordRetention = TaskRecords.DEFAULT_RETENTION;
+        private Duration schemaCache = PayloadSchemas.DEFAULT_CACHE;
         private final Map<String, Handler> handlers = new HashMap<>();
 
         private Builder() {}
@@ -1376,6 +1508,15 @@ public final class Worker implements AutoCloseable {
          * there. The worker opens its own connection and does not shut the client down.
          */
         public Builder resultBackend(RedisClient v) { resultBackend = v; return this; }
+
+        /**
+         * How long the record of a finished task is kept ({@code task_record_retention}, 1 h by
+         * default); zero writes no task records (docs/protocol.md section 14).
+         */
+        public Builder taskRecordRetention(Duration v) { taskRecordRetention = Objects.requireNonNull(v); return this; }
+
+        /** How long payload schemas read from Redis are used ({@code schema_cache_s}, 30 s by default). */
+        public Builder schemaCache(Duration v) { schemaCache = Objects.requireNonNull(v); return this; }
 
         /** Registers the handler of {@code taskType}, accepting payload_version 1. */
         public Builder handler(String taskType, TaskHandler handler) {

@@ -57,6 +57,23 @@ class ConformanceTest {
     void manifestListsVectors() throws IOException {
         assertTrue(files("envelopes").size() > 50);
         assertTrue(files("entries").size() > 10);
+        assertTrue(files("schemas").size() > 10);
+    }
+
+    /** Each payload schema vector: the violations' fields, rules and keywords, in order (messages differ). */
+    @TestFactory
+    Stream<DynamicTest> schemas() throws IOException {
+        Path dir = conformanceDir();
+        return files("schemas").stream().map(f -> DynamicTest.dynamicTest(f, () -> {
+            JsonNode c = Json.MAPPER.readTree(dir.resolve(f).toFile());
+            List<SchemaViolation> got = PayloadSchemas.violations(
+                    PayloadSchemas.compile(c.get("schema").toString()), c.get("payload"));
+            List<String> want = new ArrayList<>();
+            c.get("violations").forEach(v -> want.add(v.get("field").asText() + " " + v.get("rule").asText() + " "
+                    + v.get("keyword").asText()));
+            assertEquals(want, got.stream().map(v -> v.field() + " " + v.toViolation().rule() + " " + v.keyword())
+                    .toList(), c.get("name").asText());
+        }));
     }
 
     @TestFactory
