@@ -259,6 +259,16 @@ class Transport(virtual.Transport):
         """
         return False
 
+    def served_tasks(self) -> dict[str, list[int]]:
+        """The task types this process's consumers run, with the payload versions each
+        accepts (docs/protocol.md, section 15). The base transport runs none of its own
+        (``{}``); Celery's names its worker's tasks."""
+        return {}
+
+    def concurrency(self) -> int | None:
+        """How many tasks this process runs at once, when known (None here)."""
+        return None
+
     def queue_of_stream(self, stream: str) -> str:
         """The queue a stream key belongs to (the hash tag between the braces)."""
         queue = self._stream_queues.get(stream)
