@@ -26,7 +26,8 @@ defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_m
 ``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``gzip_min_bytes``,
 ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``, ``transient_maxlen``,
 ``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``, ``wait_replicas`` and
-``wait_timeout_ms`` (WAIT after publishing and settling), ``connection_kwargs``,
+``wait_timeout_ms`` (WAIT after publishing and settling), ``task_record_retention_s``
+(task records) and ``announce_keep_s`` (worker announcements), ``connection_kwargs``,
 the Sentinel options ``master_name``, ``sentinel_kwargs`` and ``min_other_sentinels``,
 and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
 ``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
