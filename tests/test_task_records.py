@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
+import kombu
 import pytest
 import redis
 from apps.reliable_app import create_app
@@ -31,6 +32,7 @@ from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.task_records import TaskRecord, TaskRecords, TaskState
 
 APP = "apps.reliable_app"
+PLAIN_TRANSPORT = "kombu_envelope.kombu.transport:Transport"
 LEASE_MS = 1500
 TIMEOUT = 20
 
@@ -245,6 +247,21 @@ def test_a_live_worker_announces_its_queues_and_tasks(
     assert announcements.serving_queues("reliable.versioned", 3) == []
     assert announcements.serves_on("celery")["reliable.versioned"] == [1, 2]
     assert "celery" in TaskRecords(redis_client, settings).known_queues()
+
+
+def test_the_kombu_transport_alone_announces_its_queues_and_serves_nothing(
+        redis_url: str, redis_client: redis.Redis, key_prefix: str) -> None:
+    options = {"key_prefix": key_prefix,
+               "message_adapter": "kombu_envelope.kombu.adapter:MessageAdapter"}
+    announcements = Announcements(redis_client, Settings(key_prefix=key_prefix))
+    with kombu.Connection(envelope_url(redis_url), transport=PLAIN_TRANSPORT,
+                          transport_options=options) as conn, \
+            conn.Consumer(kombu.Queue("plain", routing_key="plain"), callbacks=[]):
+        (live,) = announcements.workers("plain")
+        assert (live.live, live.queues, live.serves, live.concurrency) == \
+            (True, ["plain"], {}, None)
+    (stopped,) = announcements.workers("plain")
+    assert not stopped.live and stopped.stopped_at is not None
 
 
 def test_a_stopped_worker_stays_recently_seen_and_a_replay_reads_queued(
