@@ -53,7 +53,7 @@ def dead_letter_pending(
     """
     fields = failure_fields(failure, queue=queue, consumer=consumer)
     record = entry_record(client, settings, queue, stream, entry_id, TaskState.DEAD,
-                          _dead_record_fields(failure, fields), task_id=failure.task_id)
+                          _dead_record_fields(failure), task_id=failure.task_id)
     args: list[Any] = [settings.consumer_group, entry_id, *record.args]
     for name, value in fields.items():
         args += [name, value]
@@ -64,8 +64,8 @@ def dead_letter_pending(
     return as_text(reply) if reply else None
 
 
-def _dead_record_fields(failure: Failure, fields: dict[str, str]) -> dict[str, str]:
-    return {"finished_at": fields["dead_at"], "error": failure_error(failure)}
+def _dead_record_fields(failure: Failure) -> dict[str, Any]:
+    return {"finished_at": utcnow(), "error": failure_error(failure)}
 
 
 def dead_letter_envelope(
@@ -89,7 +89,7 @@ def dead_letter_envelope(
     client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
     dead = settings.keys.queue(queue).dead
     record = record_write(settings, queue, envelope.task_id, TaskState.DEAD,
-                          _dead_record_fields(failure, fields))
+                          _dead_record_fields(failure))
     if not settings.wait_replicas and record.key is None:
         return as_text(client.xadd(dead, fields))
     # The entry id the record names is the XADD's reply: written right after it, in

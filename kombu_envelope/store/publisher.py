@@ -125,10 +125,11 @@ class Publisher:
 def publish_record(settings: Settings, queue: str, envelope: Envelope,
                    now: datetime | None = None) -> RecordWrite:
     """The task record of a publish of ``envelope`` (now or for later)."""
+    now = now or utcnow()
     due = envelope.is_due(now)
     return record_write(settings, queue, envelope.task_id,
                         TaskState.QUEUED if due else TaskState.SCHEDULED,
-                        {**envelope_fields(envelope, queue), "published_at": now or utcnow()},
+                        {**envelope_fields(envelope, queue, now), "published_at": now},
                         due_ms=None if due else envelope.due_ms(), now=now)
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import Enum
 from typing import Any
 
 from kombu_envelope.codec import decode_entry
-from kombu_envelope.envelope import Envelope, format_rfc3339, parse_rfc3339, utcnow
+from kombu_envelope.envelope import Envelope, parse_rfc3339, utcnow
 from kombu_envelope.errors import InvalidQueueName, MalformedEntry
 from kombu_envelope.failures import Failure
 from kombu_envelope.keys import QueueKeys
@@ -35,6 +35,8 @@ __all__ = ["RecordWrite", "TaskRecord", "TaskRecords", "TaskState", "entry_recor
 OPEN_RECORD_MS = 7 * 24 * 3600 * 1000
 #: Longest ``error`` field (characters).
 MAX_ERROR_CHARS = 1_000
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class TaskState(str, Enum):
@@ -86,7 +88,7 @@ class RecordWrite:
         spec: dict[str, Any] = {"ttl_ms": self.ttl_ms, "fields": self.fields}
         if self.dead_ttl_ms is not None:
             spec["dead_ttl_ms"] = self.dead_ttl_ms
-        return [json.dumps(spec, separators=(",", ":"))]
+        return [_COMPACT.encode(spec)]
 
     def add_to(self, pipe: Any, *, count_attempt: bool = False) -> int:
         """Add the write to ``pipe`` (a ``MULTI`` in the queue's slot): HSET, then
@@ -109,9 +111,10 @@ def record_write(settings: Settings, queue: str, task_id: str, state: TaskState,
                  may_die: bool = False, now: datetime | None = None) -> RecordWrite:
     """The record write of a step of ``task_id`` that leaves it in ``state``.
 
-    ``fields`` are the step's other fields (datetimes become RFC 3339, None is left
-    out, ``error`` is cut to 1,000 characters); ``updated_at`` is added. ``due_ms``
-    (when the task is due next) makes a record of an open task last past that time.
+    ``fields`` are the step's other fields (datetimes become RFC 3339 in UTC with
+    milliseconds, None is left out, ``error`` is cut to 1,000 characters);
+    ``updated_at`` is added. ``due_ms`` (when the task is due next) makes a record of
+    an open task last past that time.
     ``may_die``: the step (a takeover) may dead-letter instead, so the spec also
     carries ``dead_ttl_ms``. Returns an empty write when records are off.
     """
@@ -119,11 +122,15 @@ def record_write(settings: Settings, queue: str, task_id: str, state: TaskState,
     if retention_ms <= 0:
         return RecordWrite()
     now = now or utcnow()
-    values = {"state": state.value, "updated_at": format_rfc3339(now)}
+    updated_at = _rfc3339_ms(now)
+    values = {"state": state.value, "updated_at": updated_at}
     for name, value in (fields or {}).items():
         if value is None:
             continue
-        text = format_rfc3339(value) if isinstance(value, datetime) else str(value)
+        if isinstance(value, datetime):
+            text = updated_at if value is now else _rfc3339_ms(value)
+        else:
+            text = str(value)
         values[name] = text[:MAX_ERROR_CHARS] if name == "error" else text
     if state.final:
         ttl_ms = retention_ms
@@ -167,12 +174,13 @@ def failure_error(failure: Failure) -> str:
     return f"{failure.exception_type or failure.failure_class.value}: {failure.reason}"
 
 
-def envelope_fields(envelope: Envelope, queue: str) -> dict[str, Any]:
+def envelope_fields(envelope: Envelope, queue: str,
+                    now: datetime | None = None) -> dict[str, Any]:
     """The fields a publish or replay writes from the Envelope (``due_at`` when ahead)."""
     fields: dict[str, Any] = {"task_type": envelope.task_type,
                               "payload_version": envelope.payload_version, "queue": queue,
                               "retry_count": envelope.retry_count}
-    if not envelope.is_due():
+    if not envelope.is_due(now):
         fields["due_at"] = envelope.schedule_time
     return fields
 
@@ -293,6 +301,11 @@ class TaskRecords:
             except InvalidQueueName:  # listed by some other client
                 continue
         return found
+
+
+def _rfc3339_ms(value: datetime) -> str:
+    """``value`` in UTC, RFC 3339 with milliseconds (``2026-01-02T03:04:05.678Z``)."""
+    return value.astimezone(timezone.utc).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
 def _text_hash(raw: Mapping[Any, Any]) -> dict[str, str]:
