@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
+from functools import lru_cache
 from typing import Any
 
 from kombu_envelope.codec import decode_entry
@@ -303,6 +304,7 @@ class TaskRecords:
         return found
 
 
+@lru_cache(maxsize=256)  # one publish_many formats its one "now" once
 def _rfc3339_ms(value: datetime) -> str:
     """``value`` in UTC, RFC 3339 with milliseconds (``2026-01-02T03:04:05.678Z``)."""
     return value.astimezone(timezone.utc).isoformat(timespec="milliseconds")[:-6] + "Z"
