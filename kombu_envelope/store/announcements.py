@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -96,7 +96,8 @@ class Announcements:
         self.client = client
         self.settings = settings or Settings()
 
-    def announce(self, *announcements: WorkerAnnouncement, also: Any = None) -> None:
+    def announce(self, *announcements: WorkerAnnouncement,
+                 also: Callable[[Any], None] | None = None) -> None:
         """Write ``announcements``, seen now: the registry's ZADD first (awaited), then
         each SET PX. ``also`` (a callable given the pipeline) adds the caller's own
         commands, such as liveness renewals, to the round trip of the SETs."""
