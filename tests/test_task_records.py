@@ -8,11 +8,12 @@ cleanly. A second worker, on its own queue, is SIGKILLed while it runs a task.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import kombu
 import pytest
@@ -29,7 +30,7 @@ from kombu_envelope.store.announcements import Announcements
 from kombu_envelope.store.dead_letters import DeadLetterFilter, DeadLetters
 from kombu_envelope.store.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.store.publisher import Publisher
-from kombu_envelope.store.task_records import TaskRecord, TaskRecords, TaskState
+from kombu_envelope.store.task_records import TaskRecord, TaskRecords, TaskState, record_write
 
 APP = "apps.reliable_app"
 PLAIN_TRANSPORT = "kombu_envelope.kombu.transport:Transport"
@@ -87,6 +88,28 @@ def reaches(records: TaskRecords, task_id: str, state: TaskState, queue: str | N
 
     return wait_for(read, timeout=timeout, interval=0.05,
                     message=lambda: f"{task_id} never read {state.value}: last {seen[-1]}")
+
+
+def test_a_record_spec_carries_its_fields_and_the_expiry_of_its_state() -> None:
+    settings = Settings(task_record_retention_s=10)
+    now = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc)
+    due = now + timedelta(hours=1)
+    write = record_write(settings, "q", "t-1", TaskState.RETRYING,
+                         {"due_at": due, "error": "x" * 2000, "worker": None},
+                         due_ms=int(due.timestamp() * 1000), now=now)
+    assert write.keys == [settings.keys.queue("q").task_record("t-1")]
+    spec = json.loads(write.args[0])
+    assert spec["ttl_ms"] == 7 * 24 * 3_600_000 + 3_600_000  # 7 days after its due time
+    assert spec["fields"] == {"state": "retrying", "updated_at": "2026-01-02T03:04:05.678Z",
+                              "due_at": "2026-01-02T04:04:05.678Z", "error": "x" * 1000}
+    assert "dead_ttl_ms" not in spec
+    takeover = json.loads(record_write(settings, "q", "t-1", TaskState.QUEUED, may_die=True,
+                                    now=now).args[0])
+    assert (takeover["ttl_ms"], takeover["dead_ttl_ms"]) == (7 * 24 * 3_600_000, 10_000)
+    assert json.loads(record_write(settings, "q", "t-1", TaskState.SUCCEEDED,
+                                   now=now).args[0])["ttl_ms"] == 10_000
+    off = record_write(Settings(task_record_retention_s=0), "q", "t-1", TaskState.QUEUED)
+    assert (off.keys, off.args) == ([], [])
 
 
 def test_a_task_without_record_reads_unknown(records: TaskRecords) -> None:
