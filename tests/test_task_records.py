@@ -104,7 +104,7 @@ def test_a_record_spec_carries_its_fields_and_the_expiry_of_its_state() -> None:
                               "due_at": "2026-01-02T04:04:05.678Z", "error": "x" * 1000}
     assert "dead_ttl_ms" not in spec
     takeover = json.loads(record_write(settings, "q", "t-1", TaskState.QUEUED, may_die=True,
-                                    now=now).args[0])
+                                       now=now).args[0])
     assert (takeover["ttl_ms"], takeover["dead_ttl_ms"]) == (7 * 24 * 3_600_000, 10_000)
     assert json.loads(record_write(settings, "q", "t-1", TaskState.SUCCEEDED,
                                    now=now).args[0])["ttl_ms"] == 10_000
