@@ -225,8 +225,6 @@ def run_consume(ctx: Context, result: ScenarioResult) -> None:
                          measures[STOCK_JSON])
     result.ratio("envelope plain JSON / stock JSON", measures[ENVELOPE_JSON],
                  measures[STOCK_JSON])
-    result.ratio("Envelope tasks, task records on / off", measures[ENVELOPE_TASKS],
-                 measures[ENVELOPE_TASKS_NO_RECORDS])
     result.target("kombu consume+ack, Envelope tasks >= 1.5x stock", ratio, 1.5, unit="x")
     result.notes.append(
         "Messages are put in the queue before timing (Envelopes with `Publisher.publish_many`, "
