@@ -14,11 +14,12 @@ CHUNK = 1000
 TARGET = 20_000
 
 
-def bulk_rate(ctx: Context, n: int, build_inside: bool) -> float:
-    """Envelopes/s publishing ``n`` Envelopes in chunks of :data:`CHUNK`."""
+def bulk_rate(ctx: Context, n: int, build_inside: bool, records: bool = True) -> float:
+    """Envelopes/s publishing ``n`` Envelopes in chunks of :data:`CHUNK` (with task
+    records, or without: ``task_record_retention_s=0``)."""
     client = ctx.client()
     queue = f"bench.bulk.{new_run_id()}"
-    publisher = Publisher(client, Settings())
+    publisher = Publisher(client, Settings() if records else Settings(task_record_retention_s=0))
     publisher.publish_many([(queue, new_envelope()) for _ in range(10)])  # warm up
     prebuilt = [] if build_inside else [new_envelope() for _ in range(n)]
     try:
@@ -42,11 +43,15 @@ def run_bulk(ctx: Context, result: ScenarioResult) -> None:
     result.params.update(envelopes=n, chunk=CHUNK)
     built = result.measure("publish_many, Envelopes built in the loop", ENVELOPE, "Envelopes/s")
     ready = result.measure("publish_many, pre-built Envelopes", ENVELOPE, "Envelopes/s")
+    unrecorded = result.measure("publish_many, pre-built Envelopes, task records off",
+                                ENVELOPE, "Envelopes/s")
     for rep in range(ctx.repeat):
-        for measure, inside in ((built, True), (ready, False)):
-            rate = bulk_rate(ctx, n, inside)
+        for measure, inside, records in ((built, True, True), (ready, False, True),
+                                         (unrecorded, False, False)):
+            rate = bulk_rate(ctx, n, inside, records)
             measure.add(rate)
             ctx.log(f"bulk rep {rep + 1}: {measure.label}: {rate:,.0f}/s")
+    result.ratio("pre-built, task records on / off", ready, unrecorded)
     result.target("bulk publish_many >= 20,000 Envelopes/s (built in the loop)", built, TARGET,
                   unit="Envelopes/s")
     result.target("bulk publish_many >= 20,000 Envelopes/s (pre-built)", ready, TARGET,

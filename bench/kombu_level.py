@@ -41,9 +41,15 @@ class Variant:
     transport: str
     kind: str  # "envelope" (Envelope tasks) or "json" (plain JSON messages)
     label: str
+    #: Transport options of its connection, as (name, value) pairs.
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 ENVELOPE_TASKS = Variant(ENVELOPE, "envelope", "envelope://, Envelope tasks")
+#: The same without task records (docs/protocol.md, section 14): what they cost.
+ENVELOPE_TASKS_NO_RECORDS = Variant(ENVELOPE, "envelope",
+                                    "envelope://, Envelope tasks, task records off",
+                                    (("task_record_retention_s", 0),))
 ENVELOPE_JSON = Variant(ENVELOPE, "json", "envelope://, plain JSON")
 STOCK_JSON = Variant(STOCK, "json", "redis:// (stock), plain JSON")
 AMQP_JSON = Variant(AMQP, "json", "pyamqp:// (RabbitMQ), plain JSON")
@@ -62,18 +68,22 @@ def new_envelope(payload: dict[str, Any] | None = None) -> Envelope:
     return Envelope.new(task_type=TASK_TYPE, payload=PAYLOAD if payload is None else payload)
 
 
-def connect(url: str) -> Connection:
-    """A kombu connection; ``envelope://`` URLs get the plain kombu-envelope transport."""
-    return Connection(url, transport=PLAIN_TRANSPORT if url.startswith("envelope") else None)
+def connect(url: str, options: tuple[tuple[str, Any], ...] = ()) -> Connection:
+    """A kombu connection with transport ``options``; ``envelope://`` URLs get the plain
+    kombu-envelope transport."""
+    return Connection(url, transport=PLAIN_TRANSPORT if url.startswith("envelope") else None,
+                      transport_options=dict(options))
 
 
 @contextmanager
-def bench_queue(ctx: Context, transport: str, prefix: str) -> Iterator[tuple[Connection, Queue]]:
-    """A connection and a fresh declared queue (bound like Celery binds its queues)."""
+def bench_queue(ctx: Context, transport: str, prefix: str,
+                options: tuple[tuple[str, Any], ...] = ()) -> Iterator[tuple[Connection, Queue]]:
+    """A connection (with transport ``options``) and a fresh declared queue (bound like
+    Celery binds its queues)."""
     name = f"{prefix}.{new_run_id()}"
     exchange = Exchange(name, type="direct", durable=True)
     queue = Queue(name, exchange, routing_key=name, durable=True)
-    with connect(ctx.url(transport)) as conn:
+    with connect(ctx.url(transport), options) as conn:
         queue(conn.default_channel).declare()
         try:
             yield conn, queue
@@ -109,11 +119,13 @@ def run_publish(ctx: Context, result: ScenarioResult) -> None:
     n = ctx.size("publish", "n")
     result.params.update(messages=n, warmup=WARMUP, payload_bytes=payload_bytes())
     chosen = variants(ctx)
+    chosen.insert(1, ENVELOPE_TASKS_NO_RECORDS)
     measures = {v: result.measure(f"publish {v.label}", v.transport, "msgs/s")
                 for v in chosen}
     for rep in range(ctx.repeat):
         for variant in chosen:
-            with bench_queue(ctx, variant.transport, "bench.publish") as (conn, queue):
+            with bench_queue(ctx, variant.transport, "bench.publish",
+                             variant.options) as (conn, queue):
                 publish = publish_fn(conn.Producer(), queue, variant.kind)
                 for _ in range(WARMUP):
                     publish(None)
@@ -127,11 +139,14 @@ def run_publish(ctx: Context, result: ScenarioResult) -> None:
                          measures[STOCK_JSON])
     result.ratio("envelope plain JSON / stock JSON", measures[ENVELOPE_JSON],
                  measures[STOCK_JSON])
+    result.ratio("Envelope tasks, task records on / off", measures[ENVELOPE_TASKS],
+                 measures[ENVELOPE_TASKS_NO_RECORDS])
     result.target("kombu publish, Envelope tasks >= 1.5x stock", ratio, 1.5, unit="x")
     result.notes.append(
         "The Envelope variant builds each Envelope (`Envelope.new`, validated) inside the "
         "timed loop and publishes it with `serializer=\"envelope\"`: that is what publishing "
-        "a task costs. Plain JSON on envelope:// goes to the queue's `kombu` stream.")
+        "a task costs. Plain JSON on envelope:// goes to the queue's `kombu` stream. "
+        "`task records off` sets `task_record_retention_s=0`: no record is written.")
 
 
 # ------------------------------------------------------------------ 2. consume

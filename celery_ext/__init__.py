@@ -33,7 +33,7 @@ from celery_ext.execution import RECEIVERS as EXECUTION_RECEIVERS
 from celery_ext.failures import InvalidPayload
 from celery_ext.priority import mark_unset_priority
 from celery_ext.protocol import CeleryAdapter, serve_worker_app
-from celery_ext.readiness import announce_ready
+from celery_ext.readiness import announce_ready, remember_worker
 from celery_ext.tracing import (
     TraceIdFilter,
     add_log_filter,
@@ -67,6 +67,7 @@ _RECEIVERS = (
     (signals.after_setup_logger, add_log_filter),
     (signals.after_setup_task_logger, add_log_filter),
     (signals.worker_init, serve_worker_app),
+    (signals.worker_init, remember_worker),
     (signals.worker_init, install_worker_steps),
     (signals.worker_ready, announce_ready),
     *EXECUTION_RECEIVERS,

@@ -102,7 +102,9 @@ from kombu_envelope.retrying import (
 )
 from kombu_envelope.store.idempotency import DEFAULT_DONE_TTL_S, Claim, ClaimState, Idempotency
 from kombu_envelope.store.replacing import PendingAttempt, next_attempt_replaces
+from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.retry_slots import RetrySlots
+from kombu_envelope.store.task_records import RecordWrite, TaskState, record_write, skip_write
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,7 @@ class Attempt:
     timeout_ms: int | None
     claim: Claim | None = None  # the idempotency claim held while the task runs
     settled: bool = False  # retried, deferred or dead-lettered already
+    pending: PendingAttempt | None = None  # its entry, while a next attempt replaces it
 
     @property
     def headers(self) -> dict[str, Any]:
@@ -247,9 +250,10 @@ class ExecutionShell:
         delivery, task = attempt.delivery, attempt.task
         if not (delivery.stream and delivery.entry_id) or not (task.acks_late or self.solo):
             return nullcontext()
-        return next_attempt_replaces(PendingAttempt(
+        attempt.pending = PendingAttempt(
             delivery.queue, delivery.stream, delivery.entry_id, attempt.request.id,
-            publish_if_gone=not task.acks_late))
+            publish_if_gone=not task.acks_late, retry_count=attempt.request.retries)
+        return next_attempt_replaces(attempt.pending)
 
     def _claimed(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
@@ -260,6 +264,8 @@ class ExecutionShell:
             logger.info("task %s[%s] is a duplicate (idempotency key done: %s); not run",
                         task.name, request.id, claim.other)
             metrics.count("duplicates", task.name)
+            self._record(attempt, skip_write(self.settings, attempt.delivery.queue, request.id,
+                                             "duplicate"))
             return None
         if claim is not None and claim.state is ClaimState.BUSY:
             self._publish_again(attempt, self.defer_s,
@@ -294,6 +300,11 @@ class ExecutionShell:
     def _run(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         limit = attempt.timeout_ms / 1000 if self.solo and attempt.timeout_ms else None
+        queue, task_id = attempt.delivery.queue, attempt.request.id
+        self._record(attempt, record_write(
+            self.settings, queue, task_id, TaskState.RUNNING,
+            {"started_at": utcnow(), "worker": attempt.delivery.consumer, "language": "python",
+             "host": socket.gethostname(), "pid": os.getpid()}), count_attempt=True)
         try:
             with soft_time_limit(limit):
                 result = run(*args, **kwargs)
@@ -303,7 +314,23 @@ class ExecutionShell:
             raise
         self._settle_claim(attempt, succeeded=True)
         metrics.count("succeeded", attempt.task.name)
+        self._record(attempt, record_write(self.settings, queue, task_id, TaskState.SUCCEEDED,
+                                           {"finished_at": utcnow()}))
         return result
+
+    def _record(self, attempt: Attempt, record: RecordWrite, *,
+                count_attempt: bool = False) -> None:
+        """Write the task record of a step of the attempt (its start, its success, a
+        duplicate) in one MULTI; a Redis error is logged, never a reason to fail it."""
+        if record.key is None:
+            return
+        try:
+            pipe = write_pipeline(self.client, self.settings, transaction=True, key=record.key)
+            record.add_to(pipe, count_attempt=count_attempt)
+            execute(pipe, self.settings, "task record")
+        except BROKER_ERRORS as exc:
+            logger.warning("task %s: writing its task record (%s) failed: %r", _name(attempt),
+                           record.fields.get("state"), exc)
 
     # ------------------------------------------------- claims and handing back
 
@@ -385,7 +412,7 @@ class ExecutionShell:
             return
         headers = ({FAST_RETRIES_HEADER: str(decision.fast_retries)}
                    if decision.action is Action.RETRY_NOW else {})
-        self._retrying(attempt, "an automatic retry", headers)
+        self._retrying(attempt, "an automatic retry", headers, exc)
         self._celery_retry(attempt, None, exc=exc, countdown=decision.delay_s, headers=headers)
 
     def retry(self, task: Any, original: Callable[..., Any], args: Any = None,
@@ -406,14 +433,19 @@ class ExecutionShell:
                 kind, retry_count=request.retries,
                 fast_retries_taken=fast_retries_taken(attempt.headers)))
         else:
-            self._retrying(attempt, "a retry", headers)
+            self._retrying(attempt, "a retry", headers, exc if exc is not None
+                           else sys.exc_info()[1])
         return self._celery_retry(attempt, max_retries, args=args, kwargs=kwargs, exc=exc,
                                   throw=throw, eta=eta, countdown=countdown, headers=headers,
                                   **options)
 
-    def _retrying(self, attempt: Attempt, what: str, headers: dict[str, Any]) -> None:
-        """Before a retry is published: give the key back, carry the first failure's time."""
+    def _retrying(self, attempt: Attempt, what: str, headers: dict[str, Any],
+                  exc: BaseException | None) -> None:
+        """Before a retry is published: give the key back, carry the first failure's time
+        (and the failure, for the task record)."""
         attempt.settled = True
+        if attempt.pending is not None and exc is not None:
+            attempt.pending.error = f"{type(exc).__name__}: {exc}"
         self._release_claim(attempt, what)  # so that the retry may claim it
         headers.update({**attempt.headers, **headers})
         headers.setdefault(FIRST_FAILURE_HEADER,

@@ -7,6 +7,7 @@ from typing import Any
 from celery.worker import state
 
 from celery_ext.protocol import CeleryAdapter
+from celery_ext.readiness import announced_concurrency, announced_tasks
 from celery_ext.revoke import RevokingChannel
 from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
 
@@ -28,3 +29,11 @@ class Transport(EnvelopeTransport):
         entries stay with their consumer, kept alive, until Celery acknowledges them.
         """
         return any(request.message is message for request in list(state.active_requests))
+
+    def served_tasks(self) -> dict[str, list[int]]:
+        """The worker's tasks (not ``celery.*``) and the payload versions each accepts."""
+        return announced_tasks()
+
+    def concurrency(self) -> int | None:
+        """The worker's pool concurrency."""
+        return announced_concurrency()

@@ -26,6 +26,9 @@ Layout for prefix ``envelope`` and queue ``celery``::
     envelope:idem:<task_type>:<key> idempotency claim / done marker
     envelope:retrying:<task_type>   ZSET of running retries (concurrency cap)
     envelope:wakeup                 pub/sub channel that wakes delayed-task promoters
+    envelope:{celery}:task:<id>     HASH task record (expires)
+    envelope:workers                ZSET consumer -> when it last announced itself (ms)
+    envelope:worker:<consumer>      STRING announcement of a worker (expires)
 """
 
 from __future__ import annotations
@@ -113,6 +116,10 @@ class QueueKeys:
         kept a while so that a publish retried after a lost reply is stored once."""
         return f"{self.base}:published:{task_id}"
 
+    def task_record(self, task_id: str) -> str:
+        """HASH of what became of ``task_id`` (docs/protocol.md, section 14); it expires."""
+        return f"{self.base}:task:{task_id}"
+
     @property
     def delayed(self) -> str:
         """ZSET of delayed task ids scored by due time in milliseconds."""
@@ -194,6 +201,15 @@ class KeySpace:
     def schemas(self) -> str:
         """HASH of ``<task_type>@<payload_version>`` to the payload's JSON Schema."""
         return f"{self.prefix}:schemas"
+
+    @property
+    def workers(self) -> str:
+        """ZSET of consumers that announced themselves, scored by when they last did (ms)."""
+        return f"{self.prefix}:workers"
+
+    def worker(self, consumer: str) -> str:
+        """STRING holding the announcement of ``consumer`` (JSON); it expires."""
+        return f"{self.prefix}:worker:{consumer}"
 
     @property
     def wakeup_channel(self) -> str:

@@ -147,6 +147,13 @@ class Settings:
     #: Longest ``WAIT`` for ``wait_replicas`` (ms; 0: wait forever). A ``WAIT`` answered by
     #: fewer replicas is logged and counted; the write itself stands.
     wait_timeout_ms: int = 1_000
+    #: How long a task record is kept after its task ended (seconds; 0: write no records).
+    #: A record of a task not ended yet is kept 7 days, or this long if longer, after its
+    #: last write or its due time (docs/protocol.md, section 14).
+    task_record_retention_s: int = 3_600
+    #: How long a worker's announcement outlives its last renewal (seconds): a worker
+    #: seen within this time counts as recently seen (docs/protocol.md, section 15).
+    announce_keep_s: int = 3_600
     # redis-py connection options, named and meant as on kombu's redis:// transport.
     #: Seconds to wait for a reply on command connections (None: forever).
     socket_timeout: float | None = None
@@ -182,9 +189,11 @@ class Settings:
             value = getattr(self, name)
             if not _accepts(hint, value):
                 problems[name] = f"must be {_describe(hint)}, not {value!r}"
-        for name in ("wait_replicas", "wait_timeout_ms"):
+        for name in ("wait_replicas", "wait_timeout_ms", "task_record_retention_s"):
             if isinstance(getattr(self, name), int) and getattr(self, name) < 0:
                 problems[name] = f"must be 0 or more, not {getattr(self, name)!r}"
+        if isinstance(self.announce_keep_s, int) and self.announce_keep_s < 1:
+            problems["announce_keep_s"] = f"must be 1 or more, not {self.announce_keep_s!r}"
         if problems:
             raise InvalidTransportOption(problems)
 

@@ -7,7 +7,8 @@ blocking read per queue, each on the node that owns the queue's slot. The module
 checks a publish_many spread over the shards, immediate and delayed tasks (the
 worker's promoter moves them), a dead letter, a cancel and a revoke; then, while
 tasks are published, a resharding of a busy queue's slot to the third primary and
-a SIGKILL of one primary (its replica takes over). The worker never exits, and no
+a SIGKILL of one primary (its replica takes over). Task records and worker
+announcements are read back from their queues' slots. The worker never exits, and no
 task with an idempotency key has its effect twice; what the SIGKILL lost (writes
 the replica had not copied yet) is counted and reported.
 """
@@ -31,9 +32,11 @@ from kombu_envelope import Envelope, Publisher
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store import replication
+from kombu_envelope.store.announcements import Announcements
 from kombu_envelope.store.client import AnyRedis, client_for_url, close_client
 from kombu_envelope.store.dead_letters import DeadLetters
 from kombu_envelope.store.delayed import CancelOutcome, DelayedTasks
+from kombu_envelope.store.task_records import TaskRecords, TaskState
 from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
@@ -183,6 +186,9 @@ def test_a_failed_task_is_dead_lettered_in_its_queue(setup: Setup) -> None:
     assert queue in letters.queues()
     (entry,) = [e for e in letters.iter(queue) if e.task_id == task_id]
     assert entry.failure_class == "task_error"
+    # Acknowledged early (prefork): written from the request, its record names the entry.
+    record = TaskRecords(setup.client, setup.settings).get(task_id, queue)
+    assert (record.state, record.dead_id) == (TaskState.DEAD, entry.entry_id)
 
 
 def test_cancel_and_revoke_reach_delayed_tasks_on_any_shard(setup: Setup) -> None:
@@ -198,6 +204,34 @@ def test_cancel_and_revoke_reach_delayed_tasks_on_any_shard(setup: Setup) -> Non
     effects = setup.effects()
     assert f"{first}:cancelled" not in effects
     assert f"{second}:revoked" not in effects
+
+
+def test_task_records_and_announcements_live_in_each_queue_slot(setup: Setup) -> None:
+    records = TaskRecords(setup.client, setup.settings)
+    first, second = setup.queues
+    now = datetime.now(timezone.utc)
+    due, later = (Envelope.new(task_type="cluster.record", payload={"order_id": name},
+                               schedule_time=when)
+                  for name, when in (("rec-due", None), ("rec-later", now + timedelta(hours=1))))
+    # publish_many: one script per Envelope, each with its record, sent per node.
+    Publisher(setup.client, setup.settings).publish_many([(first, due), (second, later)])
+    assert records.get(later.task_id).state is TaskState.SCHEDULED
+    assert records.get(later.task_id, second).queue == second
+    assert DelayedTasks(setup.client, setup.settings).cancel_everywhere(later.task_id).outcome \
+        is CancelOutcome.REMOVED
+    assert records.get(later.task_id).state is TaskState.CANCELLED
+    setup.wait_effects({"rec-due"})
+    deadline = time.monotonic() + EFFECT_TIMEOUT_S
+    while (done := records.get(due.task_id, first)).state is not TaskState.SUCCEEDED:
+        assert time.monotonic() < deadline, done
+        time.sleep(0.05)
+    assert done.attempts == 1 and done.language == "python" and done.worker
+    assert setup.client.keyslot(records.record_key(first, due.task_id)) == \
+        setup.client.keyslot(setup.settings.keys.queue(first).delayed)
+    announcements = Announcements(setup.client, setup.settings)
+    assert sorted(announcements.serving_queues("cluster.record", 1)) == sorted(setup.queues)
+    (worker,) = announcements.workers(first)
+    assert worker.live and worker.concurrency == 2 and worker.serves["cluster.fail"] == [1]
 
 
 def test_wait_replicas_waits_on_each_shard_for_its_own_replica(setup: Setup) -> None:

@@ -27,12 +27,14 @@ import os
 import socket
 import uuid
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from kombu.transport import virtual
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
+from kombu_envelope.envelope import utcnow
 from kombu_envelope.kombu.adapter import MessageAdapter
 from kombu_envelope.kombu.bindings import BINDING_SEP, Binding, Bindings
 from kombu_envelope.kombu.delivery_info import (
@@ -47,6 +49,7 @@ from kombu_envelope.kombu.inbox import F_KOMBU, Inbox
 from kombu_envelope.kombu.readers import QueueReader
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.announcements import WorkerAnnouncement
 from kombu_envelope.store.cluster import CLUSTER_REDIRECTS, forget_slot_owner
 from kombu_envelope.store.outages import is_outage, retries_seen
 from kombu_envelope.store.publisher import Publisher
@@ -158,6 +161,7 @@ class Channel(virtual.Channel):
         #: Messages read by the last blocking read and not delivered yet (see deliver_buffered).
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
         self._registered_liveness = False
+        self._started_at = utcnow()
         self.queues = Queues(self.client, self.settings)
         self.bindings = Bindings(self.client, self.settings)
         self.settler = Settler(self.client, self.settings, self.consumer_name,
@@ -257,7 +261,7 @@ class Channel(virtual.Channel):
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
             self._give_back_buffered(queue)
-        self._register_liveness()
+        self._register_liveness(announce=False)
         return result
 
     def _give_back_buffered(self, queue: str) -> None:
@@ -273,11 +277,24 @@ class Channel(virtual.Channel):
             logger.warning("could not give back %d entries of %s read but not delivered",
                            len(given), queue, exc_info=True)
 
-    def _register_liveness(self) -> None:
+    def _register_liveness(self, announce: bool = True) -> None:
+        """Keep this consumer alive for the queues it consumes, and announce the task
+        queues among them (not transient ones: replies, events, remote control). A
+        cancel (``announce`` False) keeps the last announcement: its queues stay
+        recently served, and a stopping worker cancels them all before it says it
+        stopped."""
         if self.closed:  # cancelled while closing, or after
             return
         if self._active_queues:
-            self.lease_keeper.register(self.consumer_name, self._active_queues)
+            announced = [queue for queue in self._active_queues
+                         if not self.queues.is_transient(queue)] if announce else []
+            transport = self.connection
+            announcement = replace(
+                WorkerAnnouncement.of_this_process(
+                    self.consumer_name, announced, transport.served_tasks(),
+                    transport.concurrency()),
+                started_at=self._started_at) if announced else None
+            self.lease_keeper.register(self.consumer_name, self._active_queues, announcement)
             self._registered_liveness = True
 
     @property

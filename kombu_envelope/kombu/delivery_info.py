@@ -9,3 +9,8 @@ INFO_QUEUE = "envelope_queue"
 #: Set by a consumer before reject() to name the failure class, and why.
 INFO_FAILURE_CLASS = "envelope_failure_class"
 INFO_FAILURE_REASON = "envelope_failure_reason"
+#: The task_id of the entry's Envelope (absent for non-task messages).
+INFO_TASK_ID = "envelope_task_id"
+#: Set on a task delivered only to be recorded as not run: "cancelled" or "expired"
+#: (the ``reason`` its task record gets when it is acknowledged).
+INFO_SKIPPED = "envelope_skipped"

@@ -25,13 +25,21 @@ from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.keys import QueueKeys
 from kombu_envelope.kombu.adapter import MessageAdapter, NotRun, Undeliverable
-from kombu_envelope.kombu.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
+from kombu_envelope.kombu.delivery_info import (
+    INFO_CONSUMER,
+    INFO_ENTRY_ID,
+    INFO_QUEUE,
+    INFO_SKIPPED,
+    INFO_STREAM,
+    INFO_TASK_ID,
+)
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.publisher import schedule_encoded
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.schemas import PayloadSchemas, dead_letter_reason
+from kombu_envelope.store.task_records import skip_write
 
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
@@ -133,12 +141,16 @@ class Inbox:
     def _not_run(self, queue: str, stream: str, entry_id: str, fields: dict[Any, Any],
                  envelope: Envelope, why: NotRun) -> dict[str, Any] | None:
         """A task that must not run: delivered to be recorded so, or acknowledged here."""
+        reason = "cancelled" if why is NotRun.REVOKED else "expired"
         message = self.adapter.to_not_run_message(envelope, queue, why)
         if message is not None:
             logger.info("task %s (%s) was %s; delivered to be recorded as not run",
                         envelope.task_id, envelope.task_type, why.value)
-            return self._located(message, queue, stream, entry_id, fields)
-        self.settler.ack_now(stream, [entry_id])
+            located = self._located(message, queue, stream, entry_id, fields, envelope)
+            located["properties"]["delivery_info"][INFO_SKIPPED] = reason
+            return located
+        self.settler.ack_now(stream, [entry_id],
+                             [skip_write(self.settings, queue, envelope.task_id, reason)])
         logger.info("task %s (%s) was %s; acknowledged without running it",
                     envelope.task_id, envelope.task_type, why.value)
         return None
@@ -154,7 +166,8 @@ class Inbox:
                 self._check_payload(envelope)
         except MalformedEntry as exc:
             self.settler.dead_letter(queue, stream, entry_id,
-                                     Failure(FailureClass.MALFORMED_ENTRY, exc.reason))
+                                     Failure(FailureClass.MALFORMED_ENTRY, exc.reason,
+                                             task_id=envelope.task_id if envelope else None))
             return None
         except Undeliverable as exc:
             assert envelope is not None
@@ -163,7 +176,7 @@ class Inbox:
                 Failure(FailureClass(exc.failure_class), exc.reason,
                         task_id=envelope.task_id, task_type=envelope.task_type))
             return None
-        return self._located(message, queue, stream, entry_id, fields)
+        return self._located(message, queue, stream, entry_id, fields, envelope)
 
     def _check_payload(self, envelope: Envelope) -> None:
         """Raise Undeliverable (``invalid_payload``) when the payload breaks its schema.
@@ -182,8 +195,8 @@ class Inbox:
             raise Undeliverable(FailureClass.INVALID_PAYLOAD.value, reason)
 
     def _located(self, message: dict[str, Any], queue: str, stream: str, entry_id: str,
-                 fields: dict[Any, Any]) -> dict[str, Any]:
-        """``message`` with the delivery_info that locates its entry."""
+                 fields: dict[Any, Any], envelope: Envelope | None) -> dict[str, Any]:
+        """``message`` with the delivery_info that locates its entry (and its task)."""
         properties = message.setdefault("properties", {})
         properties["delivery_tag"] = f"{stream} {entry_id}"
         info = properties.setdefault("delivery_info", {})
@@ -192,6 +205,8 @@ class Inbox:
         info.update({INFO_STREAM: stream, INFO_ENTRY_ID: entry_id,
                      INFO_CONSUMER: self.consumer_name, INFO_QUEUE: queue,
                      "redelivered": _was_delivered_before(fields)})
+        if envelope is not None:
+            info[INFO_TASK_ID] = envelope.task_id
         return message
 
     def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,

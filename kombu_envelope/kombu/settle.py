@@ -2,7 +2,10 @@
 
 Ack is ``XACK`` + ``XDEL``, batched per event-loop turn when a hub drives the
 channel. Requeue puts an entry back at the end of its stream; dead-lettering
-moves it, with its raw bytes, to the queue's dead-letter stream.
+moves it, with its raw bytes, to the queue's dead-letter stream. Each writes the
+task record of its step (docs/protocol.md, section 14): an ack only for a task
+that was skipped (``INFO_SKIPPED``), in the ack's ``MULTI``; the success of a task
+that ran is recorded by whoever ran it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,21 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_ENTRY_ID,
     INFO_FAILURE_CLASS,
     INFO_FAILURE_REASON,
+    INFO_SKIPPED,
     INFO_STREAM,
+    INFO_TASK_ID,
 )
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.dead_letters import dead_letter_pending
 from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.task_records import (
+    RecordWrite,
+    TaskState,
+    entry_record,
+    skip_write,
+)
 
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
@@ -42,7 +53,7 @@ class Settler:
         self.queue_of_stream = queue_of_stream
         #: Whether acks wait for flush_acks (an event loop calls it on every turn).
         self.defer_acks = False
-        self._pending_acks: list[tuple[str, str]] = []
+        self._pending_acks: list[tuple[str, str, RecordWrite]] = []
 
     def ack(self, delivery_info: dict[str, Any]) -> None:
         """Acknowledge and delete the entry a message came from.
@@ -53,7 +64,10 @@ class Settler:
         stream = delivery_info.get(INFO_STREAM)
         if stream is None:
             return
-        self._pending_acks.append((stream, delivery_info[INFO_ENTRY_ID]))
+        skipped, task_id = delivery_info.get(INFO_SKIPPED), delivery_info.get(INFO_TASK_ID)
+        record = (skip_write(self.settings, self.queue_of_stream(stream), task_id, skipped)
+                  if skipped and task_id else RecordWrite())
+        self._pending_acks.append((stream, delivery_info[INFO_ENTRY_ID], record))
         if not self.defer_acks:
             self.flush_acks()
 
@@ -65,28 +79,35 @@ class Settler:
         """
         if not self._pending_acks:
             return
-        by_queue: dict[str, dict[str, list[str]]] = {}
-        for stream, entry_id in self._pending_acks:
-            by_queue.setdefault(self.queue_of_stream(stream), {}).setdefault(
-                stream, []).append(entry_id)
+        by_queue: dict[str, tuple[dict[str, list[str]], list[RecordWrite]]] = {}
+        for stream, entry_id, record in self._pending_acks:
+            by_stream, records = by_queue.setdefault(self.queue_of_stream(stream), ({}, []))
+            by_stream.setdefault(stream, []).append(entry_id)
+            if record.key is not None:
+                records.append(record)
         self._pending_acks = []
-        for by_stream in by_queue.values():
-            self._ack_in_one_slot(by_stream)
+        for by_stream, records in by_queue.values():
+            self._ack_in_one_slot(by_stream, records)
 
-    def ack_now(self, stream: str, ids: list[str]) -> None:
-        """XACK and XDEL entries of one stream at once, in one MULTI."""
-        self._ack_in_one_slot({stream: ids})
+    def ack_now(self, stream: str, ids: list[str], records: list[RecordWrite] | None = None
+                ) -> None:
+        """XACK and XDEL entries of one stream at once, in one MULTI with ``records``."""
+        self._ack_in_one_slot({stream: ids}, records or [])
 
-    def _ack_in_one_slot(self, by_stream: dict[str, list[str]]) -> None:
-        """One MULTI on the streams of one queue, then ``WAIT`` with ``wait_replicas``
-        on the connection that ran it (on a Cluster, to the node of the queue's slot)."""
+    def _ack_in_one_slot(self, by_stream: dict[str, list[str]],
+                         records: list[RecordWrite]) -> None:
+        """One MULTI on the streams of one queue (and the records of its skipped tasks),
+        then ``WAIT`` with ``wait_replicas`` on the connection that ran it (on a Cluster,
+        to the node of the queue's slot)."""
         pipe = write_pipeline(self.client, self.settings, transaction=True,
                               key=next(iter(by_stream)))
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.settings.consumer_group, *ids)
             pipe.xdel(stream, *ids)
+        for record in records:
+            record.add_to(pipe)
         replies = execute(pipe, self.settings, "ack")
-        for (stream, ids), acked in zip(by_stream.items(), replies[::2]):
+        for (stream, ids), acked in zip(by_stream.items(), replies[:2 * len(by_stream):2]):
             if acked < len(ids):
                 # Normal when a task settled its entry itself (dead-lettered it, or
                 # replaced it by its next attempt); the takeover of a consumer that
@@ -102,10 +123,13 @@ class Settler:
         if stream is None:
             return
         queue = self.queue_of_stream(stream)
+        entry_id = delivery_info[INFO_ENTRY_ID]
+        record = entry_record(self.client, self.settings, queue, stream, entry_id,
+                              TaskState.QUEUED, task_id=delivery_info.get(INFO_TASK_ID))
         run_script(self.client, self.settings, "requeue",
-                   [stream, stream, self.settings.keys.queue(queue).dead],
-                   [self.settings.consumer_group, delivery_info[INFO_ENTRY_ID], "", 0, 0, 0,
-                    format_rfc3339(utcnow())], "requeue")
+                   [stream, stream, self.settings.keys.queue(queue).dead, *record.keys],
+                   [self.settings.consumer_group, entry_id, "", 0, 0, 0,
+                    format_rfc3339(utcnow()), *record.args], "requeue")
 
     def dead_letter_rejected(self, delivery_info: dict[str, Any]) -> None:
         """reject(requeue=False): the entry goes to the dead-letter stream, never nowhere."""
@@ -151,7 +175,10 @@ class Settler:
                         raise
                     continue  # the queue was deleted (a reply queue): nothing to give back
                 for item in pending:
-                    batch.script("requeue", [stream, stream, keys.dead],
-                                 [self.settings.consumer_group, as_text(item["message_id"]),
-                                  self.consumer_name, 0, 0, 0, now])
+                    entry_id = as_text(item["message_id"])
+                    record = entry_record(self.client, self.settings, queue, stream, entry_id,
+                                          TaskState.QUEUED)
+                    batch.script("requeue", [stream, stream, keys.dead, *record.keys],
+                                 [self.settings.consumer_group, entry_id,
+                                  self.consumer_name, 0, 0, 0, now, *record.args])
             batch.execute()

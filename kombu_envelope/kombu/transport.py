@@ -26,8 +26,9 @@ defaults and units): ``key_prefix``, ``consumer_group``, ``lease_ms``, ``block_m
 ``max_batch``, ``binding_cache_ms``, ``cancel_check_ms``, ``schema_cache_s``,
 ``gzip_min_bytes``, ``max_delay_s``, ``max_payload_depth``, ``max_payload_bytes``,
 ``transient_maxlen``, ``max_redeliveries``, ``message_adapter``, ``outage_tolerance_s``,
-``wait_replicas`` and
-``wait_timeout_ms`` (WAIT after publishing and settling), ``connection_kwargs``,
+``wait_replicas`` and ``wait_timeout_ms`` (WAIT after publishing and settling),
+``task_record_retention_s`` (task records) and ``announce_keep_s`` (worker announcements),
+``connection_kwargs``,
 the Sentinel options ``master_name``, ``sentinel_kwargs`` and ``min_other_sentinels``,
 and the redis-py connection options named and meant as on kombu's ``redis://``: ``socket_timeout``,
 ``socket_connect_timeout``, ``socket_keepalive``, ``socket_keepalive_options``,
@@ -259,6 +260,16 @@ class Transport(virtual.Transport):
         (:class:`celery_ext.transport.Transport`) asks the worker.
         """
         return False
+
+    def served_tasks(self) -> dict[str, list[int]]:
+        """The task types this process's consumers run, with the payload versions each
+        accepts (docs/protocol.md, section 15). The base transport runs none of its own
+        (``{}``); Celery's names its worker's tasks."""
+        return {}
+
+    def concurrency(self) -> int | None:
+        """How many tasks this process runs at once, when known (None here)."""
+        return None
 
     def queue_of_stream(self, stream: str) -> str:
         """The queue a stream key belongs to (the hash tag between the braces)."""

@@ -15,7 +15,7 @@ import json
 import socket
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -29,6 +29,13 @@ from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.schemas import PayloadSchemas
 from kombu_envelope.store.scripts import script
+from kombu_envelope.store.task_records import (
+    TaskState,
+    entry_record,
+    envelope_fields,
+    failure_error,
+    record_write,
+)
 
 
 def dead_letter_pending(
@@ -46,13 +53,20 @@ def dead_letter_pending(
     Returns the dead-letter entry id, or None when the entry was no longer pending.
     """
     fields = failure_fields(failure, queue=queue, consumer=consumer)
-    args: list[Any] = [settings.consumer_group, entry_id]
+    record = entry_record(client, settings, queue, stream, entry_id, TaskState.DEAD,
+                          _dead_record_fields(failure), task_id=failure.task_id)
+    args: list[Any] = [settings.consumer_group, entry_id, *record.args]
     for name, value in fields.items():
         args += [name, value]
     client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
-    reply = run_script(client, settings, "dead_letter", [stream, settings.keys.queue(queue).dead],
+    reply = run_script(client, settings, "dead_letter",
+                       [stream, settings.keys.queue(queue).dead, *record.keys],
                        args, "dead letter")
     return as_text(reply) if reply else None
+
+
+def _dead_record_fields(failure: Failure) -> dict[str, Any]:
+    return {"finished_at": utcnow(), "error": failure_error(failure)}
 
 
 def dead_letter_envelope(
@@ -75,11 +89,20 @@ def dead_letter_envelope(
         fields["raw." + name] = value
     client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
     dead = settings.keys.queue(queue).dead
-    if not settings.wait_replicas:
+    record = record_write(settings, queue, envelope.task_id, TaskState.DEAD,
+                          _dead_record_fields(failure))
+    if not settings.wait_replicas and record.key is None:
         return as_text(client.xadd(dead, fields))
+    # The entry id the record names is the XADD's reply: written right after it, in
+    # the same round trip (a MULTI cannot use one command's reply in the next).
     pipe = write_pipeline(client, settings, transaction=False, key=dead)
     pipe.xadd(dead, fields)
-    return as_text(execute(pipe, settings, "dead letter")[0])
+    dead_id = as_text(execute(pipe, settings, "dead letter")[0])
+    if record.key is not None:
+        pipe = client.pipeline(transaction=True)
+        replace(record, fields={**record.fields, "dead_id": dead_id}).add_to(pipe)
+        pipe.execute()
+    return dead_id
 
 
 
@@ -287,9 +310,12 @@ class DeadLetters:
         keys = self.settings.keys.queue(queue)
         record = ["replayed_at", format_rfc3339(utcnow()),
                   "operator", operator or f"{getpass.getuser()}@{socket.gethostname()}"]
+        task_record = record_write(self.settings, queue, envelope.task_id, TaskState.QUEUED,
+                                   envelope_fields(envelope, queue))
         reply = script(self.client, "replay")(
-            keys=[keys.dead, keys.stream(bucket_for(envelope.priority)), keys.replayed],
-            args=[entry_id, enc, body, *record],
+            keys=[keys.dead, keys.stream(bucket_for(envelope.priority)), keys.replayed,
+                  *task_record.keys],
+            args=[entry_id, enc, body, *task_record.args, *record],
         )
         return as_text(reply) if reply else None
 

@@ -23,6 +23,7 @@ from kombu_envelope.keys import QueueKeys
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.task_records import TaskState, record_write
 
 #: How long a cancel mark is kept (ms): 7 days.
 CANCEL_MARK_RETENTION_MS = 7 * 24 * 3600 * 1000
@@ -146,7 +147,11 @@ class DelayedTasks:
         if queues:
             batch = Batch(self.client)  # one cancel.lua per queue, each in its slot
             for keys in queues:
-                batch.script("cancel", [keys.delayed, keys.delayed_data], [task_id])
+                # Written by the script only where the task was delayed.
+                record = record_write(self.settings, keys.queue, task_id, TaskState.CANCELLED,
+                                      {"reason": "cancelled", "finished_at": utcnow()})
+                batch.script("cancel", [keys.delayed, keys.delayed_data, *record.keys],
+                             [task_id, *record.args])
             for keys, reply in zip(queues, batch.execute()):
                 if as_text(reply) == CancelOutcome.REMOVED.value:
                     return Cancellation(CancelOutcome.REMOVED, keys.queue)

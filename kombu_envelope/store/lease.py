@@ -15,15 +15,19 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from kombu_envelope.envelope import utcnow
 from kombu_envelope.failures import Failure, FailureClass, failure_fields
 from kombu_envelope.settings import Settings
+from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
 from kombu_envelope.store.outages import AnsweredAtOnce, is_outage
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
+from kombu_envelope.store.task_records import TaskState, entry_record
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +39,17 @@ FORGET_AFTER_MS = 3_600_000
 FORGET_CHECK_S = 60.0
 
 
-
-def renew(client: Any, settings: Settings, consumers: Iterable[str]) -> None:
-    """Mark ``consumers`` alive for another ``lease_ms``."""
+def renew(client: Any, settings: Settings, consumers: Iterable[str],
+          announcements: Iterable[WorkerAnnouncement] = ()) -> None:
+    """Mark ``consumers`` alive for another ``lease_ms``, and write ``announcements``
+    (their registry first, docs/protocol.md section 15) in the same round trip."""
     value = f"{socket.gethostname()} {os.getpid()} python"
-    pipe = client.pipeline(transaction=False)
-    for consumer in consumers:
-        pipe.set(settings.keys.consumer(consumer), value, px=settings.lease_ms)
-    pipe.execute()
+
+    def liveness(pipe: Any) -> None:
+        for consumer in consumers:
+            pipe.set(settings.keys.consumer(consumer), value, px=settings.lease_ms)
+
+    Announcements(client, settings).announce(*announcements, also=liveness)
 
 
 def reclaim_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
@@ -95,10 +102,13 @@ def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
         client.sadd(settings.keys.dead_queues, queue)
     moved = 0
     for item in pending:
+        entry_id = as_text(item["message_id"])
+        record = entry_record(client, settings, queue, stream, entry_id, TaskState.QUEUED,
+                              may_die=True)
         reply = requeue(
-            keys=[stream, stream, settings.keys.queue(queue).dead],
-            args=[group, as_text(item["message_id"]), owner, settings.lease_ms, 1,
-                  settings.max_redeliveries, dead_fields["dead_at"],
+            keys=[stream, stream, settings.keys.queue(queue).dead, *record.keys],
+            args=[group, entry_id, owner, settings.lease_ms, 1,
+                  settings.max_redeliveries, dead_fields["dead_at"], *record.args,
                   *_pairs(dead_fields, _REQUEUE_DEAD_FIELDS)],
         )
         if reply:
@@ -164,6 +174,7 @@ class LeaseKeeper:
         self._client_factory = client_factory
         self.settings = settings
         self._consumers: dict[str, frozenset[str]] = {}
+        self._announcements: dict[str, WorkerAnnouncement] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -176,22 +187,32 @@ class LeaseKeeper:
             self._client = self._client_factory()
         return self._client
 
-    def register(self, consumer: str, queues: Iterable[str]) -> None:
-        """Keep ``consumer`` alive (renewing now, synchronously) and watch ``queues``."""
+    def register(self, consumer: str, queues: Iterable[str],
+                 announcement: WorkerAnnouncement | None = None) -> None:
+        """Keep ``consumer`` alive (renewing now, synchronously) and watch ``queues``;
+        ``announcement`` is written with every renewal (docs/protocol.md, section 15)."""
         with self._lock:
             self._consumers[consumer] = frozenset(queues)
-        renew(self.client, self.settings, [consumer])
+            if announcement is not None:
+                self._announcements[consumer] = announcement
+            announced = [a for a in [self._announcements.get(consumer)] if a is not None]
+        renew(self.client, self.settings, [consumer], announced)
         self._ensure_started()
 
     def unregister(self, consumer: str) -> None:
-        """Stop renewing ``consumer`` and delete its liveness key."""
+        """Stop renewing ``consumer``, delete its liveness key and announce it stopped."""
         with self._lock:
             known = self._consumers.pop(consumer, None)
-        if known is not None:
-            try:
-                self.client.delete(self.settings.keys.consumer(consumer))
-            except RedisError:
-                logger.debug("could not delete liveness key of %s", consumer, exc_info=True)
+            announcement = self._announcements.pop(consumer, None)
+        if known is None:
+            return
+        try:
+            if announcement is not None:
+                Announcements(self.client, self.settings).announce(
+                    replace(announcement, stopped_at=utcnow()))
+            self.client.delete(self.settings.keys.consumer(consumer))
+        except RedisError:
+            logger.debug("could not delete liveness key of %s", consumer, exc_info=True)
 
     def stop(self) -> None:
         """Stop the thread (liveness keys then expire on their own) and close its client."""
@@ -224,6 +245,10 @@ class LeaseKeeper:
                 return None
             return dict(self._consumers)
 
+    def _announced(self, consumers: Iterable[str]) -> list[WorkerAnnouncement]:
+        with self._lock:
+            return [self._announcements[c] for c in consumers if c in self._announcements]
+
     def _run(self) -> None:
         interval_s = self.settings.lease_ms / 3000
         forget_every = max(1, int(FORGET_CHECK_S / interval_s))
@@ -238,7 +263,7 @@ class LeaseKeeper:
             rounds += 1
             watch = AnsweredAtOnce(interval_s)
             try:
-                renew(self.client, self.settings, consumers)
+                renew(self.client, self.settings, consumers, self._announced(consumers))
             except RedisError:
                 renewed_in_a_row = 0
                 wait_s = interval_s / 10  # promptly: the key must be back soon after Redis

@@ -24,6 +24,12 @@ from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
 from kombu_envelope.store.schemas import PayloadSchemas
 from kombu_envelope.store.scripts import script
+from kombu_envelope.store.task_records import (
+    RecordWrite,
+    TaskState,
+    envelope_fields,
+    record_write,
+)
 
 
 class Publisher:
@@ -96,10 +102,13 @@ class Publisher:
             # wait_replicas the WAIT must share the script's connection: a Batch, whose
             # raw EVALSHA needs no SCRIPT EXISTS either.
             keys, envelope, enc, body = prepared[0]
+            record = publish_record(settings, keys.queue, envelope, now)
             enqueue = script(self.client, "enqueue")
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
-                                  keys.delayed_data, keys.published(envelope.task_id)],
-                            args=[envelope.task_id, enc, body, tokens[0], dedupe_ms])
+                                  keys.delayed_data, keys.published(envelope.task_id),
+                                  *record.keys],
+                            args=[envelope.task_id, enc, body, tokens[0], dedupe_ms,
+                                  *record.args])
             return [reply.decode() if isinstance(reply, bytes) else reply]
         batch = Batch(self.client, settings, "publish")  # WAIT with wait_replicas
         if delayed_queues:
@@ -110,12 +119,14 @@ class Publisher:
                 batch.first("sadd", settings.keys.queues, queue)
         for (keys, envelope, enc, body), token in zip(prepared, tokens):
             if envelope.is_due(now):
+                record = publish_record(settings, keys.queue, envelope, now)
                 batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
                                          keys.delayed, keys.delayed_data,
-                                         keys.published(envelope.task_id)],
-                             [envelope.task_id, enc, body, token, dedupe_ms])
+                                         keys.published(envelope.task_id), *record.keys],
+                             [envelope.task_id, enc, body, token, dedupe_ms, *record.args])
             else:
-                schedule_encoded(batch, settings, keys, envelope, enc, body, token=token)
+                schedule_encoded(batch, settings, keys, envelope, enc, body, token=token,
+                                 now=now)
         replies = batch.execute()
         # enqueue.lua answers the entry id; schedule.lua answers an integer.
         return [
@@ -130,13 +141,29 @@ class Publisher:
         self.schemas.check(envelope)
 
 
+def publish_record(settings: Settings, queue: str, envelope: Envelope,
+                   now: datetime | None = None) -> RecordWrite:
+    """The task record of a publish of ``envelope`` (now or for later)."""
+    now = now or utcnow()
+    due = envelope.is_due(now)
+    return record_write(settings, queue, envelope.task_id,
+                        TaskState.QUEUED if due else TaskState.SCHEDULED,
+                        {**envelope_fields(envelope, queue, now), "published_at": now},
+                        due_ms=None if due else envelope.due_ms(), now=now)
+
+
 def schedule_encoded(batch: Batch, settings: Settings, keys: QueueKeys,
-                     envelope: Envelope, enc: Any, body: Any, *, token: str) -> None:
-    """Queue schedule.lua on ``batch`` for an Envelope already encoded as ``enc``/``body``.
+                     envelope: Envelope, enc: Any, body: Any, *, token: str,
+                     now: datetime | None = None) -> None:
+    """Queue schedule.lua on ``batch`` for an Envelope already encoded as ``enc``/``body``,
+    with its task record.
 
     ``token`` is the publish token (the same for every try of one publish). The
     caller adds the queue to the registry (``SADD <prefix>:queues``) first.
     """
-    batch.script("schedule", [keys.delayed, keys.delayed_data, keys.published(envelope.task_id)],
+    record = publish_record(settings, keys.queue, envelope, now)
+    batch.script("schedule", [keys.delayed, keys.delayed_data, keys.published(envelope.task_id),
+                              *record.keys],
                  [envelope.task_id, envelope.due_ms(), bucket_for(envelope.priority).value, enc,
-                  body, settings.keys.wakeup_channel, token, settings.publish_dedupe_ms])
+                  body, settings.keys.wakeup_channel, token, settings.publish_dedupe_ms,
+                  *record.args])

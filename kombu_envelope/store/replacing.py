@@ -33,6 +33,7 @@ from kombu_envelope.envelope import Envelope
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
+from kombu_envelope.store.task_records import TaskState, record_write
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,9 @@ class PendingAttempt:
     ``publish_if_gone``: the entry may have been acknowledged before the task
     ended, so an entry found gone is not proof that it was taken over.
     ``outcome`` says what the publish of its next attempt did (None: none yet).
+    ``retry_count`` is the running attempt's: a next attempt with a higher one is a
+    retry (its record reads ``retrying``), else a deferral (``scheduled``); ``error``
+    is the failure a retry follows, for the task record.
     """
 
     queue: str
@@ -61,6 +65,8 @@ class PendingAttempt:
     task_id: str
     publish_if_gone: bool = False
     outcome: Replaced | None = None
+    retry_count: int = 0
+    error: str | None = None
 
 
 _pending: ContextVar[PendingAttempt | None] = ContextVar("envelope_pending_attempt",
@@ -96,13 +102,22 @@ def replace_pending(client: Any, settings: Settings, attempt: PendingAttempt,
     bucket = bucket_for(envelope.priority)
     enc, body = encode_body(envelope, settings.gzip_min_bytes, limits=settings.limits)
     delayed = not envelope.is_due()
+    retried = envelope.retry_count > attempt.retry_count
+    record = record_write(
+        settings, attempt.queue, envelope.task_id,
+        TaskState.RETRYING if retried else TaskState.SCHEDULED,
+        {"retry_count": envelope.retry_count,
+         "due_at": envelope.schedule_time if delayed else None,
+         "error": attempt.error if retried else None},
+        due_ms=envelope.due_ms() if delayed else None)
     batch = Batch(client, settings, "retry")  # WAIT with wait_replicas
     if delayed:  # its own SADD, before retry.lua wakes promoters
         batch.first("sadd", settings.keys.queues, attempt.queue)
-    batch.script("retry", [attempt.stream, keys.stream(bucket), keys.delayed, keys.delayed_data],
+    batch.script("retry", [attempt.stream, keys.stream(bucket), keys.delayed, keys.delayed_data,
+                           *record.keys],
                  [settings.consumer_group, attempt.entry_id, envelope.task_id,
                   envelope.due_ms() if delayed else 0, bucket.value, enc, body,
-                  settings.keys.wakeup_channel])
+                  settings.keys.wakeup_channel, *record.args])
     replies = batch.execute()
     attempt.outcome = Replaced.REPLACED if replies[-1] else Replaced.NOT_PENDING
     if attempt.outcome is Replaced.NOT_PENDING and not attempt.publish_if_gone:

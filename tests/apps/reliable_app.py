@@ -192,6 +192,12 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
             time.sleep(0.05)
         raise self.retry(countdown=3600)
 
+    @app.task(name="reliable.retry_then_fail", shared=False, bind=True, max_retries=1)
+    def retry_then_fail(self: Task, name: str, countdown: float = 1.5) -> None:
+        """Retries once ``countdown`` seconds later, then fails for good (dead-lettered)."""
+        record_attempt(self, name)
+        raise self.retry(exc=ValueError(f"{name} failed"), countdown=countdown)
+
     @app.task(name="reliable.versioned", shared=False, bind=True, payload_versions=(1, 2))
     def versioned(self: Task, amount: Any) -> str:
         if not isinstance(amount, int):
