@@ -266,7 +266,9 @@ def test_a_live_worker_announces_its_queues_and_tasks(
     assert not announcements.served("celery", "no.such.task", 1)
     assert not announcements.served("elsewhere", "reliable.effect", 1)
     # The worker also consumes "doomed" since the SIGKILL test; no transient queue shows.
-    assert announcements.serving_queues("reliable.versioned", 1) == ["celery", "doomed"]
+    wait_for(lambda: announcements.serving_queues("reliable.versioned", 1)
+             == ["celery", "doomed"], timeout=LEASE_MS / 1000 + 5,
+             message=lambda: str(announcements.workers()))
     assert announcements.serving_queues("reliable.versioned", 3) == []
     assert announcements.serves_on("celery")["reliable.versioned"] == [1, 2]
     assert "celery" in TaskRecords(redis_client, settings).known_queues()

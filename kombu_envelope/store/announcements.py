@@ -146,10 +146,14 @@ class Announcements:
                    for worker in self.workers(queue))
 
     def serving_queues(self, task_type: str, payload_version: int) -> list[str]:
-        """The queues whose live or recently seen workers serve the type and version."""
-        return sorted({queue for worker in self.workers()
-                       if worker.serves_task(task_type, payload_version)
-                       for queue in worker.queues})
+        """The queues whose live or recently seen workers serve the type and version: those
+        with a live one first, then by name (docs/protocol.md, section 15, routing)."""
+        live: set[str] = set()
+        seen: set[str] = set()
+        for worker in self.workers():
+            if worker.serves_task(task_type, payload_version):
+                (live if worker.live else seen).update(worker.queues)
+        return sorted(live) + sorted(seen - live)
 
     def serves_on(self, queue: str) -> dict[str, list[int]]:
         """What the workers of ``queue`` serve, merged (for error messages); a type some
