@@ -209,6 +209,7 @@ describe('shared Lua scripts', () => {
   test('key counts come from the header only', () => {
     assert.equal(keyCount('-- KEYS[1] a\n-- KEYS[2] b\nreturn KEYS[3]'), 2);
     assert.equal(keyCount('-- KEYS[1..n] streams\n'), null);
+    assert.equal(keyCount('-- KEYS[1] a\n-- KEYS[2], ARGV[3]  optional: a record\n'), null);
     assert.throws(() => keyCount('return 1'));
   });
 });
