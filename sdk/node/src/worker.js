@@ -329,9 +329,7 @@ export class Worker extends EventEmitter {
     await this.renew();
     this.running = true;
     const tick = this.renewals.intervalMs;
-    this.leaseTimer = setInterval(() => {
-      this.renew().catch((err) => this.log.warn('liveness renewal failed', { err }));
-    }, tick);
+    this.leaseTimer = setInterval(() => this.renewOrRetry(), tick);
     this.takeoverTimer = setInterval(() => this.takeoverTick(), tick);
     if (this.opts.promoter) {
       this.subscriber = this.client('promoter');
@@ -373,6 +371,22 @@ export class Worker extends EventEmitter {
     const counted = await this.renewals.renew(this.leaseClient,
       () => this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs));
     if (!counted) this.log.info('a liveness renewal waited for Redis; takeovers wait for two renewals answered at once');
+  }
+
+  /**
+   * A renewal of the liveness key; one that failed is tried again within a
+   * tenth of the renewal interval until one succeeds (docs/protocol.md section
+   * 5), so that the key is back soon after the primary is found again.
+   */
+  async renewOrRetry() {
+    try {
+      await this.renew();
+    } catch (err) {
+      if (this.leaseTimer === null) return;
+      this.log.warn('liveness renewal failed; trying again shortly', { err });
+      clearTimeout(this.renewRetry);
+      this.renewRetry = setTimeout(() => this.renewOrRetry(), Math.max(1, Math.floor(this.renewals.intervalMs / 10)));
+    }
   }
 
   // ---------------------------------------------------------------- reading
@@ -1207,6 +1221,8 @@ export class Worker extends EventEmitter {
       this.log.error('could not return every pending entry; they go back once the lease expires', { err });
     }
     clearInterval(this.leaseTimer);
+    this.leaseTimer = null;
+    clearTimeout(this.renewRetry);
     clearInterval(this.takeoverTimer);
     await this.promoter?.stop().catch(() => {});
     try {
