@@ -744,9 +744,14 @@ export class Worker extends EventEmitter {
     const timeoutMs = env.timeout_ms ?? handler.timeoutMs ?? this.opts.defaultTimeoutMs;
     const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
     if (outcome.ok) {
-      if (claim) await this.finishClaim(claim, 'done', log);
+      const epoch = this.renewals.epoch;
+      const replicated = claim ? await this.finishClaim(claim, 'done', log) : true;
       await this.results.success(env, outcome.result, log);
       await this.ack(entry, log);
+      // A done marker that no replica took, on a connection replaced since (a node that
+      // answered NOREPLICAS or READONLY), may sit on a node that is no longer the primary:
+      // written again on the current one, or the task runs again from the new primary.
+      if (!replicated && this.renewals.epoch !== epoch) await this.finishClaim(claim, 'done', log);
       this.stats.succeeded += 1;
       log.info('task succeeded', { attempt: env.retry_count, duration_ms: outcome.durationMs });
       this.notify('completed', env, { result: outcome.result, durationMs: outcome.durationMs });
@@ -887,10 +892,13 @@ export class Worker extends EventEmitter {
       ? [claim.holder, 'done', this.opts.idemDoneTtlMs, Timestamp.now().toString()]
       : [claim.holder, 'release'];
     // Part of settling: a done marker lost with its primary would let the task run again.
-    const settled = await this.settle(`idempotency ${how}`, claim.key, log, () => this.scripts.run('idem_finish', [claim.key], args));
+    const what = `idempotency ${how}`;
+    const settled = await this.retrying(what, log, () => this.scripts.run('idem_finish', [claim.key], args));
+    const replicated = await this.waitForReplicas(what, claim.key, log);
     if (Number(settled) === 0) {
       log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
     }
+    return replicated;
   }
 
   // ---------------------------------------------------------------- settling entries
@@ -901,11 +909,20 @@ export class Worker extends EventEmitter {
    */
   async settle(what, key, log, fn) {
     const reply = await this.retrying(what, log, fn);
-    if (this.replicas.replicas) {
-      await this.retrying('wait for replicas', log, () => this.replicas.after(this.cmd, key, what, log))
-        .catch((err) => log.warn('could not wait for replicas', { err, step: what }));
-    }
+    await this.waitForReplicas(what, key, log);
     return reply;
+  }
+
+  /** WAIT after the settling step `what` on the node of `key`: true when the replicas asked (none when off) took it. */
+  async waitForReplicas(what, key, log) {
+    if (!this.replicas.replicas) return true;
+    try {
+      const acknowledged = await this.retrying('wait for replicas', log, () => this.replicas.after(this.cmd, key, what, log));
+      return acknowledged >= this.replicas.replicas;
+    } catch (err) {
+      log.warn('could not wait for replicas', { err, step: what });
+      return false;
+    }
   }
 
   /** `fn()`, a step safe to repeat, retried while Redis is away or failing over (outageToleranceMs). */

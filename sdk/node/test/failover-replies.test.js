@@ -1,13 +1,15 @@
 // The replies of a node that is no longer a usable primary (docs/protocol.md
 // section 5, "Failover"): they are outages, and the connection that got one
-// finds the primary again instead of staying on that node. The Sentinel case
-// runs against its own group: the old primary is kept from being demoted, so
-// that it stays a primary cut off from its replicas and answers NOREPLICAS
-// (min-replicas-to-write), as one that resumes after a stall does.
+// finds the primary again instead of staying on that node. The Sentinel cases
+// run against their own group (min-replicas-to-write 1): the old primary is
+// kept from being demoted (its ACL refuses REPLICAOF), so that it stays a
+// primary cut off from its replicas and answers NOREPLICAS, as one that resumes
+// after a stall does.
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
 import { Producer, Worker, createLogger, isRedisAway } from '../src/index.js';
 import { reconnectOnFailover, roleConnection } from '../src/connection.js';
@@ -65,7 +67,7 @@ describe('failover replies', () => {
   });
 });
 
-describe('Sentinel: a primary cut off from its replicas (NOREPLICAS)', () => {
+describe('Sentinel: a primary cut off from its replicas (NOREPLICAS)', { concurrency: false }, () => {
   let group;
 
   before(async () => {
@@ -79,9 +81,14 @@ describe('Sentinel: a primary cut off from its replicas (NOREPLICAS)', () => {
     await group?.close();
   });
 
-  test('a worker finds the new primary to settle, renew and read: the task runs once', async () => {
+  /**
+   * A worker (leaseMs 1500, waitReplicas 1) and a producer on the group, a
+   * handler that holds the task 'held' until release(), the old primary made
+   * unable to be demoted, and failover(): the sentinels promote a replica. Each case ends with the
+   * old primary's ACL restored and every replica following the new primary.
+   */
+  async function withWorker(t, body) {
     const prefix = `nr-${crypto.randomBytes(4).toString('hex')}`;
-    const keys = new KeySpace(prefix);
     const lines = [];
     const stream = new Writable({
       write(chunk, _enc, done) {
@@ -95,41 +102,79 @@ describe('Sentinel: a primary cut off from its replicas (NOREPLICAS)', () => {
     const gate = new Promise((resolve) => { release = resolve; });
     const worker = new Worker('nr.q', {
       'nr.hold': async (payload) => { runs.push(payload.id); if (payload.id === 'held') await gate; },
-    }, { connection: group.url, prefix, logger, leaseMs: 1500, blockMs: 200, promoterMaxIdleMs: 200 });
+    }, { connection: group.url, prefix, logger, leaseMs: 1500, blockMs: 200, promoterMaxIdleMs: 200, waitReplicas: 1, waitTimeoutMs: 200 });
     const producer = new Producer({ connection: group.url, prefix, logger });
     const old = await group.primaryPort();
-    try {
-      await worker.waitUntilReady();
-      await producer.publish('nr.q', { task_type: 'nr.hold', payload: { id: 'held' } });
-      await waitFor(() => runs.includes('held'));
-      // The sentinels cannot demote the old primary: it stays one, without replicas once they follow the new one.
-      await onNode(old, (c) => c.call('ACL', 'SETUSER', 'default', '-replicaof', '-slaveof'));
+    const failover = async () => {
       await waitFor(() => onNode(group.sentinels[0], (c) => c.call('SENTINEL', 'FAILOVER', group.masterName)).then(() => true, (err) => {
-        if (/^INPROG/.test(err.message)) return false;
+        if (/^INPROG|^NOGOODSLAVE/.test(err.message)) return false;
         throw err;
       }), { timeoutMs: 20_000, intervalMs: 200, message: 'the sentinels kept a failover in progress' });
       await waitFor(async () => (await group.primaryPort()) !== old, { timeoutMs: 20_000, intervalMs: 100, message: 'no failover' });
-      const now = await group.primaryPort();
-      await waitFor(() => onNode(old, (c) => c.set(`${prefix}:probe`, '1')).then(() => false, (err) => /^NOREPLICAS/.test(err.message)),
-        { timeoutMs: 10_000, intervalMs: 100, message: 'the old primary did not refuse writes' });
-      release();
-      // The ack landed on the new primary, the worker reads there, and its liveness key lives there.
-      const taskStream = keys.queue('nr.q').stream('normal');
-      await waitFor(async () => Number((await onNode(now, (c) => c.xpending(taskStream, 'workers')))[0]) === 0
-        && (await onNode(now, (c) => c.xlen(taskStream))) === 0,
-      { timeoutMs: 10_000, intervalMs: 100, message: () => `the entry was not settled on the new primary: ${JSON.stringify(lines.filter((l) => l.level !== 'info').slice(0, 3))}` });
-      await producer.publish('nr.q', { task_type: 'nr.hold', payload: { id: 'after' } });
-      await waitFor(() => runs.includes('after'), { timeoutMs: 10_000, message: 'the worker did not read on the new primary' });
-      await new Promise((resolve) => setTimeout(resolve, 1600)); // more than a lease: only renewals keep the key
-      assert.equal(await onNode(now, (c) => c.exists(keys.consumer(worker.consumer))), 1, 'the liveness key is renewed on the new primary');
-      assert.deepEqual(runs, ['held', 'after'], 'each task ran once');
-      assert.deepEqual(lines.filter((l) => l.level === 'error'), []);
-      assert.equal(worker.running, true);
+      return group.primaryPort();
+    };
+    const refusesWrites = () => waitFor(() => onNode(old, (c) => c.set(`${prefix}:probe`, '1')).then(() => false, (err) => /^NOREPLICAS/.test(err.message)),
+      { timeoutMs: 10_000, intervalMs: 100, message: 'the old primary did not refuse writes' });
+    try {
+      await worker.waitUntilReady();
+      await onNode(old, (c) => c.call('ACL', 'SETUSER', 'default', '-replicaof', '-slaveof'));
+      await body({ prefix, keys: new KeySpace(prefix), lines, runs, release, worker, producer, old, failover, refusesWrites });
     } finally {
       release();
-      await onNode(old, (c) => c.call('ACL', 'SETUSER', 'default', '+@all')).catch(() => {});
       await producer.close();
       await worker.close({ graceMs: 0 });
+      const oldNode = group.nodes.find((n) => n.port === old);
+      oldNode.child.kill('SIGCONT');
+      await onNode(old, (c) => c.call('ACL', 'SETUSER', 'default', '+@all')).catch(() => {});
+      const primary = await group.primaryPort();
+      await waitFor(() => onNode(primary, async (c) => {
+        const info = String(await c.info('replication'));
+        return (info.match(/state=online/g) ?? []).length === 2;
+      }), { timeoutMs: 20_000, intervalMs: 100, message: 'the replicas did not follow the new primary' });
     }
-  });
+  }
+
+  /** The entry of `stream` is settled on the node on `port`: neither pending nor left in the stream. */
+  const settledOn = (port, stream, lines) => waitFor(async () => Number((await onNode(port, (c) => c.xpending(stream, 'workers')))[0]) === 0
+    && (await onNode(port, (c) => c.xlen(stream))) === 0,
+  { timeoutMs: 10_000, intervalMs: 100, message: () => `the entry was not settled on the new primary: ${JSON.stringify(lines.filter((l) => l.level !== 'info').slice(0, 3))}` });
+
+  test('a worker finds the new primary to settle, renew and read: the task runs once', (t) => withWorker(t, async ({
+    keys, lines, runs, release, worker, producer, failover, refusesWrites,
+  }) => {
+    await producer.publish('nr.q', { task_type: 'nr.hold', payload: { id: 'held' } });
+    await waitFor(() => runs.includes('held'));
+    const now = await failover();
+    await refusesWrites();
+    release();
+    // The ack landed on the new primary, the worker reads there, and its liveness key lives there.
+    await settledOn(now, keys.queue('nr.q').stream('normal'), lines);
+    await producer.publish('nr.q', { task_type: 'nr.hold', payload: { id: 'after' } });
+    await waitFor(() => runs.includes('after'), { timeoutMs: 10_000, message: 'the worker did not read on the new primary' });
+    await sleep(1600); // more than a lease: only renewals keep the key
+    assert.equal(await onNode(now, (c) => c.exists(keys.consumer(worker.consumer))), 1, 'the liveness key is renewed on the new primary');
+    assert.deepEqual(runs, ['held', 'after'], 'each task ran once');
+    assert.deepEqual(lines.filter((l) => l.level === 'error'), []);
+    assert.equal(worker.running, true);
+  }));
+
+  test('a done marker taken by a stalled primary as it resumes is written again on the new one', (t) => withWorker(t, async ({
+    keys, lines, runs, release, old, producer, failover,
+  }) => {
+    await producer.publish('nr.q', { task_type: 'nr.hold', payload: { id: 'held' }, idempotency_key: 'held' });
+    await waitFor(() => runs.includes('held'));
+    await sleep(300); // the claim reached the replicas
+    const oldNode = group.nodes.find((n) => n.port === old);
+    oldNode.child.kill('SIGSTOP');
+    release(); // the done marker waits in the stalled primary's socket
+    const now = await failover();
+    // On resuming, the old primary runs what it was sent before it counts its replicas again:
+    // it takes the done marker (no replica gets it), then refuses writes.
+    oldNode.child.kill('SIGCONT');
+    await settledOn(now, keys.queue('nr.q').stream('normal'), lines);
+    const marker = keys.idempotency('nr.hold', 'held');
+    await waitFor(async () => String(await onNode(now, (c) => c.get(marker))).startsWith('done '),
+      { timeoutMs: 5000, intervalMs: 100, message: 'the new primary has no done marker' });
+    assert.deepEqual(lines.filter((l) => l.level === 'error'), []);
+  }));
 });
