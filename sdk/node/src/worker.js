@@ -352,13 +352,18 @@ export class Worker extends EventEmitter {
     this.notify('ready');
   }
 
-  /** XGROUP CREATE ... MKSTREAM on every task stream of every queue, ignoring BUSYGROUP. */
+  /**
+   * XGROUP CREATE ... MKSTREAM on every task stream of every queue, retried
+   * while Redis is away or failing over, ignoring BUSYGROUP (also as the last
+   * error of a Cluster command redirected too often: a try before it created the group).
+   */
   async ensureGroups() {
     for (const stream of this.queueOfStream.keys()) {
       try {
-        await this.cmd.xgroup('CREATE', stream, this.opts.group, '0', 'MKSTREAM');
+        await this.retrying('create the consumer group', this.log,
+          () => this.cmd.xgroup('CREATE', stream, this.opts.group, '0', 'MKSTREAM'));
       } catch (err) {
-        if (!String(err.message).startsWith('BUSYGROUP')) throw err;
+        if (!/\bBUSYGROUP\b/.test(String(err.message))) throw err;
       }
     }
   }

@@ -65,6 +65,20 @@ describe('failover replies', () => {
     assert.equal(handler(replyError('ERR syntax error')), false);
     assert.equal(refreshed, 1);
   });
+  test('creating a consumer group that exists is no error, also when a Cluster redirected it too often', async () => {
+    const replies = ['Too many Cluster redirections. Last error: ReplyError: BUSYGROUP Consumer Group name already exists',
+      'BUSYGROUP Consumer Group name already exists'];
+    let calls = 0;
+    const worker = Object.assign(Object.create(Worker.prototype), {
+      queueOfStream: new Map([['s:high', 'q'], ['s:normal', 'q']]), opts: { group: 'workers', outageToleranceMs: 5000 },
+      log: createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) }),
+      cmd: { xgroup: async () => { calls += 1; throw replyError(replies[calls === 1 ? 0 : 1]); } },
+    });
+    await worker.ensureGroups();
+    assert.equal(calls, 3, 'the redirected try was repeated, then each stream answered BUSYGROUP');
+    worker.cmd = { xgroup: async () => { throw replyError('WRONGTYPE Operation against a key holding the wrong kind of value'); } };
+    await assert.rejects(worker.ensureGroups(), /WRONGTYPE/);
+  });
 });
 
 describe('Sentinel: a primary cut off from its replicas (NOREPLICAS)', { concurrency: false }, () => {
