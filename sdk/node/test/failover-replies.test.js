@@ -11,8 +11,8 @@ import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
-import { Producer, Worker, createLogger, isRedisAway } from '../src/index.js';
-import { reconnectOnFailover, roleConnection } from '../src/connection.js';
+import { Producer, Worker, createLogger, isRedisAway, reconnectOnFailover } from '../src/index.js';
+import { roleConnection } from '../src/connection.js';
 import { KeySpace } from '../src/keys.js';
 import { onNode, startSentinelGroup, waitFor } from '../support/helpers.js';
 
