@@ -6,12 +6,13 @@
 import { failFastOnTls } from './tls.js';
 import { createRedis } from './url.js';
 
-/** A client opened here: its commands fail at once when its TLS handshake fails (src/tls.js). */
-function opened(connection, connectionName, extra = {}) {
-  const client = createRedis(connection ?? {}, { connectionName, reconnectOnError: reconnectOnFailover, ...extra });
+/** A client opened here: it follows failovers, and its commands fail at once when its TLS
+ * handshake fails (src/tls.js). */
+const opened = (connection, connectionName, extra = {}) => followingFailovers((reconnectOnError) => {
+  const client = createRedis(connection ?? {}, { connectionName, reconnectOnError, ...extra });
   failFastOnTls(client);
   return client;
-}
+});
 
 /** An ioredis client or Cluster (anything with defineCommand and duplicate). */
 export function isRedisClient(value) {
@@ -19,14 +20,42 @@ export function isRedisClient(value) {
     typeof value.duplicate === 'function';
 }
 
+/** The reconnectOnError handlers made by followingFailovers (a duplicate gets one of its own). */
+const followers = new WeakSet();
+
 /**
  * A reply error after which a connection must find the primary again: the node
- * became a replica (READONLY), or a blocked read was released by a role change
- * (UNBLOCKED). ioredis reconnects (asking the sentinels for the primary) and
- * sends the command again (2).
+ * became a replica (READONLY, MASTERDOWN, LOADING of a replica's sync), is a
+ * primary cut off from its replicas (NOREPLICAS, min-replicas-to-write), or a
+ * blocked read was released by a role change (UNBLOCKED ... master -> replica).
+ * Answers 1: ioredis drops the connection and connects again (behind Sentinel,
+ * asking the sentinels for the primary) and the command fails with that reply,
+ * an outage that the SDK retries with a backoff (src/outage.js) on the new
+ * connection. Sending it again at once (2) would loop without a bound on a
+ * primary that keeps refusing. Any other reply: false.
  */
 export function reconnectOnFailover(err) {
-  return /^(READONLY|UNBLOCKED)\b/.test(String(err?.message)) ? 2 : false;
+  const message = String(err?.message);
+  if (/^(READONLY|MASTERDOWN|NOREPLICAS|LOADING)\b/.test(message)) return 1;
+  return /^UNBLOCKED\b.*master -> replica/.test(message) ? 1 : false;
+}
+
+/**
+ * `build(reconnectOnError)`, a new ioredis client or Cluster given that
+ * handler: reconnectOnFailover, and on a Cluster also a refresh of the slot map
+ * (a node answering so no longer serves its slots; it sends no MOVED).
+ * @param {(reconnectOnError: (err: Error) => number | false) => any} build
+ */
+function followingFailovers(build) {
+  let client = null;
+  const reconnectOnError = (err) => {
+    const how = reconnectOnFailover(err);
+    if (how && client?.isCluster) client.refreshSlotsCache();
+    return how;
+  };
+  followers.add(reconnectOnError);
+  client = build(reconnectOnError);
+  return client;
 }
 
 /**
@@ -69,8 +98,13 @@ export function openConnection(connection, connectionName, log) {
  */
 export function roleConnection(given, connectionName) {
   if (!isRedisClient(given)) return opened(given, connectionName, { lazyConnect: false });
-  if (given.isCluster) return given.duplicate();
-  return given.duplicate({ connectionName, reconnectOnError: given.options?.reconnectOnError ?? reconnectOnFailover });
+  const own = (given.isCluster ? given.options?.redisOptions : given.options)?.reconnectOnError;
+  if (own && !followers.has(own)) {
+    return given.isCluster ? given.duplicate() : given.duplicate({ connectionName, reconnectOnError: own });
+  }
+  return followingFailovers((reconnectOnError) => (given.isCluster
+    ? given.duplicate([], { redisOptions: { ...given.options.redisOptions, reconnectOnError } })
+    : given.duplicate({ connectionName, reconnectOnError })));
 }
 
 /**

@@ -8,7 +8,7 @@ export { Scripts, loadScripts, keyCount, LUA_DIR, SCRIPT_NAMES } from './scripts
 export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
 export { Worker, WORKER_DEFAULTS } from './worker.js';
 export { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from './url.js';
-export { isRedisClient } from './connection.js';
+export { isRedisClient, reconnectOnFailover } from './connection.js';
 export { RedisTlsError } from './tls.js';
 export { ReplicaWait } from './replicas.js';
 export { Promoter, redisNowMs } from './promoter.js';

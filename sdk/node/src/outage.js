@@ -1,9 +1,11 @@
 // Commands that are safe to repeat are retried while Redis is unreachable or
 // loading, for a bounded time (docs/protocol.md section 5, outages). Behind
 // Sentinel and on a Cluster the errors of a failover are outages too: a node
-// that stopped being the primary (READONLY, MASTERDOWN, UNBLOCKED), a slot
-// between nodes (MOVED, ASK, TRYAGAIN, CLUSTERDOWN and the ioredis errors of a
-// slot map being refreshed) and reset connections.
+// that stopped being the primary or is cut off from its replicas (READONLY,
+// MASTERDOWN, NOREPLICAS, UNBLOCKED), a slot between nodes (MOVED, ASK,
+// TRYAGAIN, CLUSTERDOWN and the ioredis errors of a slot map being refreshed),
+// reset connections, and a MULTI that Redis discarded (EXECABORT) because one
+// of its commands got such a reply.
 
 import { setTimeout as sleep } from 'node:timers/promises';
 import { isTransientError } from './retry.js';
@@ -12,7 +14,7 @@ import { isTransientError } from './retry.js';
 export const OUTAGE_TOLERANCE_MS = 30_000;
 
 const AWAY_MESSAGE = new RegExp([
-  '^(LOADING|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|READONLY|UNBLOCKED|MOVED|ASK)\\b',
+  '^(LOADING|MASTERDOWN|NOREPLICAS|TRYAGAIN|CLUSTERDOWN|READONLY|UNBLOCKED|MOVED|ASK)\\b',
   'Connection is closed', 'Command aborted due to connection close', "Stream isn't writeable",
   'connect E[A-Z]+', 'read E[A-Z]+', 'write E[A-Z]+',
   'Failed to refresh slots cache', 'None of startup nodes is available', "Cluster isn't ready",
@@ -23,7 +25,10 @@ const AWAY_MESSAGE = new RegExp([
 export function isRedisAway(err) {
   if (!err || typeof err !== 'object') return false;
   if (err.name === 'MaxRetriesPerRequestError' || err.name === 'ClusterAllFailedError') return true;
-  return isTransientError(err) || AWAY_MESSAGE.test(String(err.message));
+  if (isTransientError(err) || AWAY_MESSAGE.test(String(err.message))) return true;
+  // EXECABORT: a command queued in the MULTI was refused (ioredis lists why in previousErrors).
+  return /^EXECABORT\b/.test(String(err.message)) && Array.isArray(err.previousErrors) &&
+    err.previousErrors.some((previous) => AWAY_MESSAGE.test(String(previous?.message)));
 }
 
 /**

@@ -20,7 +20,10 @@ export const SCRIPT_NAMES = Object.freeze([
   'idem_begin', 'idem_finish', 'retry_slot', 'forget_consumer',
 ]);
 
-/** Number of KEYS a script takes according to its header, or null when variable. */
+/**
+ * Number of KEYS a script takes according to its header, or null when variable
+ * ("KEYS[1..n]", or a key documented as optional: the caller passes the count).
+ */
 export function keyCount(lua) {
   const header = lua.split('\n').filter((line) => line.startsWith('--')).join('\n');
   if (/KEYS\[\d+\.\.\w+\]/.test(header) || /KEYS\[\d+\]\s+optional/.test(header)) return null;

@@ -350,9 +350,7 @@ export class Worker extends EventEmitter {
     await this.renew();
     this.running = true;
     const tick = this.renewals.intervalMs;
-    this.leaseTimer = setInterval(() => {
-      this.renew().catch((err) => this.log.warn('liveness renewal failed', { err }));
-    }, tick);
+    this.leaseTimer = setInterval(() => this.renewOrRetry(), tick);
     this.takeoverTimer = setInterval(() => this.takeoverTick(), tick);
     if (this.opts.promoter) {
       this.subscriber = this.client('promoter');
@@ -375,13 +373,18 @@ export class Worker extends EventEmitter {
     this.notify('ready');
   }
 
-  /** XGROUP CREATE ... MKSTREAM on every task stream of every queue, ignoring BUSYGROUP. */
+  /**
+   * XGROUP CREATE ... MKSTREAM on every task stream of every queue, retried
+   * while Redis is away or failing over, ignoring BUSYGROUP (also as the last
+   * error of a Cluster command redirected too often: a try before it created the group).
+   */
   async ensureGroups() {
     for (const stream of this.queueOfStream.keys()) {
       try {
-        await this.cmd.xgroup('CREATE', stream, this.opts.group, '0', 'MKSTREAM');
+        await this.retrying('create the consumer group', this.log,
+          () => this.cmd.xgroup('CREATE', stream, this.opts.group, '0', 'MKSTREAM'));
       } catch (err) {
-        if (!String(err.message).startsWith('BUSYGROUP')) throw err;
+        if (!/\bBUSYGROUP\b/.test(String(err.message))) throw err;
       }
     }
   }
@@ -416,6 +419,22 @@ export class Worker extends EventEmitter {
   /** Write the announcement: ZADD <prefix>:workers first and awaited, then SET PX announceKeepMs. */
   announceSelf(stopped = false) {
     return announce(this.leaseClient, this.keys, this.announcement(stopped), this.opts.announceKeepMs);
+  }
+
+  /**
+   * A renewal of the liveness key; one that failed is tried again within a
+   * tenth of the renewal interval until one succeeds (docs/protocol.md section
+   * 5), so that the key is back soon after the primary is found again.
+   */
+  async renewOrRetry() {
+    try {
+      await this.renew();
+    } catch (err) {
+      if (this.leaseTimer === null) return;
+      this.log.warn('liveness renewal failed; trying again shortly', { err });
+      clearTimeout(this.renewRetry);
+      this.renewRetry = setTimeout(() => this.renewOrRetry(), Math.max(1, Math.floor(this.renewals.intervalMs / 10)));
+    }
   }
 
   // ---------------------------------------------------------------- reading
@@ -793,9 +812,14 @@ export class Worker extends EventEmitter {
     await this.recordStart(entry, env, log);
     const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
     if (outcome.ok) {
-      if (claim) await this.finishClaim(claim, 'done', log);
+      const epoch = this.renewals.epoch;
+      const replicated = claim ? await this.finishClaim(claim, 'done', log) : true;
       await this.results.success(env, outcome.result, log);
       await this.ack(entry, log, { state: TASK_STATES.succeeded });
+      // A done marker that no replica took, on a connection replaced since (a node that
+      // answered NOREPLICAS or READONLY), may sit on a node that is no longer the primary:
+      // written again on the current one, or the task runs again from the new primary.
+      if (!replicated && this.renewals.epoch !== epoch) await this.finishClaim(claim, 'done', log);
       this.stats.succeeded += 1;
       log.info('task succeeded', { attempt: env.retry_count, duration_ms: outcome.durationMs });
       this.notify('completed', env, { result: outcome.result, durationMs: outcome.durationMs });
@@ -950,10 +974,13 @@ export class Worker extends EventEmitter {
       ? [claim.holder, 'done', this.opts.idemDoneTtlMs, Timestamp.now().toString()]
       : [claim.holder, 'release'];
     // Part of settling: a done marker lost with its primary would let the task run again.
-    const settled = await this.settle(`idempotency ${how}`, claim.key, log, () => this.scripts.run('idem_finish', [claim.key], args));
+    const what = `idempotency ${how}`;
+    const settled = await this.retrying(what, log, () => this.scripts.run('idem_finish', [claim.key], args));
+    const replicated = await this.waitForReplicas(what, claim.key, log);
     if (Number(settled) === 0) {
       log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
     }
+    return replicated;
   }
 
   // ---------------------------------------------------------------- settling entries
@@ -964,11 +991,20 @@ export class Worker extends EventEmitter {
    */
   async settle(what, key, log, fn) {
     const reply = await this.retrying(what, log, fn);
-    if (this.replicas.replicas) {
-      await this.retrying('wait for replicas', log, () => this.replicas.after(this.cmd, key, what, log))
-        .catch((err) => log.warn('could not wait for replicas', { err, step: what }));
-    }
+    await this.waitForReplicas(what, key, log);
     return reply;
+  }
+
+  /** WAIT after the settling step `what` on the node of `key`: true when the replicas asked (none when off) took it. */
+  async waitForReplicas(what, key, log) {
+    if (!this.replicas.replicas) return true;
+    try {
+      const acknowledged = await this.retrying('wait for replicas', log, () => this.replicas.after(this.cmd, key, what, log));
+      return acknowledged >= this.replicas.replicas;
+    } catch (err) {
+      log.warn('could not wait for replicas', { err, step: what });
+      return false;
+    }
   }
 
   /** `fn()`, a step safe to repeat, retried while Redis is away or failing over (outageToleranceMs). */
@@ -1326,6 +1362,8 @@ export class Worker extends EventEmitter {
       this.log.error('could not return every pending entry; they go back once the lease expires', { err });
     }
     clearInterval(this.leaseTimer);
+    this.leaseTimer = null;
+    clearTimeout(this.renewRetry);
     clearInterval(this.takeoverTimer);
     await this.promoter?.stop().catch(() => {});
     try {
