@@ -170,7 +170,8 @@ abstract class Link implements AutoCloseable {
 
         /**
          * A server that became a replica (READONLY, a read UNBLOCKED by the role change) keeps its
-         * connections: open a new one, which Sentinel points at the new primary.
+         * connections, and an old primary back after a failover answers NOREPLICAS on them: open a
+         * new one, for which the sentinels are asked again and name the current primary.
          */
         @Override
         synchronized void recover(Throwable error) {
@@ -184,7 +185,8 @@ abstract class Link implements AutoCloseable {
                 StatefulRedisConnection<String, byte[]> fresh = client.connect(Redis.CODEC);
                 fresh.setTimeout(timeout);
                 conn = fresh;
-                LOG.warn("the server stopped being the primary ({}); reconnected", error.getMessage());
+                LOG.warn("the server is not a usable primary ({}); reconnected to the one the sentinels name",
+                        error.getMessage());
             } catch (RedisException e) {
                 LOG.warn("reconnecting after a role change failed; retrying: {}", e.toString());
                 return;

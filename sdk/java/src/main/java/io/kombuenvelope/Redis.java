@@ -100,11 +100,18 @@ final class Redis {
         return false;
     }
 
-    /** Whether an error says the server is no longer the primary (a failover demoted it). */
+    /**
+     * Whether an error says the server is not a usable primary now: a failover demoted it
+     * ({@code READONLY}, a read {@code UNBLOCKED} by the role change), or it refuses writes for want
+     * of replicas ({@code NOREPLICAS}: an old primary that came back after a failover, cut off
+     * from its replicas), also when that refusal of a queued command ended a MULTI ({@code EXECABORT}).
+     */
     static boolean isRoleChange(Throwable e) {
         for (Throwable t = e; t != null; t = t.getCause()) {
             String m = String.valueOf(t.getMessage());
-            if (m.startsWith("READONLY") || m.contains("instance state changed") || m.contains("master -> replica")) {
+            if (m.startsWith("READONLY") || m.contains("instance state changed") || m.contains("master -> replica")
+                    || m.startsWith("NOREPLICAS") || m.contains("ERR NOREPLICAS") || m.contains(": NOREPLICAS")
+                    || m.startsWith("EXECABORT")) {
                 return true;
             }
         }

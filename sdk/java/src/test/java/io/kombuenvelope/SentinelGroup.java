@@ -23,10 +23,17 @@ final class SentinelGroup implements AutoCloseable {
     private SentinelGroup() {}
 
     static SentinelGroup start() throws IOException, InterruptedException {
+        return start(new String[0]);
+    }
+
+    /** A group whose first primary also gets {@code primaryArgs} (e.g. {@code --min-replicas-to-write 1}). */
+    static SentinelGroup start(String... primaryArgs) throws IOException, InterruptedException {
         SentinelGroup g = new SentinelGroup();
         try {
             String[] auth = {"--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD};
-            RedisServer primary = RedisServer.startWith(auth);
+            List<String> first = new ArrayList<>(List.of(auth));
+            first.addAll(List.of(primaryArgs));
+            RedisServer primary = RedisServer.startWith(first.toArray(new String[0]));
             g.data.add(primary);
             for (int i = 0; i < 2; i++) {
                 g.data.add(RedisServer.startWith(auth[0], auth[1], auth[2], auth[3],
