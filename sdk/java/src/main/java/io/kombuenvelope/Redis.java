@@ -120,7 +120,7 @@ final class Redis {
 
     /** Repeats {@code call} while Redis is unreachable, for at most {@code tolerance}. */
     static <T> T retrying(Duration tolerance, Supplier<T> call) {
-        return retrying(null, tolerance, call);
+        return retrying((Link) null, tolerance, call);
     }
 
     /**
@@ -128,15 +128,18 @@ final class Redis {
      * each error is shown to {@code link} (when not null) first, so it can find the new primary.
      */
     static <T> T retrying(Link link, Duration tolerance, Supplier<T> call) {
+        return retrying(link == null ? e -> { } : link::recover, tolerance, call);
+    }
+
+    /** As {@link #retrying(Link, Duration, Supplier)}, each error shown to {@code onError} first. */
+    static <T> T retrying(Consumer<RuntimeException> onError, Duration tolerance, Supplier<T> call) {
         long deadline = System.nanoTime() + tolerance.toNanos();
         long delay = 50;
         while (true) {
             try {
                 return call.get();
             } catch (RuntimeException e) {
-                if (link != null) {
-                    link.recover(e);
-                }
+                onError.accept(e);
                 if (!isOutage(e) || System.nanoTime() + delay * 1_000_000 > deadline) {
                     throw e;
                 }

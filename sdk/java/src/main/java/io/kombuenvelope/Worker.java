@@ -106,12 +106,12 @@ public final class Worker implements AutoCloseable {
         this.handlers = Map.copyOf(b.handlers);
         this.ownsClient = b.client == null;
         this.client = Redis.clientOr(b.client, b.redisUri);
-        this.link = Link.open(client, b.durability);
-        this.txLink = Link.open(client, b.durability);
+        this.link = starting("connecting", () -> Link.open(client, b.durability));
+        this.txLink = starting("connecting", () -> Link.open(client, b.durability));
         this.queues = List.copyOf(b.queues);
         this.name = String.join(",", queues);
         for (String q : queues) {
-            Link l = Link.open(client, Link.Durability.NONE);
+            Link l = starting("connecting", () -> Link.open(client, Link.Durability.NONE));
             l.setTimeout(b.block.plusSeconds(3));
             blockLinks.put(q, l);
         }
@@ -161,12 +161,16 @@ public final class Worker implements AutoCloseable {
         if (loop != null) {
             return this;
         }
-        ensureGroups();
-        liveness.renew();
+        starting("creating the consumer groups", () -> {
+            ensureGroups();
+            return null;
+        });
+        starting("setting the liveness key", liveness::renew);
         long every = liveness.intervalMs();
         lease.scheduleWithFixedDelay(this::leaseTick, every, every, TimeUnit.MILLISECONDS);
         if (cfg.runPromoter) {
-            promoter = Promoter.builder().client(client).prefix(cfg.prefix).build().start();
+            promoter = starting("starting the promoter",
+                    () -> Promoter.builder().client(client).prefix(cfg.prefix).build().start());
         }
         loop = new Thread(this::runLoop, "envelope-read-" + name);
         loop.setDaemon(true);
@@ -178,6 +182,30 @@ public final class Worker implements AutoCloseable {
                 .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
                 .addKeyValue("result_backend", results.hasBackend()).log("worker started");
         return this;
+    }
+
+    /**
+     * A step of building or starting the worker, repeated while Redis is unreachable or failing over
+     * (a Cluster primary that died, a failover under way) for at most the outage tolerance, finding
+     * the new primary meanwhile; the first such error logs that bound (docs/protocol.md section 5).
+     */
+    private <T> T starting(String what, java.util.function.Supplier<T> step) {
+        AtomicBoolean told = new AtomicBoolean();
+        return Redis.retrying(e -> {
+            if (Redis.isOutage(e) && told.compareAndSet(false, true)) {
+                LOG.warn("{} while starting failed; Redis is unreachable or failing over, retrying for up to {} ms: {}",
+                        what, cfg.outageTolerance.toMillis(), e.toString());
+            }
+            if (link != null) {
+                link.recover(e);
+            } else if (client instanceof RedisClusterClient cluster) {
+                try {
+                    cluster.refreshPartitions();
+                } catch (RuntimeException ignored) {
+                    // the next try reads the slot map again
+                }
+            }
+        }, cfg.outageTolerance, step);
     }
 
     /** Whether the read loop runs (it stops only when the worker is closed). */

@@ -1,0 +1,87 @@
+package io.kombuenvelope;
+
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
+import static org.junit.jupiter.api.Assertions.assertTrue;
+
+import io.lettuce.core.cluster.RedisClusterClient;
+
+import java.time.Duration;
+import java.util.Set;
+import java.util.concurrent.ConcurrentHashMap;
+import java.util.concurrent.atomic.AtomicInteger;
+
+import org.junit.jupiter.api.AfterAll;
+import org.junit.jupiter.api.BeforeAll;
+import org.junit.jupiter.api.MethodOrderer;
+import org.junit.jupiter.api.Order;
+import org.junit.jupiter.api.Test;
+import org.junit.jupiter.api.TestMethodOrder;
+
+/** A worker of several queues on a Cluster: its pace, and its start while a primary is dead. */
+@TestMethodOrder(MethodOrderer.OrderAnnotation.class)
+class ClusterWorkerTest {
+    static ClusterGroup cluster;
+    static RedisClusterClient client;
+
+    @BeforeAll
+    static void startCluster() throws Exception {
+        cluster = ClusterGroup.start();
+        client = (RedisClusterClient) RedisUrl.client(cluster.url());
+    }
+
+    @AfterAll
+    static void stopCluster() {
+        if (client != null) {
+            client.shutdown();
+        }
+        if (cluster != null) {
+            cluster.close();
+        }
+    }
+
+    @Test
+    @Order(1)
+    void aWorkerOfThreeQueuesRunsABurstOnTheLastOneAtPace() throws Exception {
+        int tasks = 300;
+        AtomicInteger ran = new AtomicInteger();
+        try (Producer p = Producer.builder().client(client).prefix("pace").queue("q3").build()) {
+            for (int i = 0; i < tasks; i++) {
+                p.publish(Envelope.builder("job.run").build());
+            }
+        }
+        long started = System.nanoTime();
+        try (Worker w = Worker.builder().client(client).prefix("pace").queues("q1", "q2", "q3").concurrency(2)
+                .block(Duration.ofMillis(500)).lease(Duration.ofMillis(1500))
+                .handler("job.run", t -> ran.incrementAndGet()).build().start()) {
+            SentinelGroup.await("the burst ran", () -> ran.get() >= tasks);
+            long ms = (System.nanoTime() - started) / 1_000_000;
+            System.out.printf("three queues on a Cluster: %d tasks in %d ms%n", tasks, ms);
+            assertTrue(ms < 6000, tasks + " tasks took " + ms + " ms");
+            assertEquals(tasks, ran.get());
+        }
+    }
+
+    @Test
+    @Order(2)
+    void aWorkerStartingWhileThePrimaryOfItsQueueIsDeadWaitsForTheFailover() throws Exception {
+        Keys keys = new Keys("starting");
+        int slot = cluster.slot(keys.stream("jobs", "normal"));
+        int dead = cluster.primaryOf(slot);
+        Set<String> ran = ConcurrentHashMap.newKeySet();
+        cluster.server(dead).kill();
+        try (LogCapture log = new LogCapture();
+             Worker w = Worker.builder().client(client).prefix("starting").queue("jobs")
+                     .block(Duration.ofMillis(200)).lease(Duration.ofMillis(1500))
+                     .handler("job.run", t -> ran.add(t.get("k").asText())).build().start()) {
+            cluster.awaitFailover(slot, dead);
+            try (Producer p = Producer.builder().client(client).prefix("starting").queue("jobs").build()) {
+                p.publish(Envelope.builder("job.run").put("k", "after").build());
+            }
+            SentinelGroup.await("the task ran", () -> ran.contains("after"));
+            assertTrue(w.isReading(), "the worker reads");
+            assertFalse(log.lines("while starting failed; Redis is unreachable or failing over, retrying for up to "
+                    + "30000 ms").isEmpty(), "the wait and its bound are logged");
+        }
+    }
+}
