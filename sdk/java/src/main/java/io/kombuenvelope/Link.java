@@ -247,7 +247,10 @@ abstract class Link implements AutoCloseable {
             conn.setTimeout(t);
         }
 
-        /** A slot that moved or a primary that failed: read the slot map again. */
+        /**
+         * A slot that moved or a primary that failed: read the slot map again, in the background,
+         * so the caller (a read loop, a settle) is not held up by a node that does not answer.
+         */
         @Override
         void recover(Throwable error) {
             long now = System.nanoTime();
@@ -255,11 +258,11 @@ abstract class Link implements AutoCloseable {
                 return;
             }
             lastRefresh = now;
-            try {
-                client.refreshPartitions();
-            } catch (RuntimeException e) {
-                LOG.debug("refreshing the cluster's slot map failed: {}", e.toString());
-            }
+            client.refreshPartitionsAsync().whenComplete((ok, e) -> {
+                if (e != null) {
+                    LOG.debug("refreshing the cluster's slot map failed: {}", e.toString());
+                }
+            });
         }
 
         @Override

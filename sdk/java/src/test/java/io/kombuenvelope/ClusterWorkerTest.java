@@ -84,4 +84,36 @@ class ClusterWorkerTest {
                     + "30000 ms").isEmpty(), "the wait and its bound are logged");
         }
     }
+
+    @Test
+    @Order(3)
+    void aWorkerStartsAndRunsWithinSecondsWhileAPrimaryIsStalled() throws Exception {
+        Keys keys = new Keys("stalled");
+        String queue = "jobs";
+        for (int i = 0; cluster.primaryOf(cluster.slot(keys.stream(queue, "normal"))) <= 0
+                || cluster.primaryOf(cluster.slot(keys.stream(queue, "normal")))
+                == cluster.primaryOf(cluster.slot(new Keys("starting").stream("jobs", "normal"))); i++) {
+            queue = "jobs" + i;
+        }
+        RedisServer stalled = cluster.server(cluster.primaryOf(cluster.slot(keys.stream(queue, "normal"))));
+        Set<String> ran = ConcurrentHashMap.newKeySet();
+        RedisClusterClient fresh = (RedisClusterClient) RedisUrl.client(cluster.url());
+        stalled.pause();
+        try {
+            long started = System.nanoTime();
+            try (Worker w = Worker.builder().client(fresh).prefix("stalled").queue(queue)
+                    .block(Duration.ofMillis(200)).lease(Duration.ofMillis(1500))
+                    .handler("job.run", t -> ran.add(t.get("k").asText())).build().start();
+                 Producer p = Producer.builder().client(client).prefix("stalled").queue(queue).build()) {
+                p.publish(Envelope.builder("job.run").put("k", "during").build());
+                SentinelGroup.await("the task ran", () -> ran.contains("during"));
+                long ms = (System.nanoTime() - started) / 1_000_000;
+                System.out.printf("start and first task with a stalled primary: %d ms%n", ms);
+                assertTrue(ms < 15_000, "starting and running one task took " + ms + " ms");
+            }
+        } finally {
+            stalled.resume();
+            fresh.shutdown();
+        }
+    }
 }
