@@ -789,7 +789,9 @@ public final class Worker implements AutoCloseable {
         for (int round = 0; round < 2; round++) {
             List<Object> res;
             try {
-                res = Scripts.run(redis(), "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, replace);
+                String replacing = replace;
+                res = link.write(key, node -> Scripts.run(node, "idem_begin", ScriptOutputType.MULTI, List.of(key),
+                        holder, claimFor, replacing));
             } catch (RuntimeException ex) {
                 LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
                 replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay);
@@ -887,8 +889,8 @@ public final class Worker implements AutoCloseable {
     private void finishIdem(Envelope env, String holder, String how) {
         String key = keys.idempotency(env.taskType(), env.idempotencyKey());
         settle("idem_finish " + how, () -> {
-            Long n = Scripts.run(redis(), "idem_finish", ScriptOutputType.INTEGER, List.of(key), holder, how,
-                    cfg.idemDoneTtl.toMillis(), Timestamp.now().toString());
+            Long n = link.write(key, node -> Scripts.run(node, "idem_finish", ScriptOutputType.INTEGER, List.of(key),
+                    holder, how, cfg.idemDoneTtl.toMillis(), Timestamp.now().toString()));
             if (n != null && n == 0) {
                 LOG.warn("the idempotency claim had been taken over: the task may have run twice");
             }
