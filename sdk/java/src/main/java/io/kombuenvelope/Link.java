@@ -177,7 +177,8 @@ abstract class Link implements AutoCloseable {
 
         /**
          * A server that became a replica (READONLY, a read UNBLOCKED by the role change) keeps its
-         * connections: open a new one, which Sentinel points at the new primary.
+         * connections, and an old primary back after a failover answers NOREPLICAS on them: open a
+         * new one, for which the sentinels are asked again and name the current primary.
          */
         @Override
         synchronized void recover(Throwable error) {
@@ -191,7 +192,8 @@ abstract class Link implements AutoCloseable {
                 StatefulRedisConnection<String, byte[]> fresh = client.connect(Redis.CODEC);
                 fresh.setTimeout(timeout);
                 conn = fresh;
-                LOG.warn("the server stopped being the primary ({}); reconnected", error.getMessage());
+                LOG.warn("the server is not a usable primary ({}); reconnected to the one the sentinels name",
+                        error.getMessage());
             } catch (RedisException e) {
                 LOG.warn("reconnecting after a role change failed; retrying: {}", e.toString());
                 return;
@@ -252,7 +254,10 @@ abstract class Link implements AutoCloseable {
             conn.setTimeout(t);
         }
 
-        /** A slot that moved or a primary that failed: read the slot map again. */
+        /**
+         * A slot that moved or a primary that failed: read the slot map again, in the background,
+         * so the caller (a read loop, a settle) is not held up by a node that does not answer.
+         */
         @Override
         void recover(Throwable error) {
             long now = System.nanoTime();
@@ -260,11 +265,11 @@ abstract class Link implements AutoCloseable {
                 return;
             }
             lastRefresh = now;
-            try {
-                client.refreshPartitions();
-            } catch (RuntimeException e) {
-                LOG.debug("refreshing the cluster's slot map failed: {}", e.toString());
-            }
+            client.refreshPartitionsAsync().whenComplete((ok, e) -> {
+                if (e != null) {
+                    LOG.debug("refreshing the cluster's slot map failed: {}", e.toString());
+                }
+            });
         }
 
         @Override

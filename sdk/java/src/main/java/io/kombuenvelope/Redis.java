@@ -154,11 +154,18 @@ final class Redis {
                 + "ssl_certfile/ssl_keyfile the client certificate, ssl_cert_reqs=none skips the check", e);
     }
 
-    /** Whether an error says the server is no longer the primary (a failover demoted it). */
+    /**
+     * Whether an error says the server is not a usable primary now: a failover demoted it
+     * ({@code READONLY}, a read {@code UNBLOCKED} by the role change), or it refuses writes for want
+     * of replicas ({@code NOREPLICAS}: an old primary that came back after a failover, cut off
+     * from its replicas), also when that refusal of a queued command ended a MULTI ({@code EXECABORT}).
+     */
     static boolean isRoleChange(Throwable e) {
         for (Throwable t = e; t != null; t = t.getCause()) {
             String m = String.valueOf(t.getMessage());
-            if (m.startsWith("READONLY") || m.contains("instance state changed") || m.contains("master -> replica")) {
+            if (m.startsWith("READONLY") || m.contains("instance state changed") || m.contains("master -> replica")
+                    || m.startsWith("NOREPLICAS") || m.contains("ERR NOREPLICAS") || m.contains(": NOREPLICAS")
+                    || m.startsWith("EXECABORT")) {
                 return true;
             }
         }
@@ -167,7 +174,7 @@ final class Redis {
 
     /** Repeats {@code call} while Redis is unreachable, for at most {@code tolerance}. */
     static <T> T retrying(Duration tolerance, Supplier<T> call) {
-        return retrying(null, tolerance, call);
+        return retrying((Link) null, tolerance, call);
     }
 
     /**
@@ -175,15 +182,18 @@ final class Redis {
      * each error is shown to {@code link} (when not null) first, so it can find the new primary.
      */
     static <T> T retrying(Link link, Duration tolerance, Supplier<T> call) {
+        return retrying(link == null ? e -> { } : link::recover, tolerance, call);
+    }
+
+    /** As {@link #retrying(Link, Duration, Supplier)}, each error shown to {@code onError} first. */
+    static <T> T retrying(Consumer<RuntimeException> onError, Duration tolerance, Supplier<T> call) {
         long deadline = System.nanoTime() + tolerance.toNanos();
         long delay = 50;
         while (true) {
             try {
                 return call.get();
             } catch (RuntimeException e) {
-                if (link != null) {
-                    link.recover(e);
-                }
+                onError.accept(e);
                 if (!isOutage(e) || System.nanoTime() + delay * 1_000_000 > deadline) {
                     throw e;
                 }

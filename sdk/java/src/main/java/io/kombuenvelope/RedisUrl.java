@@ -223,7 +223,9 @@ public final class RedisUrl {
         }
         List<RedisURI> seeds = new ArrayList<>();
         for (String[] h : p.hosts()) {
-            RedisURI.Builder b = tls(RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])), tls, options);
+            // The timeout of the slot map reads too: a stalled node must not hold one up for a minute.
+            RedisURI.Builder b = tls(RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])), tls, options)
+                    .withTimeout(Link.COMMAND_TIMEOUT);
             auth(b, p);
             seeds.add(b.build());
         }

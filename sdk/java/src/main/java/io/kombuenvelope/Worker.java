@@ -109,12 +109,15 @@ public final class Worker implements AutoCloseable {
         this.handlers = Map.copyOf(b.handlers);
         this.ownsClient = b.client == null;
         this.client = Redis.clientOr(b.client, b.redisUri);
-        this.link = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, b.durability));
-        this.txLink = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, b.durability));
+        this.link = Redis.closingOnFailure(client, ownsClient,
+                () -> starting("connecting", () -> Link.open(client, b.durability)));
+        this.txLink = Redis.closingOnFailure(client, ownsClient,
+                () -> starting("connecting", () -> Link.open(client, b.durability)));
         this.queues = List.copyOf(b.queues);
         this.name = String.join(",", queues);
         for (String q : queues) {
-            Link l = Redis.closingOnFailure(client, ownsClient, () -> Link.open(client, Link.Durability.NONE));
+            Link l = Redis.closingOnFailure(client, ownsClient,
+                    () -> starting("connecting", () -> Link.open(client, Link.Durability.NONE)));
             l.setTimeout(b.block.plusSeconds(3));
             blockLinks.put(q, l);
         }
@@ -166,13 +169,17 @@ public final class Worker implements AutoCloseable {
         if (loop != null) {
             return this;
         }
-        ensureGroups();
-        liveness.renew();
+        starting("creating the consumer groups", () -> {
+            ensureGroups();
+            return null;
+        });
+        starting("setting the liveness key", liveness::renew);
         announce(false);
         long every = liveness.intervalMs();
         lease.scheduleWithFixedDelay(this::leaseTick, every, every, TimeUnit.MILLISECONDS);
         if (cfg.runPromoter) {
-            promoter = Promoter.builder().client(client).prefix(cfg.prefix).build().start();
+            promoter = starting("starting the promoter",
+                    () -> Promoter.builder().client(client).prefix(cfg.prefix).build().start());
         }
         loop = new Thread(this::runLoop, "envelope-read-" + name);
         loop.setDaemon(true);
@@ -184,6 +191,30 @@ public final class Worker implements AutoCloseable {
                 .addKeyValue("concurrency", cfg.concurrency).addKeyValue("task_types", serves())
                 .addKeyValue("result_backend", results.hasBackend()).log("worker started");
         return this;
+    }
+
+    /**
+     * A step of building or starting the worker, repeated while Redis is unreachable or failing over
+     * (a Cluster primary that died, a failover under way) for at most the outage tolerance, finding
+     * the new primary meanwhile; the first such error logs that bound (docs/protocol.md section 5).
+     */
+    private <T> T starting(String what, java.util.function.Supplier<T> step) {
+        AtomicBoolean told = new AtomicBoolean();
+        return Redis.retrying(e -> {
+            if (Redis.isOutage(e) && told.compareAndSet(false, true)) {
+                LOG.warn("{} while starting failed; Redis is unreachable or failing over, retrying for up to {} ms: {}",
+                        what, cfg.outageTolerance.toMillis(), e.toString());
+            }
+            if (link != null) {
+                link.recover(e);
+            } else if (client instanceof RedisClusterClient cluster) {
+                try {
+                    cluster.refreshPartitions();
+                } catch (RuntimeException ignored) {
+                    // the next try reads the slot map again
+                }
+            }
+        }, cfg.outageTolerance, step);
     }
 
     /** Whether the read loop runs (it stops only when the worker is closed). */
@@ -847,7 +878,9 @@ public final class Worker implements AutoCloseable {
         for (int round = 0; round < 2; round++) {
             List<Object> res;
             try {
-                res = Scripts.run(redis(), "idem_begin", ScriptOutputType.MULTI, List.of(key), holder, claimFor, replace);
+                String replacing = replace;
+                res = link.write(key, node -> Scripts.run(node, "idem_begin", ScriptOutputType.MULTI, List.of(key),
+                        holder, claimFor, replacing));
             } catch (RuntimeException ex) {
                 LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
                 replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
@@ -945,8 +978,8 @@ public final class Worker implements AutoCloseable {
     private void finishIdem(Envelope env, String holder, String how) {
         String key = keys.idempotency(env.taskType(), env.idempotencyKey());
         settle("idem_finish " + how, () -> {
-            Long n = Scripts.run(redis(), "idem_finish", ScriptOutputType.INTEGER, List.of(key), holder, how,
-                    cfg.idemDoneTtl.toMillis(), Timestamp.now().toString());
+            Long n = link.write(key, node -> Scripts.run(node, "idem_finish", ScriptOutputType.INTEGER, List.of(key),
+                    holder, how, cfg.idemDoneTtl.toMillis(), Timestamp.now().toString()));
             if (n != null && n == 0) {
                 LOG.warn("the idempotency claim had been taken over: the task may have run twice");
             }

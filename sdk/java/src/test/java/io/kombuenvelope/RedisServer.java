@@ -182,6 +182,20 @@ final class RedisServer {
         process.waitFor(5, TimeUnit.SECONDS);
     }
 
+    /** SIGSTOP: the server stalls, its connections stay open; {@link #resume()} lets it go on. */
+    void pause() throws IOException, InterruptedException {
+        signal("-STOP");
+    }
+
+    /** SIGCONT after {@link #pause()}. */
+    void resume() throws IOException, InterruptedException {
+        signal("-CONT");
+    }
+
+    private void signal(String sig) throws IOException, InterruptedException {
+        new ProcessBuilder("kill", sig, String.valueOf(process.pid())).inheritIO().start().waitFor(5, TimeUnit.SECONDS);
+    }
+
     void stop() {
         process.destroy();
         try {

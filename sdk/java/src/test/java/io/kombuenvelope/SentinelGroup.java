@@ -33,10 +33,21 @@ final class SentinelGroup implements AutoCloseable {
 
     /** A primary, {@code replicas} replicas and three sentinels, all speaking only TLS when {@code tls} is not null. */
     static SentinelGroup start(Tls tls, int replicas) throws IOException, InterruptedException {
+        return start(tls, replicas, new String[0]);
+    }
+
+    /** A group of two replicas whose first primary also gets {@code primaryArgs} (e.g. {@code --min-replicas-to-write 1}). */
+    static SentinelGroup start(String... primaryArgs) throws IOException, InterruptedException {
+        return start(null, 2, primaryArgs);
+    }
+
+    private static SentinelGroup start(Tls tls, int replicas, String[] primaryArgs) throws IOException, InterruptedException {
         SentinelGroup g = new SentinelGroup(tls);
         try {
             String[] auth = {"--requirepass", DATA_PASSWORD, "--masterauth", DATA_PASSWORD};
-            RedisServer primary = RedisServer.startWith(tls, auth);
+            List<String> first = new ArrayList<>(List.of(auth));
+            first.addAll(List.of(primaryArgs));
+            RedisServer primary = RedisServer.startWith(tls, first.toArray(new String[0]));
             g.data.add(primary);
             for (int i = 0; i < replicas; i++) {
                 g.data.add(RedisServer.startWith(tls, auth[0], auth[1], auth[2], auth[3],
