@@ -12,8 +12,11 @@ own key prefix.
 
 from __future__ import annotations
 
+import ast
 import gc
 import os
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +27,21 @@ import redis
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 REDIS_URL_ENV = "KOMBU_ENVELOPE_TEST_REDIS_URL"
+
+if sys.version_info < (3, 12):
+    # CPython 3.11 keeps one AST recursion counter per interpreter (python/cpython#106905):
+    # two threads in ast.parse at once (a background thread logging a traceback, whose
+    # carets 3.11 finds with ast, while pytest or hypothesis parses source) make one of them
+    # fail with "SystemError: AST constructor recursion depth mismatch", which ends the
+    # session when it happens while pytest writes a report. One parse at a time.
+    _ast_parse = ast.parse
+    _ast_lock = threading.RLock()
+
+    def _parse_one_at_a_time(*args: object, **kwargs: object) -> ast.AST:
+        with _ast_lock:
+            return _ast_parse(*args, **kwargs)  # type: ignore[arg-type]
+
+    ast.parse = _parse_one_at_a_time  # type: ignore[assignment]
 
 
 #: Modules that build or run the SDKs and the interop peers (see the module docstring).

@@ -2,4 +2,5 @@
 
 from kombu_envelope.dispatcher.server import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when a tool walks the package's modules
+    raise SystemExit(main())
