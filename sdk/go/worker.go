@@ -1332,10 +1332,9 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			return "", false
 		case "busy":
 			other := res[1]
-			owner := other
-			if i := strings.LastIndexByte(other, ' '); i >= 0 {
-				owner = other[:i]
-			}
+			// The consumer is the holder's first word (protocol.md section 9: a Celery
+			// worker's holder names the entry too).
+			owner, _, _ := strings.Cut(other, " ")
 			if round == 0 && w.holderGone(ctx, e, owner) {
 				e.log.Warn("idempotency holder is dead; taking the claim over", "holder", other)
 				replace = other

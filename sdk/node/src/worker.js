@@ -957,7 +957,9 @@ export class Worker extends EventEmitter {
    * it within that interval once Redis answers again.
    */
   async holderIsDead(holder, log) {
-    const key = this.keys.consumer(holder.slice(0, holder.lastIndexOf(' ')));
+    // The consumer is the holder's first word (protocol.md section 9: a Celery worker's
+    // holder names the entry too).
+    const key = this.keys.consumer(holder.split(' ', 1)[0]);
     const look = () => this.renewals.time(this.cmd, () => this.cmd.exists(key));
     const first = await look();
     if (first.value) return false;

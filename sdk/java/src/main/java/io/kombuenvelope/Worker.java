@@ -902,7 +902,9 @@ public final class Worker implements AutoCloseable {
             }
             if ("busy".equals(answer)) {
                 String other = Redis.s(res.get(1));
-                int sp = other.lastIndexOf(' ');
+                // The consumer is the holder's first word (protocol.md section 9: a Celery
+                // worker's holder names the entry too).
+                int sp = other.indexOf(' ');
                 String owner = sp >= 0 ? other.substring(0, sp) : other;
                 if (round == 0 && holderGone(owner)) {
                     LOG.warn("idempotency holder {} is dead; taking the claim over", other);
