@@ -135,9 +135,10 @@ def test_commands_wait_for_a_restarted_redis_then_fail_fast_past_the_tolerance(
     # A restart shorter than the tolerance is waited out.
     private_redis.kill()
     began = time.monotonic()
-    private_redis_restart_in(private_redis, 0.5)
+    restart = private_redis_restart_in(private_redis, 0.5)
     assert client.set("k", "v")
     assert time.monotonic() - began >= 0.4
+    restart.join()
 
     # A longer outage: the first command waits the tolerance, the next ones fail at once.
     private_redis.kill()
@@ -166,11 +167,13 @@ def test_a_redis_that_never_answered_fails_at_once(key_prefix: str) -> None:
     assert time.monotonic() - began < 2
 
 
-def private_redis_restart_in(server: PrivateRedisServer, delay_s: float) -> None:
-    """Start ``server`` again ``delay_s`` seconds from now, from another thread."""
+def private_redis_restart_in(server: PrivateRedisServer, delay_s: float) -> threading.Timer:
+    """Start ``server`` again ``delay_s`` seconds from now, from another thread (join it
+    before touching the server again: a client may be served before the start returns)."""
     timer = threading.Timer(delay_s, server.start)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 def _in_seconds(seconds: float) -> str:

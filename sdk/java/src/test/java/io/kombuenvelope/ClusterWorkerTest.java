@@ -15,9 +15,18 @@ import org.junit.jupiter.api.MethodOrderer;
 import org.junit.jupiter.api.Order;
 import org.junit.jupiter.api.Test;
 import org.junit.jupiter.api.TestMethodOrder;
+import org.junit.jupiter.api.Timeout;
+import org.junit.jupiter.api.condition.EnabledIfEnvironmentVariable;
 
-/** A worker starting on a Cluster while a primary is dead or stalled. */
+/**
+ * A worker starting on a Cluster while a primary is dead or stalled. A long drill, run with
+ * {@code KOMBU_ENVELOPE_LONG_DRILLS=1} (the suite's four-language Cluster drill starts Java
+ * workers during the same faults in every run): on a loaded machine a start during the stall
+ * has been seen to hang, which the timeout turns into a failure.
+ */
 @TestMethodOrder(MethodOrderer.OrderAnnotation.class)
+@EnabledIfEnvironmentVariable(named = "KOMBU_ENVELOPE_LONG_DRILLS", matches = "1")
+@Timeout(120)
 class ClusterWorkerTest {
     static ClusterGroup cluster;
     static RedisClusterClient client;
