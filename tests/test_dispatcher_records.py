@@ -132,8 +132,7 @@ def test_state_of_a_task_run_by_a_celery_worker(api: httpx.Client, redis_url: st
     queue = f"q-{uuid.uuid4().hex[:8]}"
     env = {"TEST_BROKER_URL": redis_url.replace("redis://", "envelope://"),
            "TEST_KEY_PREFIX": PREFIX, "TEST_LEASE_MS": "1500"}
-    with CeleryWorker("apps.envelope_app", queues=[queue], env=env, gossip=False,
-                      mingle=False):
+    with CeleryWorker("apps.envelope_app", queues=[queue], env=env):
         posted = api.post("/tasks", params={"queue": queue}, json={
             "task_type": "envelope_app.add", "payload": {"x": 1, "y": 2}})
         assert posted.status_code == 201, posted.text
