@@ -387,6 +387,9 @@ def test_sigterm_returns_prefetched_entries(
         pipe.xadd(keys.stream(bucket_for(env.priority)), encode_entry(env))
     pipe.execute()
     wait_for(lambda: pending(client, key_prefix, queue) == 3, timeout=3, message=worker.log_tail)
+    # Read is not yet started: the sleeper runs once its record says "running".
+    wait_for(lambda: client.hget(keys.task_record(sleeper.task_id), "state") == b"running",
+             timeout=5, message=worker.log_tail)
     assert worker.stop() == 0
     lines = worker.lines()
     assert any(line["msg"] == "task succeeded" and line["task_id"] == sleeper.task_id

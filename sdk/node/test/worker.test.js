@@ -221,6 +221,8 @@ describe('worker', { skip, concurrency: false }, () => {
     // The holder dies: its liveness key disappears, the claim is taken over and the task runs once.
     await redis.del(ks.consumer('other-consumer'));
     await waitFor(async () => (await effects(prefix, 'I1')) === '1', { timeoutMs: 5000 });
+    // The effect lands inside the handler; the done marker is written when the attempt settles.
+    await waitFor(async () => /^done /.test(await redis.get(idemKey) ?? ''), { timeoutMs: 5000 });
     assert.match(await redis.get(idemKey), new RegExp(`^done ${taskId} `));
     assert.ok(lines.some((l) => l.msg.includes('taking it over')));
   });
