@@ -105,6 +105,7 @@ from kombu_envelope.store.replacing import PendingAttempt, next_attempt_replaces
 from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.retry_slots import RetrySlots
 from kombu_envelope.store.task_records import RecordWrite, TaskState, record_write, skip_write
+from kombu_envelope.trace_context import process_span
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +235,8 @@ class ExecutionShell:
             delivery=Delivery.of(request, fallback), timeout_ms=timeout_ms)
         token = _current.set(attempt)
         try:
-            with self._next_attempt_replaces_entry(attempt):
+            with process_span(attempt.delivery.queue, request.id, task.name, request.retries,
+                              headers), self._next_attempt_replaces_entry(attempt):
                 return self._claimed(attempt, run, args, kwargs)
         finally:
             _current.reset(token)
