@@ -15,7 +15,7 @@ from support.workers import PROJECT_ROOT
 
 MONITORING = PROJECT_ROOT / "docs" / "monitoring"
 
-# The series of the dispatcher's GET /metrics (docs/monitoring/README.md).
+# Every series of the dispatcher's GET /metrics, histograms as their _bucket, _sum and _count.
 HISTOGRAMS = ("kombu_envelope_task_run_duration_seconds",
               "kombu_envelope_task_start_delay_seconds")
 METRICS = frozenset({
