@@ -24,6 +24,15 @@ _flushers: dict[int, Flusher] = {}
 _lock = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    """A fork may copy the lock held by another thread: the child starts with a free one."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def attempt_buffer(settings: Settings, client: Callable[[], Any]) -> StatsBuffer:
     """This process's buffer for ``settings``, with its timer started (``client()`` gives
     the Redis client it writes with)."""

@@ -29,9 +29,11 @@ from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.worker_stats import TaskStats, parse_stats
 
-__all__ = ["BACKLOG_COUNT", "DEFAULT_HEARTBEAT_S", "RedisCollector", "render"]
+__all__ = ["BACKLOG_COUNT", "CONTENT_TYPE", "DEFAULT_HEARTBEAT_S", "RedisCollector", "render"]
 
 _NS = "kombu_envelope"
+#: The content type of the page: the text format every Prometheus reads.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: Most entries one scrape counts in a stream whose group lag Redis does not know.
 BACKLOG_COUNT = 10_000
 #: The heartbeat period of an announcement without ``heartbeat_ms`` (seconds).
@@ -89,8 +91,8 @@ class RedisCollector(Collector):
         return sorted(named)
 
     def _read_queue(self, queue: str) -> dict[str, Any]:
-        """Every reply about ``queue`` one scrape needs (two or three round trips, all in
-        the queue's slot)."""
+        """Every reply about ``queue`` one scrape needs: two round trips in the queue's slot
+        (one more per stream whose group lag Redis does not know)."""
         keys, group = self.settings.keys.queue(queue), self.settings.consumer_group
         pipe = self.client.pipeline(transaction=False)
         for bucket in BUCKETS_BY_URGENCY:
@@ -103,31 +105,33 @@ class RedisCollector(Collector):
         for reply in (delayed, lowest, dead, stats):
             if isinstance(reply, Exception):
                 raise reply
-        streams = []
+        found = []
         for bucket, info in zip(BUCKETS_BY_URGENCY, infos):
             if isinstance(info, ResponseError):  # no stream yet: nothing to report
                 continue
             if isinstance(info, Exception):
                 raise info
-            found = next((g for g in info if as_text(g["name"]) == group), None)
-            if found is not None:
-                streams.append((bucket.value, keys.stream(bucket), found))
-        return {"streams": [(bucket, group, *self._group_figures(stream, found))
-                            for bucket, stream, found in streams],
+            described = next((g for g in info if as_text(g["name"]) == group), None)
+            if described is not None:
+                found.append((bucket.value, keys.stream(bucket), described))
+        pipe = self.client.pipeline(transaction=False)
+        for _, stream, _ in found:
+            pipe.xpending(stream, group)
+        summaries = pipe.execute() if found else []
+        return {"streams": [(bucket, group, self._backlog(stream, described),
+                             int(summary.get("pending") or 0), summary.get("min"))
+                            for (bucket, stream, described), summary in zip(found, summaries)],
                 "delayed": delayed, "lowest": lowest, "dead": dead,
                 "stats": parse_stats(stats)}
 
-    def _group_figures(self, stream: str, info: dict[Any, Any]) -> tuple[int, int, str | None]:
-        """``(backlog, pending, smallest pending id)`` of the group ``info`` describes."""
-        group = self.settings.consumer_group
-        summary = self.client.xpending(stream, group)
-        lag = info.get("lag")
-        if lag is None:  # Redis cannot tell (entries deleted inside the range): count them
-            last = as_text(info["last-delivered-id"])
-            lag = len(self.client.xrange(stream, f"({last}", "+", count=BACKLOG_COUNT))
-        smallest = summary.get("min")
-        return int(lag), int(summary.get("pending") or 0), \
-            as_text(smallest) if smallest else None
+    def _backlog(self, stream: str, described: dict[Any, Any]) -> int:
+        """The group's ``lag``; when Redis answers nil (entries deleted past the group's
+        last delivered id), the entries after that id, counted up to :data:`BACKLOG_COUNT`."""
+        lag = described.get("lag")
+        if lag is not None:
+            return int(lag)
+        last = as_text(described["last-delivered-id"])
+        return len(self.client.xrange(stream, f"({last}", "+", count=BACKLOG_COUNT))
 
 
 class _QueueFamilies:
@@ -162,7 +166,7 @@ class _QueueFamilies:
             labels = [queue, bucket, group]
             self.backlog.add_metric(labels, backlog)
             self.pending.add_metric(labels, pending)
-            age_ms = now_ms - int(smallest.split("-")[0]) if smallest else 0
+            age_ms = now_ms - int(as_text(smallest).split("-")[0]) if smallest else 0
             self.oldest.add_metric(labels, max(0, age_ms) / 1000)
         self.delayed.add_metric([queue], read["delayed"])
         lowest = read["lowest"]
@@ -174,11 +178,11 @@ class _QueueFamilies:
 
     def _add_stats(self, queue: str, stats: TaskStats) -> None:
         labels = [queue, stats.task_type, stats.language]
-        for name, family in self.counters.items():
-            family.add_metric(labels, stats.counters[name])
+        for name, counter in self.counters.items():
+            counter.add_metric(labels, stats.counters[name])
         for name, family in self.histograms.items():
             histogram = stats.histograms[name]
-            buckets = [("+Inf" if bound == "inf" else bound, count)
+            buckets = [("+Inf" if bound == "inf" else bound, float(count))
                        for bound, count in histogram.buckets]
             family.add_metric(labels, buckets, histogram.sum_s)
 

@@ -153,6 +153,15 @@ _buffers: dict[tuple[int, str], StatsBuffer] = {}
 _buffers_lock = threading.Lock()
 
 
+def _new_lock_in_child() -> None:
+    """A fork may copy the lock held by another thread: the child starts with a free one."""
+    global _buffers_lock
+    _buffers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def process_buffer(settings: Settings) -> StatsBuffer:
     """The buffer of this process for ``settings``' key prefix (a new one after a fork:
     counts a child makes are written by that child)."""

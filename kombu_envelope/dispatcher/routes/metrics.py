@@ -7,12 +7,11 @@ Left out of the OpenAPI document: its answer is Prometheus' text format, not JSO
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from kombu_envelope.dispatcher.config import Scope
 from kombu_envelope.dispatcher.guard import require
-from kombu_envelope.dispatcher.metrics import render
+from kombu_envelope.dispatcher.metrics import CONTENT_TYPE, render
 from kombu_envelope.dispatcher.problems import Problem
 from kombu_envelope.dispatcher.routes.common import blocking, stores
 
@@ -28,4 +27,4 @@ async def metrics(request: Request) -> Response:
     except RedisError as exc:
         raise Problem(503, "redis_unavailable",
                       f"Redis cannot be read, so there are no metrics: {exc}") from exc
-    return Response(page, media_type=CONTENT_TYPE_LATEST)
+    return Response(page, media_type=CONTENT_TYPE)
