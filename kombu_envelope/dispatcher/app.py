@@ -12,7 +12,15 @@ from kombu_envelope.dispatcher import problems
 from kombu_envelope.dispatcher.config import DispatcherConfig
 from kombu_envelope.dispatcher.guard import RateLimiter
 from kombu_envelope.dispatcher.middleware import Guarded
-from kombu_envelope.dispatcher.routes import dead_letters, delayed, health, periodic, schemas, tasks
+from kombu_envelope.dispatcher.routes import (
+    dead_letters,
+    delayed,
+    health,
+    metrics,
+    periodic,
+    schemas,
+    tasks,
+)
 from kombu_envelope.dispatcher.stores import Stores
 from kombu_envelope.schema import envelope_json_schema
 from kombu_envelope.settings import Settings
@@ -57,7 +65,7 @@ def create_app(client: Any, settings: Settings | None = None,
     app.state.stores = Stores(client, settings or Settings())
     app.state.limiter = RateLimiter(config.rate_per_s, config.rate_burst)
     problems.install(app)
-    for module in (health, tasks, delayed, periodic, dead_letters, schemas):
+    for module in (health, tasks, delayed, periodic, dead_letters, schemas, metrics):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return Guarded(app, config.max_body_bytes)
