@@ -96,7 +96,8 @@ export class Producer {
 
   /**
    * The Envelope publish() would write: identity filled in, `expiresInMs`
-   * turned into `expires`, every publish rule checked.
+   * turned into `expires`, every publish rule checked; publish() adds the
+   * current trace context first (headers.traceparent, section 18).
    * @param {object} fields
    * @param {PublishOptions} [options]
    */

@@ -1,10 +1,14 @@
 // Trace context without OpenTelemetry tracing (docs/protocol.md section 18): the
-// API's no-op default, no tracer provider. A task published from a handler copies
-// the running task's traceparent and tracestate unchanged, against a real Redis.
+// API's no-op default (no tracer provider), and no API at all. A task published
+// from a handler copies the running task's traceparent and tracestate unchanged.
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
 import { Writable } from 'node:stream';
+import { pathToFileURL } from 'node:url';
 import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
 import { Producer, Worker, createLogger, parseRedisUrl, parseTraceparent } from '../src/index.js';
@@ -25,6 +29,28 @@ test('traceparent: the W3C form, and what is not valid', () => {
     `00-${'0'.repeat(32)}-b7ad6b7169203331-01`, `00-${TRACE_ID}-${'0'.repeat(16)}-01`,
     `00-${TRACE_ID.toUpperCase()}-b7ad6b7169203331-01`, `00-${TRACE_ID}-b7ad6b716920333-01`,
   ]) assert.equal(parseTraceparent(bad), null, String(bad));
+});
+
+test('without @opentelemetry/api installed, the running task is passed through', async () => {
+  // A copy of the module where no node_modules can be found: the API is missing.
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'envelope-tracing-'));
+  try {
+    const file = path.join(dir, 'tracing.mjs');
+    fs.copyFileSync(new URL('../src/tracing.js', import.meta.url), file);
+    const { AttemptTrace, PublishTrace } = await import(pathToFileURL(file).href);
+    const attempt = new AttemptTrace(QUEUE, {
+      task_id: 't1', task_type: 'a.b', trace_id: 'order-1', retry_count: 0, headers: { traceparent: TRACEPARENT, tracestate: 's=1' },
+    });
+    assert.equal(attempt.span, null, 'no span without the API');
+    const fields = await attempt.run(async () => {
+      await null;
+      return new PublishTrace(QUEUE, { task_type: 'a.c' }).fields;
+    });
+    assert.deepEqual(fields, { task_type: 'a.c', headers: { traceparent: TRACEPARENT, tracestate: 's=1' }, trace_id: TRACE_ID });
+    assert.deepEqual(new PublishTrace(QUEUE, { task_type: 'a.c' }).fields, { task_type: 'a.c' }, 'outside a task: unchanged');
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
 });
 
 describe('trace context without a tracer provider', { skip, concurrency: false }, () => {
