@@ -1185,7 +1185,7 @@ export class Worker extends EventEmitter {
    * A task requeue.lua dead-lettered as redelivery_limit, read back from its
    * dead-letter entry: counted as dead (section 17), and its FAILURE result written.
    */
-  async redeliveryLimitResult(qk, deadId) {
+  async redeliveryLimitReached(qk, deadId) {
     const [item] = await this.cmd.xrangeBuffer(qk.dead, deadId, deadId);
     const { envelope: env, fields } = item ? readDeadLetter(qk.queue, text(item[0]), item[1], this.opts.limits) : {};
     this.statistics.count(qk.queue, env?.task_type ?? UNDECODED_TASK_TYPE, 'dead');
@@ -1313,7 +1313,7 @@ export class Worker extends EventEmitter {
         if (!reply) continue;
         this.stats.taken_over += 1;
         const dead = String(reply).startsWith('dead:');
-        if (dead) await this.redeliveryLimitResult(qk, String(reply).slice('dead:'.length)); // counts it dead
+        if (dead) await this.redeliveryLimitReached(qk, String(reply).slice('dead:'.length));
         log.warn(dead
           ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
           : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
