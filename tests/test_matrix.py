@@ -29,6 +29,7 @@ import pytest
 import redis
 from apps.matrix_app import create_app
 from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
 from support import wait_for
 from support.envelope_streams import envelope_url
 from support.matrix import (
@@ -61,7 +62,8 @@ pytestmark = [
 
 TASK = "matrix.task"
 #: Scenario families worked by the long-lived process of every language.
-FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result")
+FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result",
+            "metrics")
 #: How long a scenario may take to settle once published.
 SETTLE_S = 40.0
 #: How long a holding task keeps its worker busy while a scenario publishes behind it.
@@ -567,3 +569,65 @@ def test_the_dispatcher_reports_the_state_of_a_task_run_in_each_language(
             assert state["queue"] == matrix.queue("now", worker)
             assert state["attempts"] == 1 and state["worker"], state
             assert state["started_at"] and state["finished_at"], state
+
+
+def metric_values(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """(sample name, labels) -> value of a Prometheus text page."""
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_metrics_of_a_known_workload_run_in_each_language(
+        matrix: Matrix, redis_url: str) -> None:
+    """Every producer sends each worker language the same workload; the dispatcher's
+    ``GET /metrics`` (docs/protocol.md, section 17: the statistics every worker writes)
+    then counts exactly that, per queue, task type and language."""
+    plan, firsts = [], []
+    for producer, worker in PAIRS:
+        queue, key = matrix.queue("metrics", worker), f"m-{producer}-{uuid.uuid4().hex[:8]}"
+        first = {"task_id": task_id("m-idem", producer, worker), "idempotency_key": key}
+        plan += [
+            (producer, queue, {"task_id": task_id("m-ok", producer, worker)}),
+            (producer, queue, {"task_id": task_id("m-retry", producer, worker),
+                               "payload": {"fail_times": 1}, "retry_policy": "tiered"}),
+            (producer, queue, {"task_id": task_id("m-dead", producer, worker),
+                               "payload": {"fail": True}, "max_retries": 0}),
+            (producer, queue, first),
+        ]
+        firsts.append((producer, queue, worker, first))
+    matrix.publish(plan)
+    # The second task of each key goes once the first ran: it is skipped, not deferred.
+    matrix.records.wait_effects([first["task_id"] for *_, first in firsts], SETTLE_S,
+                                message=matrix.logs)
+    matrix.publish([(producer, queue, {**first, "task_id": task_id("m-dup", producer, worker)})
+                    for producer, queue, worker, first in firsts])
+    each = len(LANGUAGES)  # tasks of each kind sent to one worker language
+    counters = {"succeeded": 3 * each, "failed": 2 * each, "retried": each,
+                "dead_lettered": each, "duplicates_skipped": each}
+    ran = 5 * each  # attempts that ran: the successes and the failures
+    want = {worker: {**{f"kombu_envelope_tasks_{name}_total": n for name, n in counters.items()},
+                     "kombu_envelope_task_run_duration_seconds_count": ran,
+                     "kombu_envelope_task_start_delay_seconds_count": ran,
+                     "kombu_envelope_workers": 1, "kombu_envelope_queue_dead_letters": each}
+            for worker in LANGUAGES}
+
+    def labels(name: str, worker: str) -> frozenset[tuple[str, str]]:
+        found = {"queue": matrix.queue("metrics", worker)}
+        if not name.startswith("kombu_envelope_queue_"):
+            found["language"] = DEAD_LETTER_LANGUAGE[worker]
+        if name.startswith("kombu_envelope_task"):
+            found["task_type"] = TASK
+        return frozenset(found.items())
+
+    with DispatcherProcess(redis_url, options={"key_prefix": matrix.prefix}) as dispatcher:
+        def counted() -> dict[str, dict[str, float]]:
+            page = httpx.get(f"{dispatcher.url}/metrics", timeout=10)
+            assert page.status_code == 200, page.text
+            values = metric_values(page.text)
+            return {worker: {name: values.get((name, labels(name, worker)), 0.0)
+                             for name in want[worker]} for worker in LANGUAGES}
+
+        queues = [matrix.queue("metrics", worker) for worker in LANGUAGES]
+        wait_for(lambda: all(queue_drained(matrix.client, matrix.prefix, q) for q in queues)
+                 and counted() == want, timeout=SETTLE_S,
+                 message=lambda: f"counted {counted()}\nwanted {want}\n{matrix.logs()}")
