@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Language is written in liveness keys and dead-letter entries.
@@ -27,8 +28,10 @@ const Language = "go"
 // final unless the Envelope asks for automatic retries (x-retry-policy:
 // tiered); then wrap it with Transient to retry it on the fast tier, with
 // InvalidPayload or Reject to dead-letter it at once. ctx ends when timeout_ms
-// passes, and carries the task's trace id (TraceIDFromContext), which
-// PublishTask stamps on the tasks the handler publishes. A task that asks for
+// passes, and carries the task's trace id (TraceIDFromContext) and its trace
+// context (headers.traceparent, in a "process <queue>" span where
+// OpenTelemetry is installed), which PublishTask stamps on the tasks the
+// handler publishes. A task that asks for
 // a result (ext.celery.result) gets null; ResultHandlerFunc returns one.
 type HandlerFunc func(ctx context.Context, t *Task) error
 
@@ -96,6 +99,10 @@ type Config struct {
 	TaskRecordRetention time.Duration
 	// SchemaCache is how long the payload schemas read are used (section 16): 0 is DefaultSchemaCache.
 	SchemaCache time.Duration
+
+	// TracerProvider makes the "process <queue>" spans (docs/protocol.md section
+	// 18); nil: OpenTelemetry's global provider (no spans until an SDK is installed).
+	TracerProvider trace.TracerProvider
 
 	Logger *slog.Logger
 	// OnDuplicate is called when a task is acknowledged without running because
@@ -1427,11 +1434,15 @@ type handlerReturn struct {
 	err   error
 }
 
-// run calls the handler with the attempt's deadline; a handler that outlives
-// its deadline is abandoned (it should honour ctx) and the attempt times out:
-// run returns at once, and late receives the handler's outcome when it ends.
+// run calls the handler in the task's trace context and "process <queue>" span,
+// with the attempt's deadline; a handler that outlives its deadline is
+// abandoned (it should honour ctx) and the attempt times out: run returns at
+// once, and late receives the handler's outcome when it ends.
 func (w *Worker) run(fn ResultHandlerFunc, task *Task) (value any, late <-chan handlerReturn, err error) {
-	ctx, cancel := ContextWithTraceID(context.Background(), task.TraceID), context.CancelFunc(func() {})
+	ctx, span := startProcess(runningTaskContext(ContextWithTraceID(context.Background(), task.TraceID),
+		task.Envelope), w.cfg.TracerProvider, task)
+	defer func() { endSpan(span, err) }()
+	cancel := context.CancelFunc(func() {})
 	if task.TimeoutMS != nil {
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
 	}
