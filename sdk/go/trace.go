@@ -78,7 +78,8 @@ func startSend(ctx context.Context, tp trace.TracerProvider, queue string, e *En
 	}
 	current := trace.SpanContextFromContext(ctx)
 	if sc := span.SpanContext(); !sc.IsValid() || sc.Equal(current) {
-		if running, ok := ctx.Value(runningTraceKey{}).(runningTrace); ok {
+		// Still the context read from the task (no process span of its own either).
+		if running, ok := ctx.Value(runningTraceKey{}).(runningTrace); ok && current.IsRemote() {
 			setHeaders(e, map[string]string{HeaderTraceparent: running.parent, HeaderTracestate: running.state})
 			return span
 		}

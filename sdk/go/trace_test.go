@@ -208,3 +208,19 @@ func TestAnInvalidTraceparentIsIgnored(t *testing.T) {
 		t.Fatalf("child of an invalid traceparent: %s", ran.get("jobs.child").JSON())
 	}
 }
+
+// A handler's span of an SDK the producer does not use is still what a task
+// it publishes continues, not the running task's traceparent.
+func TestAProducerWithoutSpansContinuesTheCurrentSpan(t *testing.T) {
+	tp := sdktrace.NewTracerProvider()
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	running := New("jobs.parent", nil)
+	running.Headers[HeaderTraceparent] = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	ctx, span := tp.Tracer("test").Start(runningTaskContext(context.Background(), running), "process")
+	defer span.End()
+	e := New("jobs.child", nil)
+	startSend(ctx, nil, "jobs", e).End()
+	if got := e.Headers[HeaderTraceparent]; got != traceparentOf(span.SpanContext()) {
+		t.Fatalf("traceparent %q, want the current span's %q", got, traceparentOf(span.SpanContext()))
+	}
+}
