@@ -689,9 +689,10 @@ func (w *Worker) flushStats(ctx context.Context) {
 }
 
 // keepAlive renews the liveness key every lease/3, whatever the tasks do, and
-// writes the statistics held after each renewal; it takes over the entries of dead consumers once it renewed twice in a row with
-// renewals answered at once (docs/protocol.md section 5): one that failed or
-// waited for Redis starts the count again, and so does a takeover that did.
+// writes the statistics held after each renewal; it takes over the entries of
+// dead consumers once it renewed twice in a row with renewals answered at once
+// (docs/protocol.md section 5): one that failed or waited for Redis starts the
+// count again, and so does a takeover that did.
 // After a failed renewal it tries again soon, so that its key is back as soon
 // as Redis answers.
 func (w *Worker) keepAlive(ctx context.Context) {
