@@ -31,7 +31,13 @@ type Announcement struct {
 	StartedAt   string             `json:"started_at"`
 	SeenAt      string             `json:"seen_at"`
 	StoppedAt   string             `json:"stopped_at,omitempty"`
+	// HeartbeatMS is how often the announcement is written again (the liveness
+	// renewal period); 0 when a reader found none (then take DefaultHeartbeatMS).
+	HeartbeatMS int64 `json:"heartbeat_ms,omitempty"`
 }
+
+// DefaultHeartbeatMS is the heartbeat_ms of an announcement that has none.
+const DefaultHeartbeatMS = 10_000
 
 // Accepts reports whether the announcement serves taskType at version on queue.
 func (a *Announcement) Accepts(queue, taskType string, version int64) bool {
@@ -44,7 +50,8 @@ func (w *Worker) announcement(stopped bool) Announcement {
 	pid, _ := strconv.Atoi(w.pid)
 	a := Announcement{Consumer: w.cfg.Consumer, Language: Language, Host: w.host, PID: pid,
 		Queues: w.cfg.Queues, Serves: w.serves(), Concurrency: 1,
-		StartedAt: recordTime(w.startedAt), SeenAt: recordTime(time.Now())}
+		StartedAt: recordTime(w.startedAt), SeenAt: recordTime(time.Now()),
+		HeartbeatMS: w.renewEvery().Milliseconds()}
 	if stopped {
 		a.StoppedAt = a.SeenAt
 	}

@@ -37,7 +37,8 @@ func TestWorkerAnnouncesWhatItServesAndWhenItStopped(t *testing.T) {
 	a := e.announcement(w.Consumer())
 	if a.Consumer != w.Consumer() || a.Language != Language || a.Host != w.host || a.PID == 0 ||
 		len(a.Queues) != 1 || a.Queues[0] != e.queue || a.Concurrency != 1 || a.StoppedAt != "" ||
-		len(a.Serves) != 2 || len(a.Serves["jobs.run"]) != 2 || a.Serves["jobs.other"][0] != 1 {
+		len(a.Serves) != 2 || len(a.Serves["jobs.run"]) != 2 || a.Serves["jobs.other"][0] != 1 ||
+		a.HeartbeatMS != (600*time.Millisecond/3).Milliseconds() {
 		t.Fatalf("announcement %+v", a)
 	}
 	if _, err := ParseTimestamp(a.StartedAt); err != nil {

@@ -351,6 +351,13 @@ func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {
 	if n := stop(); n > 0 {
 		t.Fatalf("%d workers stopped", n)
 	}
+	// The statistics of each queue are written in its slot (one MULTI per queue).
+	if v := h.client.HGet(ctx, h.keys.Queue(queues[1]).Stats(), StatsField("ha.nobody", StatDead)).Val(); v != "1" {
+		t.Fatalf("dead letters of ha.nobody counted: %q", v)
+	}
+	if v := h.client.HGet(ctx, h.keys.Queue(queues[0]).Stats(), StatsField(flakyTask, StatRetried)).Val(); v == "" || v == "0" {
+		t.Fatalf("retries of %s counted: %q", flakyTask, v)
+	}
 
 	failoverOf := func(key string) (func(), func() bool) {
 		old := c.primaryOf(key)

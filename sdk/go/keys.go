@@ -135,3 +135,6 @@ func (q QueueKeys) BucketOfStream(stream string) (Bucket, bool) {
 	}
 	return "", false
 }
+
+// Stats is the hash of the workers' statistics of this queue (docs/protocol.md section 17).
+func (q QueueKeys) Stats() string { return q.Base() + ":stats" }

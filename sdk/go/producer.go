@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Producer publishes Envelopes (docs/protocol.md section 4) on any
@@ -36,6 +37,9 @@ type Producer struct {
 	// RequireServed refuses a task that no live or recently seen worker of its
 	// queue serves (section 15) with a *NotServedError.
 	RequireServed bool
+	// TracerProvider makes the "send <queue>" spans (docs/protocol.md section 18);
+	// nil: OpenTelemetry's global provider (no spans until an SDK is installed).
+	TracerProvider trace.TracerProvider
 
 	schemasOnce sync.Once
 	schemas     *PayloadSchemas
@@ -57,17 +61,24 @@ func NewProducer(client redis.UniversalClient, prefix string, scripts Scripts) *
 // about 15 s with one publish token, so it is stored once however many tries
 // reach Redis. With Durability set it then waits for replicas.
 //
+// Each publish is a "send <queue>" PRODUCER span; unless e sets traceparent,
+// its headers get the trace context of that span, or of the task the handler
+// publishing runs (docs/protocol.md section 18).
+//
 // e must carry its identity (task_id, trace_id, created_at): build it with
 // New, which fills them in.
 func (p *Producer) Publish(ctx context.Context, queue string, e *Envelope) (string, error) {
 	return p.publish(ctx, queue, e, nil)
 }
 
-// publish is Publish with the announcements of a batch read once (nil: read now).
-func (p *Producer) publish(ctx context.Context, queue string, e *Envelope, announced []Announcement) (string, error) {
+// publish is Publish with the announcements of a batch read once (nil: read now),
+// in its send span.
+func (p *Producer) publish(ctx context.Context, queue string, e *Envelope, announced []Announcement) (id string, err error) {
 	if err := CheckQueueName(queue); err != nil {
 		return "", err
 	}
+	span := startSend(ctx, p.TracerProvider, queue, e)
+	defer func() { endSpan(span, err) }()
 	now := time.Now()
 	if err := e.Validate(p.Limits); err != nil {
 		return "", err

@@ -1,6 +1,7 @@
 package envelope
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -62,7 +63,7 @@ func WithPriority(priority int) PublishOption {
 	return func(e *Envelope) error { e.Priority = priority; return nil }
 }
 
-// WithTraceID sets trace_id (default: the trace id of ctx, else a new one).
+// WithTraceID sets trace_id (default: the trace id of ctx, see NewTask, else a new one).
 func WithTraceID(traceID string) PublishOption {
 	return func(e *Envelope) error { e.TraceID = traceID; return nil }
 }
@@ -115,7 +116,8 @@ func WithHeader(name, value string) PublishOption {
 
 // NewTask builds an Envelope for taskType with payload (a JSON object: a
 // []byte or json.RawMessage as it is, anything else through json.Marshal),
-// the trace id of ctx when it carries one, then opts.
+// the trace id of ctx when it carries one (TraceIDFromContext, else the trace
+// id of its OpenTelemetry span context), then opts.
 func NewTask(ctx context.Context, taskType string, payload any, opts ...PublishOption) (*Envelope, error) {
 	var body []byte
 	switch p := payload.(type) {
@@ -131,7 +133,7 @@ func NewTask(ctx context.Context, taskType string, payload any, opts ...PublishO
 		}
 	}
 	e := New(taskType, body)
-	if id := TraceIDFromContext(ctx); id != "" {
+	if id := cmp.Or(TraceIDFromContext(ctx), traceIDOfSpan(ctx)); id != "" {
 		e.TraceID = id
 	}
 	for _, opt := range opts {

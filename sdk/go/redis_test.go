@@ -234,6 +234,9 @@ func TestEntryOfAConsumerThatDiedTooOftenIsDeadLettered(t *testing.T) {
 		ok, _ := e.client.SIsMember(context.Background(), e.keys.DeadQueues(), e.queue).Result()
 		return ok
 	})
+	e.waitFor("the dead letter to be counted", func() bool {
+		return e.client.HGet(context.Background(), e.q.Stats(), StatsField("jobs.run", StatDead)).Val() == "1"
+	})
 }
 
 func TestDeadConsumersAreForgottenOnlyAfterForgetAfter(t *testing.T) {

@@ -80,6 +80,12 @@ func TestWorkerDeadLettersAPayloadThatBreaksItsSchema(t *testing.T) {
 	if r := e.waitState(bad.TaskID, StateDead); !strings.HasPrefix(r["error"], "invalid_payload: schema: ") {
 		t.Fatalf("record %v", r)
 	}
+	// A refused payload is a failed attempt that ran nothing (section 17).
+	e.waitFor("the statistics", func() bool { return e.client.Exists(ctx, e.q.Stats()).Val() == 1 })
+	if got := e.client.HGetAll(ctx, e.q.Stats()).Val(); len(got) != 2 ||
+		got[StatsField("jobs.order", StatFailed)] != "1" || got[StatsField("jobs.order", StatDead)] != "1" {
+		t.Fatalf("statistics %v", got)
+	}
 }
 
 func TestWorkerRunsUncheckedWhenTheSchemasCannotBeRead(t *testing.T) {

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Language is written in liveness keys and dead-letter entries.
@@ -27,8 +28,10 @@ const Language = "go"
 // final unless the Envelope asks for automatic retries (x-retry-policy:
 // tiered); then wrap it with Transient to retry it on the fast tier, with
 // InvalidPayload or Reject to dead-letter it at once. ctx ends when timeout_ms
-// passes, and carries the task's trace id (TraceIDFromContext), which
-// PublishTask stamps on the tasks the handler publishes. A task that asks for
+// passes, and carries the task's trace id (TraceIDFromContext) and its trace
+// context (headers.traceparent, in a "process <queue>" span where
+// OpenTelemetry is installed), which PublishTask stamps on the tasks the
+// handler publishes. A task that asks for
 // a result (ext.celery.result) gets null; ResultHandlerFunc returns one.
 type HandlerFunc func(ctx context.Context, t *Task) error
 
@@ -96,6 +99,10 @@ type Config struct {
 	TaskRecordRetention time.Duration
 	// SchemaCache is how long the payload schemas read are used (section 16): 0 is DefaultSchemaCache.
 	SchemaCache time.Duration
+
+	// TracerProvider makes the "process <queue>" spans (docs/protocol.md section
+	// 18); nil: OpenTelemetry's global provider (no spans until an SDK is installed).
+	TracerProvider trace.TracerProvider
 
 	Logger *slog.Logger
 	// OnDuplicate is called when a task is acknowledged without running because
@@ -195,6 +202,7 @@ type Worker struct {
 	results  *results        // shared by the consumers of one Worker
 	schemas  *PayloadSchemas // shared by the consumers of one Worker
 	records  records
+	stats    *Stats // this consumer's, written with its renewals
 	log      *slog.Logger
 	host     string
 	pid      string
@@ -269,7 +277,7 @@ func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handle
 	w := &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, byStream: map[string]QueueKeys{}, watch: watch,
 		handlers: handlers, results: res, schemas: schemas, records: newRecords(cfg.TaskRecordRetention),
-		stop: make(chan struct{}), overrun: map[string]bool{},
+		stats: &Stats{Keys: keys}, stop: make(chan struct{}), overrun: map[string]bool{},
 		log:  cfg.Logger.With("consumer", cfg.Consumer, cfg.queueAttr()),
 		host: hostname(), pid: strconv.Itoa(os.Getpid()),
 	}
@@ -481,6 +489,7 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 	w.abandoned.Wait()
 	stopKeeper()
 	keeper.Wait()
+	w.flushStats(bg)
 	if err := w.announceSelf(bg, true); err != nil {
 		w.log.Warn("could not write the stopped announcement", "error", err.Error())
 	}
@@ -668,14 +677,26 @@ func (w *Worker) renew(ctx context.Context) error {
 	return nil
 }
 
+// renewEvery is the liveness renewal period, lease/3 (heartbeat_ms).
+func (w *Worker) renewEvery() time.Duration { return w.cfg.Lease / 3 }
+
+// flushStats writes the statistics held (section 17); a failed write is
+// logged and kept for the next one.
+func (w *Worker) flushStats(ctx context.Context) {
+	if err := w.stats.Flush(ctx, w.client); err != nil {
+		w.log.Warn("writing the worker statistics failed; they are kept for the next renewal", "error", err.Error())
+	}
+}
+
 // keepAlive renews the liveness key every lease/3, whatever the tasks do, and
-// takes over the entries of dead consumers once it renewed twice in a row with
-// renewals answered at once (docs/protocol.md section 5): one that failed or
-// waited for Redis starts the count again, and so does a takeover that did.
+// writes the statistics held after each renewal; it takes over the entries of
+// dead consumers once it renewed twice in a row with renewals answered at once
+// (docs/protocol.md section 5): one that failed or waited for Redis starts the
+// count again, and so does a takeover that did.
 // After a failed renewal it tries again soon, so that its key is back as soon
 // as Redis answers.
 func (w *Worker) keepAlive(ctx context.Context) {
-	interval := w.cfg.Lease / 3
+	interval := w.renewEvery()
 	timer := time.NewTimer(interval)
 	defer timer.Stop()
 	renewed := 0
@@ -704,6 +725,7 @@ func (w *Worker) keepAlive(ctx context.Context) {
 			continue
 		}
 		timer.Reset(interval)
+		w.flushStats(ctx)
 		if renewed < 2 {
 			continue
 		}
@@ -872,7 +894,11 @@ func (w *Worker) entryRecord(ctx context.Context, q QueueKeys, stream, id string
 // failRedelivered writes the FAILURE result of a task requeue.lua dead-lettered
 // as redelivery_limit, reading the task back from its dead-letter entry (the
 // script moved it atomically, so the result follows the move).
+//
+// It counts the dead letter under its task type ("-" when it cannot be read).
 func (w *Worker) failRedelivered(ctx context.Context, q QueueKeys, deadID string) {
+	taskType := UndecodedTaskType
+	defer func() { w.stats.Count(q.Queue, taskType, StatDead) }()
 	msgs, err := w.client.XRange(ctx, q.Dead(), deadID, deadID).Result()
 	if err != nil || len(msgs) != 1 {
 		w.logFor(q).Warn("reading a dead-letter entry back for its result failed", "dead_id", deadID, "error", fmt.Sprint(err))
@@ -889,6 +915,7 @@ func (w *Worker) failRedelivered(ctx context.Context, q QueueKeys, deadID string
 	if err != nil {
 		return // malformed: no task to write a result for
 	}
+	taskType = env.TaskType
 	log := w.logFor(q).With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType)
 	w.results.write(ctx, log, env, failed(failure{class: ClassRedeliveryLimit, reason: fields["reason"]}))
 }
@@ -1178,13 +1205,16 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 	w.recordStart(ctx, e)
 	e.log.Info("task started", "retry_count", env.RetryCount, "redelivered", task.Redelivered)
 	started := time.Now()
+	w.stats.Observe(e.q.Queue, env.TaskType, HistogramWait, started.Sub(waitStart(env)))
 	value, late, err := w.run(h.run, task)
 	elapsed := time.Since(started)
+	w.stats.Observe(e.q.Queue, env.TaskType, HistogramRun, elapsed)
 	var result json.RawMessage
 	if err == nil && asksForResult(env) {
 		result, err = encodeResult(value)
 	}
 	if err == nil {
+		w.stats.Count(e.q.Queue, env.TaskType, StatSucceeded)
 		if holder != "" {
 			w.finishIdem(ctx, e, holder, "done")
 		}
@@ -1203,6 +1233,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 	case holder != "":
 		w.finishIdem(ctx, e, holder, "release")
 	}
+	w.stats.Count(e.q.Queue, env.TaskType, StatFailed)
 	w.fail(ctx, e, err, elapsed)
 }
 
@@ -1218,6 +1249,7 @@ func (w *Worker) payloadFits(ctx context.Context, e *entry) bool {
 	if len(found) == 0 {
 		return true
 	}
+	w.stats.Count(e.q.Queue, e.env.TaskType, StatFailed)
 	w.deadLetter(ctx, e, w.notRun(e, ClassInvalidPayload, SchemaDeadLetterReason(found)))
 	return false
 }
@@ -1324,6 +1356,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 		case "done":
 			w.results.write(ctx, e.log, env, succeeded(nil))
 			w.ack(ctx, e, StateSucceeded, "duplicate")
+			w.stats.Count(e.q.Queue, env.TaskType, StatDuplicate)
 			e.log.Info("duplicate: the effect already happened; acknowledged without running",
 				"outcome", "duplicate", "idempotency_key", *env.IdempotencyKey, "marker", res[1])
 			if w.cfg.OnDuplicate != nil {
@@ -1402,11 +1435,15 @@ type handlerReturn struct {
 	err   error
 }
 
-// run calls the handler with the attempt's deadline; a handler that outlives
-// its deadline is abandoned (it should honour ctx) and the attempt times out:
-// run returns at once, and late receives the handler's outcome when it ends.
+// run calls the handler in the task's trace context and "process <queue>" span,
+// with the attempt's deadline; a handler that outlives its deadline is
+// abandoned (it should honour ctx) and the attempt times out: run returns at
+// once, and late receives the handler's outcome when it ends.
 func (w *Worker) run(fn ResultHandlerFunc, task *Task) (value any, late <-chan handlerReturn, err error) {
-	ctx, cancel := ContextWithTraceID(context.Background(), task.TraceID), context.CancelFunc(func() {})
+	ctx, span := startProcess(runningTaskContext(ContextWithTraceID(context.Background(), task.TraceID),
+		task.Envelope), w.cfg.TracerProvider, task)
+	defer func() { endSpan(span, err) }()
+	cancel := context.CancelFunc(func() {})
 	if task.TimeoutMS != nil {
 		ctx, cancel = context.WithTimeout(ctx, time.Duration(*task.TimeoutMS)*time.Millisecond)
 	}
@@ -1512,7 +1549,9 @@ func (w *Worker) fail(ctx context.Context, e *entry, err error, elapsed time.Dur
 	e.log.Warn("task failed; retrying", "outcome", "retry", "error", err.Error(),
 		"retry_count", d.Next, "fast", d.Action == RetryNow, "delay_ms", d.Delay.Milliseconds(),
 		"duration_ms", elapsed.Milliseconds())
-	w.replace(ctx, e, next, d.Delay, StateRetrying, recordError(ExceptionType(err), err.Error()))
+	if w.replace(ctx, e, next, d.Delay, StateRetrying, recordError(ExceptionType(err), err.Error())) {
+		w.stats.Count(e.q.Queue, env.TaskType, StatRetried)
+	}
 }
 
 // deferTask hands e back to run delay later, retry_count unchanged (a deferral).
@@ -1525,13 +1564,14 @@ func (w *Worker) deferTask(ctx context.Context, e *entry, delay time.Duration) {
 // replace swaps the pending entry for next atomically with retry.lua. A
 // delayed next attempt registers the queue (SADD <prefix>:queues) first. The
 // record gets state (retrying or scheduled; retry.lua writes queued when due
-// now) and errText, the failure that caused a retry.
-func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration, state, errText string) {
+// now) and errText, the failure that caused a retry. It reports whether
+// retry.lua wrote next.
+func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay time.Duration, state, errText string) bool {
 	enc, body, err := EncodeBody(next, w.cfg.GzipMin, w.cfg.Limits)
 	if err != nil {
 		w.deadLetter(ctx, e, failure{class: ClassTaskError, reason: "cannot write the next attempt: " + err.Error(),
 			attempts: e.env.RetryCount + 1})
-		return
+		return false
 	}
 	due := int64(0)
 	if next.ScheduleTime != nil && delay > 0 {
@@ -1550,6 +1590,7 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 	keys, args := w.records.activeStep(e.q, next.TaskID, dueAt, fields).script(
 		[]string{e.stream, e.q.Stream(bucket), e.q.Delayed(), e.q.DelayedData()},
 		[]any{w.cfg.Group, e.id, next.TaskID, due, string(bucket), enc, string(body), w.keys.Wakeup()}, 8)
+	written := false
 	w.settle(e, "retry.lua", func() error {
 		if due > 0 { // the registry first, on its own (docs/protocol.md section 2)
 			if err := w.client.SAdd(ctx, w.keys.Queues(), e.q.Queue).Err(); err != nil {
@@ -1562,9 +1603,11 @@ func (w *Worker) replace(ctx context.Context, e *entry, next *Envelope, delay ti
 				e.log.Warn("entry was no longer pending when replaced (taken over?)")
 				return nil
 			}
+			written = err == nil
 			return err
 		})
 	})
+	return written
 }
 
 // reschedule moves an entry that is not due yet to the delayed set, byte for
@@ -1697,6 +1740,13 @@ func (w *Worker) deadLetter(ctx context.Context, e *entry, f failure) {
 			return err
 		})
 	})
+	if deadID != "" {
+		taskType := UndecodedTaskType
+		if e.env != nil {
+			taskType = e.env.TaskType
+		}
+		w.stats.Count(e.q.Queue, taskType, StatDead)
+	}
 	e.log.Error("entry dead-lettered", "outcome", "dead", "failure_class", f.class,
 		"reason", f.reason, "dead_id", deadID)
 }
