@@ -26,6 +26,7 @@ from support.peers import GO, GoPeer, NodePeer, build_go_peer, node_unavailable
 from kombu_envelope import Envelope, Publisher, Settings
 from kombu_envelope.envelope import utcnow
 from kombu_envelope.failures import Failure, FailureClass
+from kombu_envelope.keys import Bucket
 from kombu_envelope.store.dead_letters import DeadLetters, dead_letter_envelope
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
@@ -222,3 +223,36 @@ def test_a_read_only_token_sees_no_replay_purge_or_cancel_and_is_refused(
     assert httpx.post(f"{server.url}/delayed/{queue}/{later.task_id}/cancel",
                       headers=reader).status_code == 403
     assert [e.entry_id for e in DeadLetters(client, settings).list([queue])] == [entry_id]
+
+
+def test_operator_replays_a_selection_and_purges_after_confirming(
+        browser: Browser, server: DispatcherProcess, store: tuple[redis.Redis, Settings],
+        screenshots: Any) -> None:
+    client, settings = store
+    queue = f"console-{uuid.uuid4().hex[:6]}"
+    ids = []
+    for number in range(3):
+        envelope = Envelope.new(task_type="bill.charge", payload={"n": number})
+        ids.append(dead_letter_envelope(
+            client, settings, queue=queue, envelope=envelope, consumer="c1",
+            failure=Failure(FailureClass.TASK_ERROR, "boom", task_id=envelope.task_id,
+                            task_type="bill.charge")))
+    page = sign_in(browser, server, OPERATOR, "ops (operator)")
+    page.get_by_role("link", name="Dead letters").click()
+    page.get_by_label("Queue").fill(queue)
+    page.keyboard.press("Enter")
+    page.get_by_role("checkbox", name=f"Select {ids[0]}").check()
+    page.get_by_role("button", name="Replay selected").click()
+    expect(page.get_by_text("Replayed 1 entries.")).to_be_visible()
+    assert client.xlen(settings.keys.queue(queue).stream(Bucket.NORMAL)) == 1
+    page.get_by_role("button", name="Purge…").click()
+    dialog = page.get_by_role("dialog", name="Purge dead letters")
+    expect(dialog).to_contain_text(f"Delete 2 dead letter(s) matching the filters from {queue}")
+    screenshots(page, "purge-dialog")
+    dialog.get_by_role("button", name="Cancel").click()
+    expect(page.get_by_text("Nothing was purged.")).to_be_visible()
+    page.get_by_role("button", name="Purge…").click()
+    dialog.get_by_role("button", name="Purge").click()
+    expect(page.get_by_text("Purged 2 entries.")).to_be_visible()
+    assert DeadLetters(client, settings).list([queue]) == []
+    page.close()

@@ -128,8 +128,8 @@ export function render(root, { can }) {
       else showOk(listBox.querySelector('[role=status]'), `Replayed ${chosen.length} entries.`);
     };
     const purge = async () => {
-      const query = where();
-      const queues = query.queue ? [query.queue] : [...new Set(stats.map((s) => s.queue))];
+      const { queue: only, ...filters } = where();
+      const queues = only ? [only] : [...new Set(stats.map((s) => s.queue))];
       const count = stats.reduce((sum, s) => sum + s.count, 0);
       if (!queues.length) return showError(outcome, 'Nothing to purge.');
       const ok = await confirmAction('Purge dead letters',
@@ -139,7 +139,6 @@ export function render(root, { can }) {
       try {
         let purged = 0;
         for (const queue of queues) {
-          const { queue: _, ...filters } = query;
           purged += (await api('DELETE', `/dead-letters/${seg(queue)}`, { query: filters })).purged;
         }
         await refresh();
