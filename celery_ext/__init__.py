@@ -34,6 +34,7 @@ from celery_ext.failures import InvalidPayload
 from celery_ext.priority import mark_unset_priority
 from celery_ext.protocol import CeleryAdapter, serve_worker_app
 from celery_ext.readiness import announce_ready, remember_worker
+from celery_ext.statistics import RECEIVERS as STATISTICS_RECEIVERS
 from celery_ext.tracing import (
     TraceIdFilter,
     add_log_filter,
@@ -71,6 +72,7 @@ _RECEIVERS = (
     (signals.worker_init, install_worker_steps),
     (signals.worker_ready, announce_ready),
     *EXECUTION_RECEIVERS,
+    *STATISTICS_RECEIVERS,
 )
 
 

@@ -84,6 +84,7 @@ from celery_ext.retry_policy import (
     mark_tiered_tasks,
     task_retries,
 )
+from celery_ext.statistics import attempt_buffer
 from celery_ext.time_limits import soft_time_limit
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339, utcnow
 from kombu_envelope.failures import Failure, FailureClass
@@ -101,10 +102,12 @@ from kombu_envelope.retrying import (
     not_retried,
 )
 from kombu_envelope.store.idempotency import DEFAULT_DONE_TTL_S, Claim, ClaimState, Idempotency
-from kombu_envelope.store.replacing import PendingAttempt, next_attempt_replaces
+from kombu_envelope.store.replacing import PendingAttempt, Replaced, next_attempt_replaces
 from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.retry_slots import RetrySlots
 from kombu_envelope.store.task_records import RecordWrite, TaskState, record_write, skip_write
+from kombu_envelope.store.worker_stats import StatsBuffer, observation, wait_seconds
+from kombu_envelope.trace_context import process_span
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class Attempt:
     timeout_ms: int | None
     claim: Claim | None = None  # the idempotency claim held while the task runs
     settled: bool = False  # retried, deferred or dead-lettered already
+    retried: bool = False  # a retry of it is being published
     pending: PendingAttempt | None = None  # its entry, while a next attempt replaces it
 
     @property
@@ -234,10 +238,15 @@ class ExecutionShell:
             delivery=Delivery.of(request, fallback), timeout_ms=timeout_ms)
         token = _current.set(attempt)
         try:
-            with self._next_attempt_replaces_entry(attempt):
+            with process_span(attempt.delivery.queue, request.id, task.name, request.retries,
+                              headers), self._next_attempt_replaces_entry(attempt):
                 return self._claimed(attempt, run, args, kwargs)
         finally:
             _current.reset(token)
+            pending = attempt.pending
+            if attempt.retried and not (pending is not None and not pending.publish_if_gone
+                                        and pending.outcome is Replaced.NOT_PENDING):
+                self._count(attempt, {"retried": 1})
 
     def _next_attempt_replaces_entry(self, attempt: Attempt) -> AbstractContextManager[Any]:
         """While the entry is pending, a retry or deferral replaces it with retry.lua.
@@ -264,6 +273,7 @@ class ExecutionShell:
             logger.info("task %s[%s] is a duplicate (idempotency key done: %s); not run",
                         task.name, request.id, claim.other)
             metrics.count("duplicates", task.name)
+            self._count(attempt, {"duplicate": 1})
             self._record(attempt, skip_write(self.settings, attempt.delivery.queue, request.id,
                                              "duplicate"))
             return None
@@ -301,34 +311,55 @@ class ExecutionShell:
              kwargs: dict[str, Any]) -> Any:
         limit = attempt.timeout_ms / 1000 if self.solo and attempt.timeout_ms else None
         queue, task_id = attempt.delivery.queue, attempt.request.id
+        started_at = utcnow()
+        if attempt.delivery.due_ms is not None:
+            self._count(attempt, observation("wait", wait_seconds(
+                int(started_at.timestamp() * 1000), attempt.delivery.due_ms)))
         self._record(attempt, record_write(
             self.settings, queue, task_id, TaskState.RUNNING,
-            {"started_at": utcnow(), "worker": attempt.delivery.consumer, "language": "python",
-             "host": socket.gethostname(), "pid": os.getpid()}), count_attempt=True)
+            {"started_at": started_at, "worker": attempt.delivery.consumer,
+             "language": "python", "host": socket.gethostname(), "pid": os.getpid()}),
+            count_attempt=True)
+        began = time.monotonic()
         try:
             with soft_time_limit(limit):
                 result = run(*args, **kwargs)
         except BaseException as exc:
+            if isinstance(exc, Exception) and not isinstance(exc, Ignore):
+                self._count(attempt, {**observation("run", time.monotonic() - began),
+                                      "failed": 1})
             self._settle_claim(attempt, succeeded=False)
             self._failed(attempt, exc)
             raise
+        self._count(attempt, {**observation("run", time.monotonic() - began), "succeeded": 1})
         self._settle_claim(attempt, succeeded=True)
         metrics.count("succeeded", attempt.task.name)
         self._record(attempt, record_write(self.settings, queue, task_id, TaskState.SUCCEEDED,
                                            {"finished_at": utcnow()}))
         return result
 
+    def _stats(self) -> StatsBuffer:
+        return attempt_buffer(self.settings, lambda: self.client)
+
+    def _count(self, attempt: Attempt, increments: dict[str, int]) -> None:
+        """Add ``increments`` to the statistics of the attempt's queue and task type."""
+        self._stats().add(attempt.delivery.queue, attempt.task.name, increments)
+
     def _record(self, attempt: Attempt, record: RecordWrite, *,
                 count_attempt: bool = False) -> None:
         """Write the task record of a step of the attempt (its start, its success, a
-        duplicate) in one MULTI; a Redis error is logged, never a reason to fail it."""
+        duplicate) in one MULTI, with the statistics counted so far on its queue; a
+        Redis error is logged, never a reason to fail it."""
         if record.key is None:
             return
+        stats, queue, counted = self._stats(), attempt.delivery.queue, {}
         try:
             pipe = write_pipeline(self.client, self.settings, transaction=True, key=record.key)
             record.add_to(pipe, count_attempt=count_attempt)
+            counted = stats.add_to(pipe, queue)
             execute(pipe, self.settings, "task record")
         except BROKER_ERRORS as exc:
+            stats.give_back(queue, counted)
             logger.warning("task %s: writing its task record (%s) failed: %r", _name(attempt),
                            record.fields.get("state"), exc)
 
@@ -443,7 +474,7 @@ class ExecutionShell:
                   exc: BaseException | None) -> None:
         """Before a retry is published: give the key back, carry the first failure's time
         (and the failure, for the task record)."""
-        attempt.settled = True
+        attempt.settled = attempt.retried = True
         if attempt.pending is not None and exc is not None:
             attempt.pending.error = f"{type(exc).__name__}: {exc}"
         self._release_claim(attempt, what)  # so that the retry may claim it
@@ -485,6 +516,7 @@ class ExecutionShell:
                                 delivery=attempt.delivery, failure=failure)
         attempt.settled = True
         if dead is not None:
+            self._count(attempt, {"dead": 1})
             metrics.count("dead_lettered", task.name, failure_class.value)
             logger.error("task %s dead-lettered as %s (%s): %s", _name(attempt), dead,
                          failure_class.value, failure.reason)

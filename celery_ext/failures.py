@@ -32,7 +32,13 @@ from celery_ext.priority import UNSET_PRIORITY_PROPERTY
 from celery_ext.protocol import JSON_CONTENT_TYPE, CeleryAdapter
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.failures import Failure
-from kombu_envelope.kombu.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
+from kombu_envelope.kombu.delivery_info import (
+    INFO_CONSUMER,
+    INFO_DUE_MS,
+    INFO_ENTRY_ID,
+    INFO_QUEUE,
+    INFO_STREAM,
+)
 from kombu_envelope.retrying import ErrorKind, RetryPolicy
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.dead_letters import dead_letter_envelope, dead_letter_pending
@@ -76,6 +82,7 @@ class Delivery:
     consumer: str
     stream: str | None = None
     entry_id: str | None = None
+    due_ms: int | None = None  # when its task was due (ms since the Unix epoch)
 
     @classmethod
     def of(cls, request: Any, fallback_consumer: str) -> Delivery:
@@ -84,7 +91,8 @@ class Delivery:
         info = properties.get("delivery_info") or getattr(request, "delivery_info", None) or {}
         queue = info.get(INFO_QUEUE) or info.get("routing_key") or "celery"
         return cls(queue=queue, consumer=info.get(INFO_CONSUMER) or fallback_consumer,
-                   stream=info.get(INFO_STREAM), entry_id=info.get(INFO_ENTRY_ID))
+                   stream=info.get(INFO_STREAM), entry_id=info.get(INFO_ENTRY_ID),
+                   due_ms=info.get(INFO_DUE_MS))
 
 
 def envelope_of_request(task: Any, request: Any, settings: Settings) -> Envelope:

@@ -10,7 +10,9 @@ Where a published task's trace id comes from (:func:`propagate_trace_id`):
    which workers set while a task runs, so child tasks, retries and canvas
    callbacks inherit the trace id of the task that sent them;
 3. the current task's ``request.trace_id``;
-4. otherwise a new id.
+4. the trace of a ``traceparent`` header, or of the current OpenTelemetry span
+   (:mod:`kombu_envelope.trace_context`, which also writes ``traceparent``);
+5. otherwise a new id.
 
 Logging: :class:`TraceIdFilter` adds ``record.trace_id`` ("-" when there is
 none). Importing ``celery_ext`` installs it on the worker's log handlers, so
@@ -32,6 +34,9 @@ from contextvars import ContextVar, Token
 from typing import Any
 
 from celery import current_task
+
+from kombu_envelope.trace_context import current_trace_id as trace_context_id
+from kombu_envelope.trace_context import trace_id_of
 
 #: Trace id of the code running now (None: no trace).
 current_trace_id: ContextVar[str | None] = ContextVar("current_trace_id", default=None)
@@ -80,7 +85,8 @@ def propagate_trace_id(headers: dict[str, Any] | None = None, **_: Any) -> None:
     would then get a new trace id), so this receiver does not raise.
     """
     if headers is not None and not headers.get("trace_id"):
-        headers["trace_id"] = _active_trace_id() or new_trace_id()
+        headers["trace_id"] = (_active_trace_id() or trace_id_of(headers.get("traceparent"))
+                               or trace_context_id() or new_trace_id())
 
 
 class _RecentTraceIds:

@@ -34,6 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, to_json
 
 from kombu_envelope.errors import InvalidEnvelope, Violation
+from kombu_envelope.trace_context import current_trace_id, trace_id_of
 
 #: Lowest and highest ``priority``; a higher number is more urgent, in every language.
 PRIORITY_MIN = 0
@@ -361,10 +362,15 @@ class Envelope(BaseModel):
 
         A new ``task_id`` (UUID), ``trace_id`` and ``created_at`` (now) are
         filled in when not given: every task carries them on the wire, so that
-        each reader of one entry sees the same identity.
+        each reader of one entry sees the same identity. The default ``trace_id``
+        is the trace's (its ``traceparent`` header, or the current trace), else new.
         """
         fields.setdefault("task_id", _new_task_id())
-        fields.setdefault("trace_id", _new_trace_id())
+        if "trace_id" not in fields:
+            headers = fields.get("headers")
+            fields["trace_id"] = (
+                (trace_id_of(headers.get("traceparent")) if isinstance(headers, dict) else None)
+                or current_trace_id() or _new_trace_id())
         fields.setdefault("created_at", utcnow())
         return cls.parse(fields, limits)
 

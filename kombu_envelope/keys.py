@@ -150,6 +150,11 @@ class QueueKeys:
         """HASH of queue settings (for example whether the queue is transient)."""
         return f"{self.base}:meta"
 
+    @property
+    def stats(self) -> str:
+        """HASH of the counts workers keep of runs, outcomes and waits (section 17)."""
+        return f"{self.base}:stats"
+
 
 @dataclass(frozen=True)
 class KeySpace:

@@ -26,9 +26,11 @@ import pytest
 import redis
 from apps.cluster_app import EFFECTS, STARTS, create_app
 from celery import Celery
+from prometheus_client.parser import text_string_to_metric_families
 from support.workers import CeleryWorker
 
 from kombu_envelope import Envelope, Publisher
+from kombu_envelope.dispatcher.metrics import render
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store import replication
@@ -37,6 +39,7 @@ from kombu_envelope.store.client import AnyRedis, client_for_url, close_client
 from kombu_envelope.store.dead_letters import DeadLetters
 from kombu_envelope.store.delayed import CancelOutcome, DelayedTasks
 from kombu_envelope.store.task_records import TaskRecords, TaskState
+from kombu_envelope.store.worker_stats import StatsBuffer, read_stats
 from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
@@ -232,6 +235,37 @@ def test_task_records_and_announcements_live_in_each_queue_slot(setup: Setup) ->
     assert sorted(announcements.serving_queues("cluster.record", 1)) == sorted(setup.queues)
     (worker,) = announcements.workers(first)
     assert worker.live and worker.concurrency == 2 and worker.serves["cluster.fail"] == [1]
+
+
+def test_worker_statistics_and_metrics_read_each_queue_slot(setup: Setup) -> None:
+    buffer = StatsBuffer(setup.settings)
+    for queue in setup.queues:  # one MULTI per queue, each on its own shard
+        buffer.count(queue, "cluster.probe", "succeeded")
+    assert buffer.flush(setup.client)
+    for queue in setup.queues:
+        (probe,) = [s for s in read_stats(setup.client, setup.settings, queue)
+                    if s.task_type == "cluster.probe"]
+        assert probe.counters["succeeded"] == 1
+    second = setup.queues[1]
+    setup.app.tasks["cluster.fail"].apply_async(kwargs={"order_id": "counted"}, queue=second)
+
+    def samples() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        page = render(setup.client, setup.settings).decode()
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(page) for s in family.samples}
+
+    dead = ("kombu_envelope_tasks_dead_lettered_total", frozenset(
+        {"queue": second, "task_type": "cluster.fail", "language": "python"}.items()))
+    deadline = time.monotonic() + EFFECT_TIMEOUT_S
+    while not samples().get(dead):
+        assert time.monotonic() < deadline, setup.worker.log_tail()
+        time.sleep(0.2)
+    page = samples()
+    for queue in setup.queues:
+        assert page[("kombu_envelope_tasks_succeeded_total", frozenset(
+            {"queue": queue, "task_type": "cluster.probe", "language": "python"}.items()))] == 1
+        assert page[("kombu_envelope_workers", frozenset(
+            {"queue": queue, "language": "python"}.items()))] == 1
 
 
 def test_wait_replicas_waits_on_each_shard_for_its_own_replica(setup: Setup) -> None:

@@ -18,6 +18,7 @@ from kombu_envelope.dispatcher.routes import (
     dead_letters,
     delayed,
     health,
+    metrics,
     periodic,
     schemas,
     tasks,
@@ -71,7 +72,8 @@ def create_app(client: Any, settings: Settings | None = None,
     app.state.stores = Stores(client, settings or Settings())
     app.state.limiter = RateLimiter(config.rate_per_s, config.rate_burst)
     problems.install(app)
-    for module in (health, whoami, tasks, delayed, periodic, dead_letters, schemas, workers):
+    for module in (health, whoami, tasks, delayed, periodic, dead_letters, schemas, workers,
+                   metrics):
         app.include_router(module.router)
     app.mount("/console", StaticFiles(directory=CONSOLE_DIR, html=True), name="console")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

@@ -9,8 +9,12 @@ INFO_QUEUE = "envelope_queue"
 #: Set by a consumer before reject() to name the failure class, and why.
 INFO_FAILURE_CLASS = "envelope_failure_class"
 INFO_FAILURE_REASON = "envelope_failure_reason"
-#: The task_id of the entry's Envelope (absent for non-task messages).
+#: The task_id and task_type of the entry's Envelope (absent for non-task messages).
 INFO_TASK_ID = "envelope_task_id"
+INFO_TASK_TYPE = "envelope_task_type"
 #: Set on a task delivered only to be recorded as not run: "cancelled" or "expired"
 #: (the ``reason`` its task record gets when it is acknowledged).
 INFO_SKIPPED = "envelope_skipped"
+#: When the entry's task was due, ms since the Unix epoch: its Envelope's ``schedule_time``
+#: when set, else its ``created_at`` (an attempt's wait to start counts from it).
+INFO_DUE_MS = "envelope_due_ms"

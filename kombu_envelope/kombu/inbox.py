@@ -27,11 +27,13 @@ from kombu_envelope.keys import QueueKeys
 from kombu_envelope.kombu.adapter import MessageAdapter, NotRun, Undeliverable
 from kombu_envelope.kombu.delivery_info import (
     INFO_CONSUMER,
+    INFO_DUE_MS,
     INFO_ENTRY_ID,
     INFO_QUEUE,
     INFO_SKIPPED,
     INFO_STREAM,
     INFO_TASK_ID,
+    INFO_TASK_TYPE,
 )
 from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
@@ -207,6 +209,9 @@ class Inbox:
                      "redelivered": _was_delivered_before(fields)})
         if envelope is not None:
             info[INFO_TASK_ID] = envelope.task_id
+            info[INFO_TASK_TYPE] = envelope.task_type
+            due = envelope.schedule_time or envelope.created_at
+            info[INFO_DUE_MS] = int(due.timestamp() * 1000)
         return message
 
     def _reschedule(self, queue: str, keys: QueueKeys, stream: str, entry_id: str,

@@ -25,6 +25,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_SKIPPED,
     INFO_STREAM,
     INFO_TASK_ID,
+    INFO_TASK_TYPE,
 )
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
@@ -37,6 +38,7 @@ from kombu_envelope.store.task_records import (
     entry_record,
     skip_write,
 )
+from kombu_envelope.store.worker_stats import UNDECODED, process_buffer
 
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
@@ -141,7 +143,9 @@ class Settler:
         reason = delivery_info.get(INFO_FAILURE_REASON,
                                    "rejected by the consumer without requeue")
         self.dead_letter(self.queue_of_stream(stream), stream, delivery_info[INFO_ENTRY_ID],
-                         Failure(failure_class, reason))
+                         Failure(failure_class, reason,
+                                 task_id=delivery_info.get(INFO_TASK_ID),
+                                 task_type=delivery_info.get(INFO_TASK_TYPE)))
 
     def dead_letter(self, queue: str, stream: str, entry_id: str, failure: Failure) -> None:
         """Move a pending entry of ``queue`` to its dead-letter stream, and log it."""
@@ -153,6 +157,7 @@ class Settler:
             logger.info("entry %s of %s was already settled (dead-lettered by its task); "
                         "not dead-lettered again", entry_id, stream)
             return
+        process_buffer(self.settings).count(queue, failure.task_type or UNDECODED, "dead")
         logger.error("entry %s of %s dead-lettered as %s (%s): %s", entry_id, stream,
                      dead_id, failure.failure_class.value, failure.reason)
 

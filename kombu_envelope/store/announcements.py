@@ -44,6 +44,8 @@ class WorkerAnnouncement:
     seen_at: datetime | None = None
     stopped_at: datetime | None = None
     live: bool = False
+    #: How often the announcement is written again (ms), the liveness renewal period.
+    heartbeat_ms: int | None = None
 
     @classmethod
     def of_this_process(cls, consumer: str, queues: Iterable[str],
@@ -65,6 +67,8 @@ class WorkerAnnouncement:
             "consumer": self.consumer, "language": self.language, "host": self.host,
             "pid": self.pid, "queues": self.queues, "serves": self.serves,
             "concurrency": self.concurrency}
+        if self.heartbeat_ms is not None:
+            value["heartbeat_ms"] = self.heartbeat_ms
         for name in ("started_at", "seen_at", "stopped_at"):
             moment = getattr(self, name)
             if moment is not None:
@@ -86,7 +90,8 @@ class WorkerAnnouncement:
                     for name, versions in serves.items()},
             concurrency=value.get("concurrency"),
             started_at=_time(value.get("started_at")), seen_at=_time(value.get("seen_at")),
-            stopped_at=_time(value.get("stopped_at")), live=live)
+            stopped_at=_time(value.get("stopped_at")), live=live,
+            heartbeat_ms=_int(value.get("heartbeat_ms")))
 
 
 class Announcements:
@@ -111,7 +116,8 @@ class Announcements:
             also(pipe)
         keep_ms = self.settings.announce_keep_s * 1000
         for announcement in announcements:
-            seen = replace(announcement, seen_at=now)
+            seen = replace(announcement, seen_at=now,
+                           heartbeat_ms=self.settings.lease_ms // 3)
             pipe.set(keys.worker(announcement.consumer), seen.to_json(), px=keep_ms)
         pipe.execute()
 
@@ -166,6 +172,10 @@ class Announcements:
                     known | set(versions)
         return {task_type: sorted(versions or ()) for task_type, versions
                 in sorted(merged.items())}
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _time(value: Any) -> datetime | None:

@@ -20,7 +20,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from kombu_envelope.codec import decode_entry
+from kombu_envelope.dead_letter_entry import RAW_PREFIX
 from kombu_envelope.envelope import utcnow
+from kombu_envelope.errors import MalformedEntry
 from kombu_envelope.failures import Failure, FailureClass, failure_fields
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
@@ -28,6 +31,7 @@ from kombu_envelope.store.outages import AnsweredAtOnce, is_outage
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 from kombu_envelope.store.task_records import TaskState, entry_record
+from kombu_envelope.store.worker_stats import UNDECODED, process_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +117,30 @@ def _requeue_owned_by(client: Any, settings: Settings, queue: str, stream: str,
         )
         if reply:
             moved += 1
+            if as_text(reply).startswith("dead:"):
+                _count_dead(client, settings, queue, as_text(reply)[len("dead:"):])
     if moved:
         logger.warning("took over %d entries of dead consumer %s on %s", moved, owner, stream)
     return moved
+
+
+def _count_dead(client: Any, settings: Settings, queue: str, dead_id: str) -> None:
+    """Count a takeover's dead letter for this consumer (section 17), under the task type
+    of the entry it moved (``-`` when that does not decode)."""
+    task_type = UNDECODED
+    try:
+        found = client.xrange(settings.keys.queue(queue).dead, dead_id, dead_id)
+    except RedisError as exc:  # counted as undecoded rather than not at all
+        logger.debug("reading dead-letter entry %s failed: %r", dead_id, exc)
+        found = []
+    if found:
+        raw = {as_text(name)[len(RAW_PREFIX):]: value for name, value in found[0][1].items()
+               if as_text(name).startswith(RAW_PREFIX)}
+        try:
+            task_type = decode_entry(raw, settings.limits).task_type
+        except MalformedEntry:
+            pass
+    process_buffer(settings).count(queue, task_type, "dead")
 
 
 def forget_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
@@ -200,7 +225,8 @@ class LeaseKeeper:
         self._ensure_started()
 
     def unregister(self, consumer: str) -> None:
-        """Stop renewing ``consumer``, delete its liveness key and announce it stopped."""
+        """Stop renewing ``consumer``, delete its liveness key, announce it stopped and
+        write this process's statistics."""
         with self._lock:
             known = self._consumers.pop(consumer, None)
             announcement = self._announcements.pop(consumer, None)
@@ -213,6 +239,7 @@ class LeaseKeeper:
             self.client.delete(self.settings.keys.consumer(consumer))
         except RedisError:
             logger.debug("could not delete liveness key of %s", consumer, exc_info=True)
+        process_buffer(self.settings).flush(self.client)
 
     def stop(self) -> None:
         """Stop the thread (liveness keys then expire on their own) and close its client."""
@@ -270,6 +297,7 @@ class LeaseKeeper:
                 logger.warning("lease renewal failed; retrying in %.1f s", wait_s,
                                exc_info=True)
                 continue
+            process_buffer(self.settings).flush(self.client)
             if watch.waited():  # Redis was away: others may not have renewed yet
                 renewed_in_a_row = 0
                 continue

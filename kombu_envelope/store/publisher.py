@@ -30,6 +30,7 @@ from kombu_envelope.store.task_records import (
     envelope_fields,
     record_write,
 )
+from kombu_envelope.trace_context import SendSpan
 
 
 class Publisher:
@@ -72,16 +73,35 @@ class Publisher:
         is invalid nothing is sent.
         Returns, in order, each stream entry id (None for delayed ones).
 
+        Each Envelope gets ``traceparent``/``tracestate`` headers from the current trace
+        unless it has them (docs/protocol.md, section 18; they are added to the
+        Envelope given), and with OpenTelemetry its ``send <queue>`` span.
+
         ``tokens`` gives each Envelope its publish token (docs/protocol.md, section 4)
         instead of one random token for the call: a caller that derives the token from
         what identifies a publish (the dispatcher: the task id or ``Idempotency-Key``)
         has a second publish of it within ``publish_dedupe_ms`` store nothing.
         """
-        now = now or utcnow()
+        items = list(items)
+        spans = [SendSpan(queue, envelope.task_id, envelope.task_type)
+                 for queue, envelope in items]
+        try:
+            replies = self._send(items, spans, now or utcnow(), tokens)
+        except BaseException as exc:
+            for span in spans:
+                span.end(exc)
+            raise
+        for span in spans:
+            span.end()
+        return replies
+
+    def _send(self, items: list[tuple[str, Envelope]], spans: list[SendSpan], now: datetime,
+              tokens: Sequence[str] | None) -> list[str | None]:
         settings = self.settings
         prepared = []
-        for queue, envelope in items:
+        for (queue, envelope), span in zip(items, spans):
             keys = settings.keys.queue(queue)  # an invalid queue name also sends nothing
+            span.write_headers(envelope.headers)  # published, so validated, with the rest
             self._check(envelope, now)
             prepared.append((keys, envelope,
                              *encode_body(envelope, settings.gzip_min_bytes,

@@ -10,10 +10,11 @@ export const ANNOUNCE_KEEP_MS = 3_600_000;
 const ANNOUNCED_FOR_MS = 86_400_000;
 
 /**
- * What a consumer says about itself.
+ * What a consumer says about itself; `heartbeat_ms` is how often it is written
+ * again (the liveness renewal period; a reader takes 10,000 when it is absent).
  * @typedef {{ consumer: string, language: string, host: string, pid: number, queues: string[],
  *   serves: Record<string, number[]>, concurrency: number, started_at: string, seen_at: string,
- *   stopped_at?: string }} Announcement
+ *   stopped_at?: string, heartbeat_ms?: number }} Announcement
  */
 
 /**

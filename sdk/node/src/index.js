@@ -25,6 +25,10 @@ export {
   PayloadSchemas, RULE_SCHEMA, SCHEMA_CACHE_MS, compileSchema, payloadViolations, schemaDeadLetterReason,
 } from './schemas.js';
 export { parseJson, stringifyJson, JsonSyntaxError } from './json.js';
+export {
+  HISTOGRAM_BOUNDS, HISTOGRAMS, OUTCOMES, STATS_KEEP_MS, TaskStatistics, UNDECODED_TASK_TYPE, bucketField,
+} from './statistics.js';
+export { MESSAGING_SYSTEM, TRACEPARENT_HEADER, TRACESTATE_HEADER, parseTraceparent } from './tracing.js';
 
 /** @typedef {import('./producer.js').PublishResult} PublishResult */
 /** @typedef {import('./producer.js').PublishOptions} PublishOptions */

@@ -21,6 +21,7 @@
 //   <prefix>:workers                         ZSET consumer -> when it last announced itself (ms)
 //   <prefix>:worker:<consumer>               a worker's announcement (section 15), with expiry
 //   <prefix>:schemas                         HASH <task_type>@<payload_version> -> payload schema (section 16)
+//   <prefix>:{<queue>}:stats                 HASH "<task_type> <language> <name>" -> count (section 17)
 
 export const DEFAULT_PREFIX = 'envelope';
 export const DEFAULT_GROUP = 'workers';
@@ -57,6 +58,8 @@ export class QueueKeys {
     this.delayedData = `${this.base}:delayed:data`;
     this.dead = `${this.base}:dead`;
     this.replayed = `${this.base}:replayed`;
+    /** The worker statistics hash (section 17). */
+    this.stats = `${this.base}:stats`;
     Object.freeze(this);
   }
 

@@ -8,7 +8,8 @@
 // cancelled for every queue (src/cancel.js).
 // Before writing, payloads are checked against their schemas (src/schemas.js)
 // and, with requireServed, against what the queue's workers announce
-// (src/announce.js). Each publish writes its task record (src/records.js).
+// (src/announce.js). Each publish writes its task record (src/records.js) and
+// carries the current trace context in headers.traceparent (src/tracing.js).
 
 import crypto from 'node:crypto';
 import { notServed, readAnnouncements } from './announce.js';
@@ -25,6 +26,7 @@ import { ReplicaWait } from './replicas.js';
 import { PayloadSchemas, SCHEMA_CACHE_MS } from './schemas.js';
 import { Scripts } from './scripts.js';
 import { getTask } from './tasks.js';
+import { PublishTrace } from './tracing.js';
 
 /** How long enqueue.lua and schedule.lua remember a publish token (ms, docs/protocol.md section 4). */
 export const PUBLISH_DEDUPE_MS = 90_000;
@@ -94,7 +96,8 @@ export class Producer {
 
   /**
    * The Envelope publish() would write: identity filled in, `expiresInMs`
-   * turned into `expires`, every publish rule checked.
+   * turned into `expires`, every publish rule checked; publish() adds the
+   * current trace context first (headers.traceparent, section 18).
    * @param {object} fields
    * @param {PublishOptions} [options]
    */
@@ -117,9 +120,8 @@ export class Producer {
    * @returns {Promise<PublishResult>}
    */
   async publish(queue, fields, { nowMs = Date.now(), expiresInMs } = {}) {
-    const envelope = this.prepare(fields, { nowMs, expiresInMs });
-    await this.admit(queue, [envelope]);
-    return this.write(queue, envelope, nowMs);
+    const [result] = await this.publishTraced(queue, [fields], { nowMs, expiresInMs });
+    return result;
   }
 
   /**
@@ -135,9 +137,34 @@ export class Producer {
    * @returns {Promise<PublishResult[]>}
    */
   async publishMany(queue, list, { nowMs = Date.now(), expiresInMs } = {}) {
-    const envelopes = list.map((fields) => this.prepare(fields, { nowMs, expiresInMs }));
-    await this.admit(queue, envelopes);
-    return Promise.all(envelopes.map((envelope) => this.write(queue, envelope, nowMs)));
+    return this.publishTraced(queue, list, { nowMs, expiresInMs });
+  }
+
+  /**
+   * Publish `list`, each task with its trace context (section 18): a send span
+   * per task, whose context (or the running task's) goes into headers.traceparent.
+   */
+  async publishTraced(queue, list, { nowMs, expiresInMs }) {
+    const traces = list.map((fields) => new PublishTrace(queue, fields));
+    let envelopes;
+    try {
+      envelopes = traces.map((trace) => this.prepare(trace.fields, { nowMs, expiresInMs }));
+      envelopes.forEach((envelope, i) => traces[i].identify(envelope));
+      await this.admit(queue, envelopes);
+    } catch (err) {
+      for (const trace of traces) trace.fail(err).end();
+      throw err;
+    }
+    return Promise.all(envelopes.map(async (envelope, i) => {
+      try {
+        const result = await this.write(queue, envelope, nowMs);
+        traces[i].end();
+        return result;
+      } catch (err) {
+        traces[i].fail(err).end();
+        throw err;
+      }
+    }));
   }
 
   /**

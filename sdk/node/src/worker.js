@@ -29,6 +29,11 @@
 //     invalid_payload, before claiming its idempotency key;
 //   - writes the task record (section 14) in each step's script call or MULTI;
 //   - announces itself (section 15) with every liveness renewal;
+//   - counts each attempt's outcome, run time and wait (section 17) and writes
+//     the counts with every liveness renewal and on stop (statistics.js);
+//   - runs each handler with its task's trace context current (section 18,
+//     tracing.js): a process span with OpenTelemetry, the traceparent that tasks
+//     published from the handler continue;
 //   - on stop: prefetched, unstarted entries go back with requeue.lua, running
 //     tasks get a grace period, the liveness key is deleted, and the
 //     announcement is written once more with stopped_at.
@@ -44,6 +49,7 @@
 import crypto from 'node:crypto';
 import { EventEmitter } from 'node:events';
 import os from 'node:os';
+import { performance } from 'node:perf_hooks';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { AbandonedClaims } from './abandoned.js';
 import { ANNOUNCE_KEEP_MS, announce } from './announce.js';
@@ -68,6 +74,8 @@ import {
 import { ResultWriter, checkResult } from './results.js';
 import { PayloadSchemas, SCHEMA_CACHE_MS, schemaDeadLetterReason } from './schemas.js';
 import { Scripts } from './scripts.js';
+import { TaskStatistics, UNDECODED_TASK_TYPE } from './statistics.js';
+import { AttemptTrace } from './tracing.js';
 import { parseRedisUrl } from './url.js';
 
 export { parseRedisUrl, isRedisClient };
@@ -278,6 +286,8 @@ export class Worker extends EventEmitter {
     this.running = false;
     this.recoverAt = null;
     this.renewals = new Renewals(Math.max(1, Math.floor(o.leaseMs / 3)));
+    /** The counts of section 17, written to the queues' statistics hashes. */
+    this.statistics = new TaskStatistics({ keys: this.keys, language: LANGUAGE, log: this.log });
     this.stats = { succeeded: 0, retried: 0, dead: 0, duplicates: 0, deferred: 0, scheduled: 0, requeued: 0, taken_over: 0, cancelled: 0, expired: 0 };
     for (const [taskType, spec] of Object.entries(modern ? handlers ?? {} : {})) {
       if (typeof spec === 'function') this.register(taskType, spec);
@@ -398,6 +408,7 @@ export class Worker extends EventEmitter {
       () => this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs));
     if (!counted) this.log.info('a liveness renewal waited for Redis; takeovers wait for two renewals answered at once');
     await this.announceSelf().catch((err) => this.log.warn('could not write the worker announcement', { err }));
+    this.statistics.flush(this.leaseClient); // never throws; a write that waits never holds the renewal up
   }
 
   /**
@@ -412,6 +423,7 @@ export class Worker extends EventEmitter {
     return {
       consumer: this.consumer, language: LANGUAGE, host: this.host, pid: process.pid, queues: [...this.opts.queues],
       serves, concurrency: this.opts.concurrency, started_at: this.startedAt, seen_at: seenAt,
+      heartbeat_ms: this.renewals.intervalMs,
       ...(stopped ? { stopped_at: seenAt } : {}),
     };
   }
@@ -731,6 +743,7 @@ export class Worker extends EventEmitter {
         await this.results.success(env, null, log); // as a Celery worker does for a duplicate
         await this.ack(entry, log, { state: TASK_STATES.succeeded, reason: 'duplicate' });
         this.stats.duplicates += 1;
+        this.statistics.count(this.queueOf(entry.stream).queue, env.task_type, 'duplicate');
         log.info('duplicate: the effect of this idempotency key already happened; acknowledged without running', {
           idempotency_key: env.idempotency_key, marker: claim.value,
         });
@@ -760,6 +773,7 @@ export class Worker extends EventEmitter {
       return false;
     }
     if (!found.length) return false;
+    this.statistics.count(this.queueOf(entry.stream).queue, env.task_type, 'failed'); // a refused payload is a failed attempt
     await this.deadLetter(entry, env, log, this.notRun(env, 'invalid_payload', schemaDeadLetterReason(found)));
     return true;
   }
@@ -807,10 +821,40 @@ export class Worker extends EventEmitter {
     };
   }
 
+  /** The attempt in its process span (section 18), which fails with the handler's error. */
   async runClaimed(entry, env, handler, abort, log, claim) {
+    const trace = new AttemptTrace(this.queueOf(entry.stream).queue, env);
+    try {
+      await this.runAttempt(entry, env, handler, abort, log, claim, trace);
+    } catch (err) {
+      trace.fail(err);
+      throw err;
+    } finally {
+      trace.end();
+    }
+  }
+
+  /** Count how an attempt ended (section 17): its outcome and how long its handler ran. */
+  countRun(entry, env, outcome, seconds) {
+    const queue = this.queueOf(entry.stream).queue;
+    this.statistics.count(queue, env.task_type, outcome.ok ? 'succeeded' : 'failed');
+    this.statistics.observe(queue, env.task_type, 'run', seconds);
+  }
+
+  async runAttempt(entry, env, handler, abort, log, claim, trace) {
     const timeoutMs = env.timeout_ms ?? handler.timeoutMs ?? this.opts.defaultTimeoutMs;
     await this.recordStart(entry, env, log);
-    const outcome = await this.runHandler(env, handler, timeoutMs, abort, log);
+    const startedAt = Date.now();
+    const started = performance.now();
+    // The wait: from its schedule_time, else its created_at, to now.
+    const since = Timestamp.parse(env.schedule_time ?? env.created_at);
+    this.statistics.observe(this.queueOf(entry.stream).queue, env.task_type, 'wait',
+      (startedAt - since.epochMs - since.subMsNanos / 1e6) / 1000);
+    const outcome = await this.runHandler(env, handler, timeoutMs, abort, log, trace);
+    const ranSeconds = (performance.now() - started) / 1000;
+    if (!outcome.ok) trace.fail(outcome.error);
+    // A shutdown abort puts the entry back: not an outcome of the task.
+    if (!(outcome.error instanceof ShutdownAbort)) this.countRun(entry, env, outcome, ranSeconds);
     if (outcome.ok) {
       const epoch = this.renewals.epoch;
       const replicated = claim ? await this.finishClaim(claim, 'done', log) : true;
@@ -853,7 +897,7 @@ export class Worker extends EventEmitter {
    * stopped, so the outcome carries `late`, the handler's promise, which may
    * still settle (and have its effect) later.
    */
-  async runHandler(env, handler, timeoutMs, abort, log) {
+  async runHandler(env, handler, timeoutMs, abort, log, trace) {
     const started = Date.now();
     let timer = null;
     const ABORTED = Symbol('aborted');
@@ -868,7 +912,7 @@ export class Worker extends EventEmitter {
       envelope: env, taskId: env.task_id, traceId: env.trace_id, attempt: env.retry_count,
       signal: abort.signal, log, redis: this.cmd, keys: this.keys,
     };
-    const running = Promise.resolve().then(() => handler.fn(env.payload, ctx));
+    const running = Promise.resolve().then(() => trace.run(() => handler.fn(env.payload, ctx)));
     const failure = (error, late = null) => ({
       ok: false, error, timeout: error instanceof TaskTimeoutError, late, durationMs: Date.now() - started,
     });
@@ -922,8 +966,9 @@ export class Worker extends EventEmitter {
     }
     const headers = { ...decision.headers, [FIRST_FAILURE_HEADER]: firstFailureAt };
     const next = nextAttempt(env, { retryCount: decision.retryCount, headers, delayMs: decision.delayMs }, now.epochMs);
-    await this.replace(entry, next, decision.delayMs, log,
+    const stored = await this.replace(entry, next, decision.delayMs, log,
       { state: TASK_STATES.retrying, error: recordError(failure.exception_type, failure.reason) });
+    if (stored) this.statistics.count(this.queueOf(entry.stream).queue, env.task_type, 'retried');
     this.stats.retried += 1;
     this.notify('failed', env, error, { retrying: true, delayMs: decision.delayMs });
     log.warn('attempt failed; retrying', {
@@ -1059,7 +1104,8 @@ export class Worker extends EventEmitter {
   /**
    * Replace the pending entry by `next` (retry.lua), now or after delayMs; its
    * task record gets `state` (retrying, or scheduled for a deferral; the
-   * script writes queued when due now) and the `error` of a retry.
+   * script writes queued when due now) and the `error` of a retry. Answers
+   * whether it was stored (false: the entry had been taken over).
    * @param {{ state: string, error?: string }} record
    */
   async replace(entry, next, delayMs, log, { state, error }) {
@@ -1076,6 +1122,7 @@ export class Worker extends EventEmitter {
     const stored = await this.settle('replace the entry', entry.stream, log,
       () => (due ? registerThen(this.cmd, this.keys.queues, qk.queue, run) : run()));
     if (!stored) log.warn('the entry was no longer pending (taken over); its next attempt was not stored by this consumer');
+    return Boolean(stored);
   }
 
   failureFields(failure, env, queue) {
@@ -1121,6 +1168,7 @@ export class Worker extends EventEmitter {
       return;
     }
     this.stats.dead += 1;
+    this.statistics.count(qk.queue, entry.env?.task_type ?? UNDECODED_TASK_TYPE, 'dead');
     log.error('entry dead-lettered', {
       failure_class: failure.failure_class, reason: failure.reason, dead_id: deadId, attempts: failure.attempts ?? null,
     });
@@ -1133,12 +1181,15 @@ export class Worker extends EventEmitter {
     }, log);
   }
 
-  /** The FAILURE result of a task requeue.lua dead-lettered as redelivery_limit, read back from its dead-letter entry. */
-  async redeliveryLimitResult(qk, deadId) {
+  /**
+   * A task requeue.lua dead-lettered as redelivery_limit, read back from its
+   * dead-letter entry: counted as dead (section 17), and its FAILURE result written.
+   */
+  async redeliveryLimitReached(qk, deadId) {
     const [item] = await this.cmd.xrangeBuffer(qk.dead, deadId, deadId);
-    if (!item) return;
-    const { envelope: env, fields } = readDeadLetter(qk.queue, text(item[0]), item[1], this.opts.limits);
-    if (!env) return; // not a decodable task: no result to write
+    const { envelope: env, fields } = item ? readDeadLetter(qk.queue, text(item[0]), item[1], this.opts.limits) : {};
+    this.statistics.count(qk.queue, env?.task_type ?? UNDECODED_TASK_TYPE, 'dead');
+    if (!env) return; // not a decodable task (or gone): no result to write
     const log = this.queueLogs.get(qk).child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type });
     await this.failureResult(env, { failure_class: 'redelivery_limit', reason: fields.reason }, log);
   }
@@ -1262,7 +1313,7 @@ export class Worker extends EventEmitter {
         if (!reply) continue;
         this.stats.taken_over += 1;
         const dead = String(reply).startsWith('dead:');
-        if (dead) await this.redeliveryLimitResult(qk, String(reply).slice('dead:'.length));
+        if (dead) await this.redeliveryLimitReached(qk, String(reply).slice('dead:'.length));
         log.warn(dead
           ? 'entry of a dead consumer dead-lettered: redelivery limit reached'
           : 'took over an entry of a dead consumer', { stream, entry_id: id, owner, reply });
@@ -1375,6 +1426,9 @@ export class Worker extends EventEmitter {
     }
     if (this.leaseClient) {
       await this.announceSelf(true).catch((err) => this.log.warn('could not write the stopped announcement', { err }));
+      if (!(await settlesWithin(this.statistics.close(this.leaseClient), this.opts.leaseMs))) {
+        this.log.warn('the last worker statistics write did not finish in time; its counts are lost');
+      }
     }
     for (const client of [this.cmd, this.leaseClient, this.subscriber, this.resultClient]) {
       if (client) await closeClient(client);

@@ -219,7 +219,7 @@ describe('revision 5', { skip, concurrency: false }, () => {
     const announced = JSON.parse(await redis.get(ks.worker(worker.consumer)));
     assert.deepEqual({ ...announced, host: null, started_at: null, seen_at: null }, {
       consumer: worker.consumer, language: 'node', host: null, pid: process.pid, queues: [QUEUE],
-      serves: { 'a.ok': [1, 2] }, concurrency: 3, started_at: null, seen_at: null,
+      serves: { 'a.ok': [1, 2] }, concurrency: 3, started_at: null, seen_at: null, heartbeat_ms: 300,
     });
     assert.ok(Number(await redis.zscore(ks.workers, worker.consumer)) > Date.now() - 5000);
     assert.ok(Number(await redis.pttl(ks.worker(worker.consumer))) > 3_500_000);

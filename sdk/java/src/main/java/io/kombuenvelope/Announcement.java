@@ -13,11 +13,16 @@ import java.util.TreeMap;
  * What one consumer says about itself in {@code <prefix>:worker:<consumer>} (docs/protocol.md
  * section 15): its queues, each task type it serves with the payload versions it accepts (an empty
  * list: every version), how many attempts it runs at once, and when it started, was last seen and,
- * after a clean shutdown, stopped ({@code stoppedAt} null while it runs).
+ * after a clean shutdown, stopped ({@code stoppedAt} null while it runs), and how often it writes
+ * the announcement again ({@code heartbeatMs}, the liveness renewal period; 10,000 when a reader
+ * finds none).
  */
 public record Announcement(String consumer, String language, String host, long pid, List<String> queues,
                            Map<String, List<Long>> serves, int concurrency, String startedAt, String seenAt,
-                           String stoppedAt) {
+                           String stoppedAt, long heartbeatMs) {
+    /** The renewal period a reader takes when an announcement has no {@code heartbeat_ms}. */
+    public static final long DEFAULT_HEARTBEAT_MS = 10_000;
+
     public Announcement {
         queues = List.copyOf(queues);
         serves = java.util.Collections.unmodifiableMap(new TreeMap<>(serves));
@@ -44,6 +49,7 @@ public record Announcement(String consumer, String language, String host, long p
         if (stoppedAt != null) {
             o.put("stopped_at", stoppedAt);
         }
+        o.put("heartbeat_ms", heartbeatMs);
         return o.toString();
     }
 
@@ -74,6 +80,7 @@ public record Announcement(String consumer, String language, String host, long p
         return new Announcement(o.get("consumer").asText(), o.path("language").asText(""), o.path("host").asText(""),
                 o.path("pid").asLong(), queues, serves, o.path("concurrency").asInt(),
                 o.path("started_at").asText(null), o.path("seen_at").asText(null),
-                o.hasNonNull("stopped_at") ? o.get("stopped_at").asText() : null);
+                o.hasNonNull("stopped_at") ? o.get("stopped_at").asText() : null,
+                o.path("heartbeat_ms").isIntegralNumber() ? o.get("heartbeat_ms").asLong() : DEFAULT_HEARTBEAT_MS);
     }
 }

@@ -107,7 +107,7 @@ public final class Envelope {
         b.maxRetries = maxRetries;
         b.retryCount = retryCount;
         b.priority = priority;
-        b.traceId = traceId;
+        b.traceId(traceId);
         b.createdAt = createdAt;
         b.idempotencyKey = idempotencyKey;
         b.headers.putAll(headers);
@@ -122,14 +122,16 @@ public final class Envelope {
 
     /**
      * The trace id of the request being served ({@link TraceContext#current()}: a worker sets it
-     * while a task runs, so tasks published from a handler carry it on), else a new one.
+     * while a task runs, so tasks published from a handler carry it on), else the trace id of the
+     * current OpenTelemetry span, else a new one.
      */
     public static String currentTraceId() {
         String t = TraceContext.current();
         if (t != null && !t.isEmpty() && t.length() <= 128 && TOKEN.matcher(t).matches()) {
             return t;
         }
-        return newTraceId();
+        String span = Tracing.currentTraceId();
+        return span != null ? span : newTraceId();
     }
 
     /** 32 random hex digits, the default trace_id. */
@@ -535,6 +537,7 @@ public final class Envelope {
         private long retryCount;
         private int priority = PRIORITY_DEFAULT;
         private String traceId = currentTraceId();
+        private boolean traceIdSet;
         private Timestamp createdAt = Timestamp.now();
         private String idempotencyKey;
         private final Map<String, String> headers = new TreeMap<>();
@@ -564,7 +567,8 @@ public final class Envelope {
         public Builder maxRetries(Long v) { maxRetries = v; return this; }
         public Builder retryCount(long v) { retryCount = v; return this; }
         public Builder priority(int v) { priority = v; return this; }
-        public Builder traceId(String v) { traceId = v; return this; }
+        /** The trace_id; unless set, that of {@code headers.traceparent} when valid, else {@link #currentTraceId()}. */
+        public Builder traceId(String v) { traceId = v; traceIdSet = true; return this; }
         public Builder createdAt(Timestamp v) { createdAt = v; return this; }
         public Builder idempotencyKey(String v) { idempotencyKey = v; return this; }
         public Builder header(String name, String value) {
@@ -596,6 +600,10 @@ public final class Envelope {
         public Envelope build() {
             if (taskType == null) {
                 throw new EnvelopeValidationException(List.of(new Violation("task_type", "required", "field required")));
+            }
+            String inTrace = traceIdSet ? null : Tracing.traceIdOf(headers.get(Tracing.TRACEPARENT));
+            if (inTrace != null) {
+                traceId = inTrace;
             }
             Envelope e = new Envelope(this);
             return parse(e.toJson(), limits);

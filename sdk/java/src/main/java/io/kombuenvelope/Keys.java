@@ -45,6 +45,8 @@ public final class Keys {
     public String published(String queue, String taskId) { return base(queue) + ":published:" + taskId; }
     public String dead(String queue) { return base(queue) + ":dead"; }
     public String replayed(String queue) { return base(queue) + ":replayed"; }
+    /** The worker statistics of {@code queue}, in its slot (section 17). */
+    public String stats(String queue) { return base(queue) + ":stats"; }
     /** The task record of {@code taskId} in {@code queue} (section 14). */
     public String task(String queue, String taskId) { return base(queue) + ":task:" + taskId; }
     public String queues() { return prefix + ":queues"; }

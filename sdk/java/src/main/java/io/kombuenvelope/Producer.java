@@ -5,6 +5,8 @@ import io.lettuce.core.RedisClient;
 import io.lettuce.core.ScriptOutputType;
 import io.lettuce.core.cluster.RedisClusterClient;
 
+import io.opentelemetry.api.OpenTelemetry;
+
 import java.security.SecureRandom;
 import java.time.Duration;
 import java.time.Instant;
@@ -36,6 +38,7 @@ public final class Producer implements AutoCloseable {
     private final TaskRecords records;
     private final PayloadSchemas schemas;
     private final boolean requireServed;
+    private final Tracing tracing;
     private Canceller canceller;
 
     private Producer(Builder b) {
@@ -51,6 +54,7 @@ public final class Producer implements AutoCloseable {
         this.schemas = new PayloadSchemas(() -> Redis.retrying(link, outageTolerance,
                 () -> link.sync().hgetall(keys.schemas())), b.schemaCache);
         this.requireServed = b.requireServed;
+        this.tracing = new Tracing(b.openTelemetry);
     }
 
     public static Builder builder() {
@@ -131,8 +135,23 @@ public final class Producer implements AutoCloseable {
         return valid;
     }
 
-    /** Stores a checked Envelope with its task record. */
-    private PublishResult store(String queue, Envelope valid, Instant now) {
+    /**
+     * Stores a checked Envelope with its task record inside its {@code send <queue>} span, with
+     * the trace context it is published in (docs/protocol.md section 18).
+     */
+    private PublishResult store(String queue, Envelope checked, Instant now) {
+        Tracing.Send span = tracing.send(queue, checked);
+        try {
+            return write(queue, span.stamp(checked, limits), now);
+        } catch (RuntimeException e) {
+            span.fail(e);
+            throw e;
+        } finally {
+            span.end();
+        }
+    }
+
+    private PublishResult write(String queue, Envelope valid, Instant now) {
         EntryCodec.Body body = EntryCodec.encodeBody(valid, gzipMin, limits);
         String bucket = Keys.bucketFor(valid.priority());
         String token = newPublishToken();
@@ -229,6 +248,7 @@ public final class Producer implements AutoCloseable {
         private Duration taskRecordRetention = TaskRecords.DEFAULT_RETENTION;
         private Duration schemaCache = PayloadSchemas.DEFAULT_CACHE;
         private boolean requireServed;
+        private OpenTelemetry openTelemetry;
 
         private Builder() {}
 
@@ -269,6 +289,11 @@ public final class Producer implements AutoCloseable {
          * its queue serves in its payload version (off by default; docs/protocol.md section 15).
          */
         public Builder requireServed(boolean v) { requireServed = v; return this; }
+        /**
+         * The OpenTelemetry whose tracer makes the {@code send <queue>} spans; unless set,
+         * {@link io.opentelemetry.api.GlobalOpenTelemetry} (a no-op until an SDK is installed).
+         */
+        public Builder openTelemetry(OpenTelemetry v) { openTelemetry = Objects.requireNonNull(v); return this; }
 
         public Producer build() {
             return new Producer(this);

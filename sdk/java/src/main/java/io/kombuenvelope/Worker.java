@@ -20,6 +20,9 @@ import io.lettuce.core.XReadArgs;
 import io.lettuce.core.cluster.RedisClusterClient;
 import io.lettuce.core.cluster.api.sync.RedisClusterCommands;
 
+import io.opentelemetry.api.OpenTelemetry;
+import io.opentelemetry.context.Scope;
+
 import java.io.PrintWriter;
 import java.io.StringWriter;
 import java.net.InetAddress;
@@ -74,6 +77,8 @@ public final class Worker implements AutoCloseable {
     private final Link link;
     /** MULTI/EXEC only, one at a time. */
     private final Link txLink;
+    /** The statistics writes only (section 17): a write that waits for Redis holds up no ack. */
+    private final Link statsLink;
     /** The blocking reads only: one per queue, each waiting on that queue's streams. */
     private final Map<String, Link> blockLinks = new LinkedHashMap<>();
     /** The blocking reads under way, per queue. */
@@ -102,6 +107,8 @@ public final class Worker implements AutoCloseable {
     private final AbandonedClaims abandoned;
     private final TaskRecords records;
     private final PayloadSchemas schemas;
+    private final WorkerStats stats;
+    private final Tracing tracing;
     private final Instant startedAt = Instant.now();
 
     private Worker(Builder b) {
@@ -113,6 +120,8 @@ public final class Worker implements AutoCloseable {
                 () -> starting("connecting", () -> Link.open(client, b.durability)));
         this.txLink = Redis.closingOnFailure(client, ownsClient,
                 () -> starting("connecting", () -> Link.open(client, b.durability)));
+        this.statsLink = Redis.closingOnFailure(client, ownsClient,
+                () -> starting("connecting", () -> Link.open(client, Link.Durability.NONE)));
         this.queues = List.copyOf(b.queues);
         this.name = String.join(",", queues);
         for (String q : queues) {
@@ -137,6 +146,8 @@ public final class Worker implements AutoCloseable {
         this.abandoned = new AbandonedClaims(lease);
         this.records = new TaskRecords(keys, b.taskRecordRetention);
         this.schemas = new PayloadSchemas(() -> redis().hgetall(keys.schemas()), b.schemaCache);
+        this.stats = new WorkerStats(keys, LANGUAGE);
+        this.tracing = new Tracing(b.openTelemetry);
     }
 
     public static Builder builder() {
@@ -237,13 +248,15 @@ public final class Worker implements AutoCloseable {
     // --- liveness ---------------------------------------------------------------------------
 
     /**
-     * Renews the liveness key and, after two renewals in a row answered at once, takes over dead
-     * consumers' entries; a renewal or takeover command that waited for Redis stops that round.
+     * Renews the liveness key, writes the announcement and the statistics and, after two renewals
+     * in a row answered at once, takes over dead consumers' entries; a renewal or takeover command
+     * that waited for Redis stops that round.
      */
     private void leaseTick() {
         try {
             boolean counted = liveness.renew();
             announce(false);
+            stats.flush(statsLink);
             if (!counted) {
                 LOG.info("the liveness key was renewed late; no takeover until two renewals in a row "
                         + "are answered at once");
@@ -269,7 +282,7 @@ public final class Worker implements AutoCloseable {
     Announcement announcement(boolean stopped) {
         String now = TaskRecords.time(Instant.now());
         return new Announcement(consumer, LANGUAGE, host, Long.parseLong(pid), queues, serves(), cfg.concurrency,
-                TaskRecords.time(startedAt), now, stopped ? now : null);
+                TaskRecords.time(startedAt), now, stopped ? now : null, liveness.intervalMs());
     }
 
     /** Writes the announcement with the liveness key; a failure is logged, the worker goes on. */
@@ -321,8 +334,10 @@ public final class Worker implements AutoCloseable {
                 }
                 for (PendingMessage m : idle) {
                     String now = TaskRecords.time(Instant.now());
-                    TaskRecords.Step record = liveness.prompt("reading entry " + m.getId(),
-                            () -> entryRecord(queue, stream, m.getId()));
+                    Envelope pendingEnv = liveness.prompt("reading entry " + m.getId(),
+                            () -> pendingEnvelope(stream, m.getId()));
+                    TaskRecords.Step record = pendingEnv != null && records.enabled()
+                            ? records.requeueStep(queue, pendingEnv.taskId()) : TaskRecords.Step.NONE;
                     Liveness.Look look = liveness.look("taking over entry " + m.getId());
                     byte[] r = link.write(stream, node -> look.timed(() -> Scripts.run(node, "requeue",
                             ScriptOutputType.VALUE, record.keys(List.of(stream, stream, keys.dead(queue))),
@@ -335,6 +350,8 @@ public final class Worker implements AutoCloseable {
                         if (answer.startsWith("dead:")) {
                             LOG.error("entry {} of dead consumer {} dead-lettered after too many redeliveries",
                                     m.getId(), owner);
+                            stats.count(queue, pendingEnv != null ? pendingEnv.taskType() : WorkerStats.UNDECODABLE,
+                                    WorkerStats.Outcome.DEAD);
                             reportRedeliveryLimit(queue, answer.substring("dead:".length()));
                         } else {
                             LOG.warn("took over entry {} of dead consumer {}", m.getId(), owner);
@@ -348,21 +365,19 @@ public final class Worker implements AutoCloseable {
     }
 
     /**
-     * The record requeue.lua writes for entry {@code id} of {@code stream}: the entry is read first
-     * to learn its task_id; none when it is gone or cannot be decoded, or records are off.
+     * The Envelope of entry {@code id} of {@code stream} about to be taken over (its task_id names
+     * the record requeue.lua writes, its task_type the statistics); null when it is gone or cannot
+     * be decoded.
      */
-    private TaskRecords.Step entryRecord(String queue, String stream, String id) {
-        if (!records.enabled()) {
-            return TaskRecords.Step.NONE;
-        }
+    private Envelope pendingEnvelope(String stream, String id) {
         List<StreamMessage<String, byte[]>> found = redis().xrange(stream, Range.create(id, id));
         if (found.size() != 1) {
-            return TaskRecords.Step.NONE;
+            return null;
         }
         try {
-            return records.requeueStep(queue, EntryCodec.decodeEntry(found.get(0).getBody(), cfg.limits).taskId());
+            return EntryCodec.decodeEntry(found.get(0).getBody(), cfg.limits);
         } catch (MalformedEntryException e) {
-            return TaskRecords.Step.NONE;
+            return null;
         }
     }
 
@@ -698,6 +713,7 @@ public final class Worker implements AutoCloseable {
         }
         List<SchemaViolation> broken = schemaViolations(env);
         if (!broken.isEmpty()) {
+            stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.FAILED);
             deadLetter(e, env, notRun(env, "invalid_payload", PayloadSchemas.deadLetterReason(broken)));
             return;
         }
@@ -732,12 +748,17 @@ public final class Worker implements AutoCloseable {
                 slot = null;
             }
         }
+        Tracing.Attempt span = tracing.process(e.queue(), env);
         try {
             recordStart(e, env);
             LOG.info("task started: retry_count={} redelivered={}", env.retryCount(), redeliveries);
+            Timestamp since = env.scheduleTime() != null ? env.scheduleTime() : env.createdAt();
+            stats.waited(e.queue(), env.taskType(), Duration.between(since.toInstant(), Instant.now()).toNanos());
             long started = System.nanoTime();
-            Attempt attempt = run(h.handler, task);
-            long ms = (System.nanoTime() - started) / 1_000_000;
+            Attempt attempt = run(h.handler, task, span);
+            long took = System.nanoTime() - started;
+            stats.ran(e.queue(), env.taskType(), took);
+            long ms = took / 1_000_000;
             Throwable err = attempt.error();
             JsonNode value = null;
             if (err == null && CeleryResults.asksForResult(env)) {
@@ -753,10 +774,13 @@ public final class Worker implements AutoCloseable {
                 }
                 JsonNode result = value;
                 results.report(env, () -> CeleryResults.success(env.taskId(), result));
+                stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.SUCCEEDED);
                 ack(e, env, "succeeded", null);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
                 return;
             }
+            stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.FAILED);
+            span.fail(err);
             if (holder != null && attempt.stillRunning() != null) {
                 keepClaimUntilReturned(env, holder, attempt.stillRunning());
             } else if (holder != null) {
@@ -764,6 +788,7 @@ public final class Worker implements AutoCloseable {
             }
             fail(e, env, err);
         } finally {
+            span.end();
             if (slot != null) {
                 String s = slot;
                 settle("release retry slot", () -> redis().zrem(s, Redis.b(env.taskId())));
@@ -832,14 +857,19 @@ public final class Worker implements AutoCloseable {
      */
     private record Attempt(Object value, Throwable error, CompletableFuture<Object> stillRunning) {}
 
-    /** Runs the handler within timeout_ms, interrupting it at the deadline. */
-    private Attempt run(ResultHandler handler, Task task) {
+    /**
+     * Runs the handler within timeout_ms, interrupting it at the deadline, in the task's trace:
+     * its trace id, its {@code traceparent} and the context of its {@code process} span current.
+     */
+    private Attempt run(ResultHandler handler, Task task, Tracing.Attempt span) {
         Map<String, String> mdc = MDC.getCopyOfContextMap();
+        Map<String, String> headers = task.envelope().headers();
         HandlerCall call = HandlerCall.start(handlerThreads, () -> {
             if (mdc != null) {
                 MDC.setContextMap(mdc);
             }
-            try (TraceContext.Scope scope = TraceContext.with(task.traceId())) {
+            try (TraceContext.Scope trace = TraceContext.with(task.traceId(), headers.get(Tracing.TRACEPARENT),
+                    headers.get(Tracing.TRACESTATE)); Scope current = span.context().makeCurrent()) {
                 return handler.handle(task);
             } finally {
                 MDC.clear();
@@ -891,6 +921,7 @@ public final class Worker implements AutoCloseable {
                 return holder;
             }
             if ("done".equals(answer)) {
+                stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.DUPLICATE);
                 results.report(env, () -> CeleryResults.success(env.taskId(), null));
                 ack(e, env, "succeeded", "duplicate");
                 LOG.info("duplicate: the effect already happened; acknowledged without running "
@@ -1054,7 +1085,7 @@ public final class Worker implements AutoCloseable {
             }
             LOG.warn("task asked for a retry in {} ms (outcome=retry retry_count={}): {}",
                     r.countdown().toMillis(), next, message);
-            replace(e, env, b.build(), r.countdown(), "retrying", TaskRecords.error(type, message));
+            retry(e, env, b.build(), r.countdown(), TaskRecords.error(type, message));
             return;
         }
         RetryPolicy.Kind kind = err instanceof AttemptTimeout ? RetryPolicy.Kind.TIMEOUT
@@ -1076,7 +1107,14 @@ public final class Worker implements AutoCloseable {
         }
         LOG.warn("task failed; retrying (outcome=retry retry_count={} delay_ms={}): {}", d.next(),
                 d.delay().toMillis(), message);
-        replace(e, env, b.build(), d.delay(), "retrying", TaskRecords.error(type, message));
+        retry(e, env, b.build(), d.delay(), TaskRecords.error(type, message));
+    }
+
+    /** Writes the next attempt {@code next} (retry_count + 1) with retry.lua and counts the retry. */
+    private void retry(Entry e, Envelope env, Envelope next, Duration delay, String error) {
+        if (replace(e, env, next, delay, "retrying", error)) {
+            stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.RETRIED);
+        }
     }
 
     private static String stackTrace(Throwable t) {
@@ -1094,16 +1132,16 @@ public final class Worker implements AutoCloseable {
     /**
      * Swaps the pending entry for {@code next} atomically with retry.lua, its record in
      * {@code state} ({@code retrying} or {@code scheduled}; queued when due now) with {@code error}
-     * (null for a deferral).
+     * (null for a deferral); answers whether retry.lua wrote it.
      */
-    private void replace(Entry e, Envelope env, Envelope next, Duration delay, String state, String error) {
+    private boolean replace(Entry e, Envelope env, Envelope next, Duration delay, String state, String error) {
         EntryCodec.Body body;
         try {
             body = EntryCodec.encodeBody(next, cfg.gzipMin, cfg.limits);
         } catch (EnvelopeValidationException ex) {
             deadLetter(e, env, new Failure("task_error", "cannot write the next attempt: " + ex.getMessage(), null,
                     null, null, env.retryCount() + 1, null, null));
-            return;
+            return false;
         }
         long due = next.scheduleTime() != null && !delay.isZero() ? next.scheduleTime().toEpochMilli() : 0;
         String bucket = Keys.bucketFor(next.priority());
@@ -1121,7 +1159,7 @@ public final class Worker implements AutoCloseable {
             fields.put("error", error);
         }
         TaskRecords.Step record = records.activeStep(queue, next.taskId(), due, fields);
-        settle("retry.lua", () -> {
+        Long written = settle("retry.lua", () -> {
             Long r = link.write(e.stream(), node -> Scripts.run(node, "retry", ScriptOutputType.INTEGER,
                     record.keys(List.of(e.stream(), keys.stream(queue, bucket), keys.delayed(queue),
                             keys.delayedData(queue))),
@@ -1132,6 +1170,7 @@ public final class Worker implements AutoCloseable {
             }
             return r;
         });
+        return written != null;
     }
 
     /** {@code SADD <prefix>:queues}, on its own, before a delayed store (section 2, registries). */
@@ -1243,6 +1282,9 @@ public final class Worker implements AutoCloseable {
             }
             return Redis.s(r);
         });
+        if (id != null) {
+            stats.count(queue, env != null ? env.taskType() : WorkerStats.UNDECODABLE, WorkerStats.Outcome.DEAD);
+        }
         LOG.error("entry dead-lettered (outcome=dead failure_class={} dead_id={}): {}", f.failureClass(), id, f.reason());
     }
 
@@ -1374,6 +1416,7 @@ public final class Worker implements AutoCloseable {
     }
 
     private void finishClose() {
+        stats.close(statsLink);
         lease.shutdownNow();
         handlerThreads.shutdownNow();
         announce(true);
@@ -1386,6 +1429,7 @@ public final class Worker implements AutoCloseable {
         results.close();
         waiters.shutdownNow();
         blockLinks.values().forEach(Link::close);
+        statsLink.close();
         txLink.close();
         link.close();
         if (ownsClient) {
@@ -1444,6 +1488,7 @@ public final class Worker implements AutoCloseable {
         private RedisClient resultBackend;
         private Duration taskRecordRetention = TaskRecords.DEFAULT_RETENTION;
         private Duration schemaCache = PayloadSchemas.DEFAULT_CACHE;
+        private OpenTelemetry openTelemetry;
         private final Map<String, Handler> handlers = new HashMap<>();
 
         private Builder() {}
@@ -1552,6 +1597,12 @@ public final class Worker implements AutoCloseable {
 
         /** How long payload schemas read from Redis are used ({@code schema_cache_s}, 30 s by default). */
         public Builder schemaCache(Duration v) { schemaCache = Objects.requireNonNull(v); return this; }
+
+        /**
+         * The OpenTelemetry whose tracer makes the {@code process <queue>} spans; unless set,
+         * {@link io.opentelemetry.api.GlobalOpenTelemetry} (a no-op until an SDK is installed).
+         */
+        public Builder openTelemetry(OpenTelemetry v) { openTelemetry = Objects.requireNonNull(v); return this; }
 
         /** Registers the handler of {@code taskType}, accepting payload_version 1. */
         public Builder handler(String taskType, TaskHandler handler) {

@@ -75,6 +75,11 @@ class AnnouncementTest {
         assertEquals("[\"billing\",\"mail\"]", a.get("queues").toString());
         assertEquals("{\"invoice\":[1,2],\"receipt\":[1]}", a.get("serves").toString());
         assertEquals(3, a.get("concurrency").asInt());
+        assertEquals(500, a.get("heartbeat_ms").asLong(), "the renewal period, lease_ms / 3");
+        assertEquals(500, Announcement.parse(a.toString()).heartbeatMs());
+        assertEquals(Announcement.DEFAULT_HEARTBEAT_MS,
+                Announcement.parse("{\"consumer\":\"old\",\"queues\":[],\"serves\":{}}").heartbeatMs(),
+                "a reader takes 10000 when it is absent");
         assertNotNull(Timestamp.parse(a.get("started_at").asText()));
         String firstSeen = a.get("seen_at").asText();
         assertNull(a.get("stopped_at"));
