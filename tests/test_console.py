@@ -105,6 +105,36 @@ def test_console_pages_are_static_files_under_a_policy_without_inline_scripts(
         == {"name": "reader", "scope": "read", "authenticated": True}
 
 
+SCRAPES = ["""# TYPE kombu_envelope_tasks_succeeded_total counter
+kombu_envelope_tasks_succeeded_total{queue="a",task_type="t",language="go"} 4
+kombu_envelope_tasks_succeeded_total{queue="a",task_type="t",language="node"} 6
+kombu_envelope_tasks_succeeded_total{queue="b \\"x\\"",task_type="t",language="go"} 7
+kombu_envelope_queue_backlog_entries{queue="a",bucket="normal",group="g"} 3
+""", """kombu_envelope_tasks_succeeded_total{queue="a",task_type="t",language="go"} 14
+kombu_envelope_tasks_succeeded_total{queue="a",task_type="t",language="node"} 16
+kombu_envelope_tasks_succeeded_total{queue="b \\"x\\"",task_type="t",language="go"} 2
+"""]
+
+
+def test_overview_sums_scrapes_per_queue_and_rates_counters_between_two(
+        browser: Browser, server: DispatcherProcess) -> None:
+    page = browser.new_page()
+    page.goto(server.url + "/console/")
+    found = page.evaluate("""async ([before, after]) => {
+        const m = await import('./metrics.js');
+        const name = 'kombu_envelope_tasks_succeeded_total';
+        const sums = [before, after].map((text) => m.sumBy(m.parseMetrics(text), name, 'queue'));
+        return [[...sums[0]], [...m.rates(sums[0], sums[1], 10)],
+                m.parseMetrics(before).at(-1)];
+    }""", SCRAPES)
+    page.close()
+    assert found == [
+        [["a", 10], ['b "x"', 7]],
+        [["a", 2], ['b "x"', 0.2]],  # a counter that went down restarted from 0
+        {"name": "kombu_envelope_queue_backlog_entries", "value": 3,
+         "labels": {"queue": "a", "bucket": "normal", "group": "g"}}]
+
+
 def test_operator_fixes_a_go_dead_letter_and_a_node_worker_runs_it(
         browser: Browser, server: DispatcherProcess, store: tuple[redis.Redis, Settings],
         redis_url: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
@@ -129,7 +159,9 @@ def test_operator_fixes_a_go_dead_letter_and_a_node_worker_runs_it(
         node.worker(queue, "--lease-ms", "1500", "--block-ms", "200")
 
         page = sign_in(browser, server, OPERATOR, "ops (operator)")
-        screenshots(page, "overview")
+        queues = page.get_by_role("table", name="Queues")
+        expect(queues.get_by_role("row").filter(has_text=queue)).to_contain_text(
+            [f"{queue}\t0\t0\t1\t1"], use_inner_text=True)  # backlog, pending, delayed, dead
         page.get_by_role("link", name="Dead letters").click()
         stats = page.get_by_role("table", name="Dead letters per queue, task type and "
                                                "failure class")
@@ -164,6 +196,16 @@ def test_operator_fixes_a_go_dead_letter_and_a_node_worker_runs_it(
         assert f"node:{task_id}".encode() in client.lrange(f"{PREFIX}:effects:log", 0, -1)
         assert DeadLetters(client, settings).list([queue]) == []
         screenshots(page, "replayed")
+
+        page.get_by_role("link", name="Overview").click()
+        row = page.get_by_role("table", name="Queues").get_by_role("row").filter(has_text=queue)
+        expect(row).to_contain_text([f"{queue}\t0\t0\t1\t0\t"], use_inner_text=True)
+        expect(row).to_contain_text("/s", timeout=15_000)  # a rate: two scrapes seen
+        workers = page.get_by_role("table", name="Workers by language")
+        expect(workers.get_by_role("row").filter(has_text="live")).to_contain_text(
+            ["node\t"], use_inner_text=True)
+        expect(workers).to_contain_text("order.close_timeout (v1)")
+        screenshots(page, "overview")
 
         page.get_by_role("link", name="Delayed").click()
         page.get_by_role("button", name=f"Show delayed tasks of {queue}").click()
