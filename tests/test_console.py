@@ -237,6 +237,14 @@ def test_a_read_only_token_sees_no_replay_purge_or_cancel_and_is_refused(
         client, settings, queue=queue, envelope=envelope, consumer="c1",
         failure=Failure(FailureClass.TASK_ERROR, "boom", task_id=envelope.task_id,
                         task_type="bill.charge", traceback="Traceback: boom"))
+    stranger = browser.new_page()
+    stranger.goto(server.url + "/console/")
+    stranger.get_by_label("Bearer token").fill("x" * 20)
+    stranger.keyboard.press("Enter")
+    expect(stranger.locator("#sign-in-error")).to_have_text(
+        "401 unauthorized: the bearer token is not known")
+    expect(stranger.get_by_role("navigation")).to_be_hidden()
+    stranger.close()
     page = sign_in(browser, server, READ, "reader (read)")
     page.get_by_role("link", name="Dead letters").click()
     page.get_by_label("Queue").fill(queue)
@@ -298,3 +306,14 @@ def test_operator_replays_a_selection_and_purges_after_confirming(
     expect(page.get_by_text("Purged 2 entries.")).to_be_visible()
     assert DeadLetters(client, settings).list([queue]) == []
     page.close()
+
+
+def test_without_tokens_there_is_no_sign_in(browser: Browser, redis_url: str) -> None:
+    with DispatcherProcess(redis_url, options={"key_prefix": PREFIX}) as loopback:
+        page = browser.new_page()
+        page.goto(loopback.url + "/console/#delayed")
+        expect(page.locator("#who")).to_have_text("no tokens configured (loopback only)")
+        expect(page.get_by_role("heading", name="Delayed tasks")).to_be_visible()
+        expect(page.get_by_label("Bearer token")).to_be_hidden()
+        expect(page.get_by_role("button", name="Sign out")).to_be_hidden()
+        page.close()
