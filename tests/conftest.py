@@ -46,8 +46,8 @@ if sys.version_info < (3, 12):
 
 #: Modules that build or run the SDKs and the interop peers (see the module docstring).
 PEER_MODULES = frozenset({
-    "test_fault_drill", "test_interop_celery", "test_interop_go", "test_interop_node",
-    "test_matrix", "test_sdk_java", "test_sentinel",
+    "test_console", "test_fault_drill", "test_interop_celery", "test_interop_go",
+    "test_interop_node", "test_matrix", "test_sdk_java", "test_sentinel",
 })
 
 

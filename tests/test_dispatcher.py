@@ -265,9 +265,19 @@ def test_rate_limit_per_token(redis_url: str) -> None:
     assert guesses == [401, 401, 401, 429, 429]  # unknown tokens are limited per address
 
 
+def test_whoami_answers_the_tokens_name_and_scope(server: DispatcherProcess) -> None:
+    for secret, name, scope in ((READ, "reader", "read"), (WRITE, "writer", "write"),
+                                (OPERATOR, "ops", "operator")):
+        answer = httpx.get(server.url + "/whoami", headers={"Authorization": f"Bearer {secret}"})
+        assert answer.json() == {"name": name, "scope": scope, "authenticated": True}
+    assert httpx.get(server.url + "/whoami").status_code == 401
+
+
 def test_without_tokens_only_loopback_and_it_says_so(redis_url: str) -> None:
     with DispatcherProcess(redis_url, options={"key_prefix": PREFIX}) as proc:
         assert httpx.get(proc.url + "/delayed").status_code == 200
+        assert httpx.get(proc.url + "/whoami").json() == {
+            "name": "127.0.0.1", "scope": "operator", "authenticated": False}
         assert "no token configured" in proc.log()
     from kombu_envelope.dispatcher.config import DispatcherConfig
 

@@ -15,7 +15,9 @@ from support import wait_for
 from support.announce import announce as announce_worker
 from support.workers import CeleryWorker
 
-from kombu_envelope import Settings
+from kombu_envelope import Envelope, Settings
+from kombu_envelope.failures import Failure, FailureClass
+from kombu_envelope.store.dead_letters import DeadLetters, dead_letter_envelope
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 TOKEN = "w-" + "d" * 30
@@ -142,3 +144,42 @@ def test_state_of_a_task_run_by_a_celery_worker(api: httpx.Client, redis_url: st
     state = api.get(f"/tasks/{task_id}").json()
     assert state["language"] == "python" and state["attempts"] == 1
     assert state["worker"] and state["started_at"] and state["finished_at"]
+
+
+def test_workers_lists_the_announcements(api: httpx.Client, queue: str) -> None:
+    listed = api.get("/workers", params={"queue": queue}).json()
+    assert [(w["language"], w["queues"], w["serves"], w["live"]) for w in listed] == [
+        ("python", [queue], {"bill.charge": [1, 2], "bill.any": []}, False)]  # no liveness key
+    assert listed[0]["seen_at"] is not None and listed[0]["stopped_at"] is None
+    assert api.get("/workers", params={"queue": "nobody-" + queue}).json() == []
+    assert api.get("/workers", params={"queue": "{bad}"}).status_code == 422
+
+
+def test_replay_dry_run_checks_the_payload_schema_and_publishes_nothing(
+        api: httpx.Client, redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    settings = Settings(key_prefix=PREFIX)
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    envelope = Envelope.new(task_type="bill.refund", payload={"order": "x"})
+    entry_id = dead_letter_envelope(
+        client, settings, queue=queue, envelope=envelope, consumer="c1",
+        failure=Failure(FailureClass.INVALID_PAYLOAD, "order", task_id=envelope.task_id,
+                        task_type="bill.refund"))
+    schema = {"type": "object", "properties": {"order": {"type": "integer"}}}
+    assert api.post("/schemas/bill.refund/2", json=schema).status_code == 200
+    replay = f"/dead-letters/{queue}/{entry_id}/replay"
+    broken = api.post(replay, params={"dry_run": "true"}, json={"bump_version": True})
+    assert broken.status_code == 422
+    assert broken.json()["violations"][0]["field"] == "payload.order"
+    assert broken.json()["violations"][0]["rule"] == "schema"
+    fixed = api.post(replay, params={"dry_run": "true"},
+                     json={"bump_version": True, "payload": {"order": 7}})
+    assert fixed.status_code == 200, fixed.text
+    assert fixed.json()["new_id"] is None
+    assert fixed.json()["envelope"]["payload"] == {"order": 7}
+    assert fixed.json()["envelope"]["payload_version"] == 2
+    assert [e.entry_id for e in DeadLetters(client, settings).list([queue])] == [entry_id]
+    assert api.post(f"/dead-letters/{queue}/1-0/replay", params={"dry_run": "true"}
+                    ).status_code == 404
+    api.delete("/schemas/bill.refund/2")
+    client.close()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.staticfiles import StaticFiles
 
 from kombu_envelope import __version__
 from kombu_envelope.dispatcher import problems
@@ -20,10 +22,15 @@ from kombu_envelope.dispatcher.routes import (
     periodic,
     schemas,
     tasks,
+    whoami,
+    workers,
 )
 from kombu_envelope.dispatcher.stores import Stores
 from kombu_envelope.schema import envelope_json_schema
 from kombu_envelope.settings import Settings
+
+#: The operators' console: static HTML, CSS and ES modules served under ``/console/``.
+CONSOLE_DIR = Path(__file__).resolve().parent / "console"
 
 #: Fields of an Envelope the dispatcher fills in when a posted task leaves them out.
 FILLED_IN = ("task_id", "trace_id", "created_at")
@@ -65,7 +72,9 @@ def create_app(client: Any, settings: Settings | None = None,
     app.state.stores = Stores(client, settings or Settings())
     app.state.limiter = RateLimiter(config.rate_per_s, config.rate_burst)
     problems.install(app)
-    for module in (health, tasks, delayed, periodic, dead_letters, schemas, metrics):
+    for module in (health, whoami, tasks, delayed, periodic, dead_letters, schemas, workers,
+                   metrics):
         app.include_router(module.router)
+    app.mount("/console", StaticFiles(directory=CONSOLE_DIR, html=True), name="console")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return Guarded(app, config.max_body_bytes)

@@ -93,6 +93,7 @@ def require(scope: Scope) -> Callable[[Request], None]:
             raise
         who = token.name if token else address
         request.state.caller = who
+        request.state.scope = token.scope if token else Scope.OPERATOR
         _within_rate(state.limiter, who)
         if token is not None and not token.scope.allows(scope):
             raise Problem(403, "forbidden", f"this endpoint needs scope {scope.value}; the "

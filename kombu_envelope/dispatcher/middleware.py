@@ -18,11 +18,22 @@ ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 SECURITY_HEADERS = [
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
-    (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'"),
     (b"referrer-policy", b"no-referrer"),
     (b"cache-control", b"no-store"),
     (b"cross-origin-resource-policy", b"same-origin"),
 ]
+#: The content security policy of the API's answers: nothing may load.
+API_POLICY = b"default-src 'none'; frame-ancestors 'none'"
+#: The policy of the console (``/console/``): its own scripts, styles and API calls only,
+#: never an inline script or style.
+CONSOLE_POLICY = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                  b"connect-src 'self'; form-action 'self'; base-uri 'none'; "
+                  b"frame-ancestors 'none'")
+
+
+def content_policy(path: str) -> bytes:
+    """The ``Content-Security-Policy`` of an answer to ``path``."""
+    return CONSOLE_POLICY if path == "/console" or path.startswith("/console/") else API_POLICY
 
 
 class Guarded:
@@ -38,9 +49,11 @@ class Guarded:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        policy = (b"content-security-policy", content_policy(scope.get("path", "")))
+
         async def send_secured(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS, policy]
             await send(message)
 
         length = dict(scope.get("headers", [])).get(b"content-length")

@@ -159,11 +159,13 @@ class ReplayIn(Strict):
 
 
 class ReplayOut(BaseModel):
-    """The replayed task's new stream entry."""
+    """The replayed task's new stream entry (none for a dry run)."""
 
     queue: str
     id: str
-    new_id: str
+    new_id: str | None = Field(description="the new stream entry id; null for a dry run")
+    envelope: dict[str, Any] | None = Field(default=None,
+                                            description="the edited Envelope, for a dry run")
 
 
 class PurgeOut(BaseModel):
@@ -181,6 +183,31 @@ class SchemaOut(BaseModel):
     schema_: dict[str, Any] = Field(alias="schema")
 
     model_config = ConfigDict(populate_by_name=True)
+
+
+class WhoAmIOut(BaseModel):
+    """The caller as the dispatcher sees it."""
+
+    name: str = Field(description="the token's name (the client address without tokens)")
+    scope: str = Field(description="read, write or operator (operator without tokens)")
+    authenticated: bool = Field(description="false when no token is configured")
+
+
+class WorkerOut(BaseModel):
+    """One live or recently seen worker's announcement (docs/protocol.md, section 15)."""
+
+    consumer: str
+    language: str
+    host: str
+    pid: int
+    queues: list[str]
+    serves: dict[str, list[int]] = Field(description="task type: payload versions "
+                                                     "([]: every version)")
+    concurrency: int | None = None
+    started_at: str | None = None
+    seen_at: str | None = None
+    stopped_at: str | None = None
+    live: bool
 
 
 class HealthOut(BaseModel):

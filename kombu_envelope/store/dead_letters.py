@@ -288,11 +288,10 @@ class DeadLetters:
             self.client.xdel(stream, *ids[start:start + 500])
         return len(ids)
 
-    def replay(self, queue: str, entry_id: str, edit: ReplayEdit | None = None,
-               operator: str | None = None) -> str | None:
-        """Publish a dead-lettered task again (edited first); return the new entry id.
+    def edited(self, queue: str, entry_id: str,
+               edit: ReplayEdit | None = None) -> Envelope | None:
+        """The Envelope a replay would publish (a dry run), or None when the entry is gone.
 
-        Returns None when the entry is gone (someone replayed or purged it first).
         Raises InvalidEnvelope when the edited Envelope is invalid or its payload
         breaks its schema, and
         MalformedEntry when the entry holds no decodable Envelope.
@@ -305,6 +304,18 @@ class DeadLetters:
                                  f"{entry.decode_error}")
         envelope = (edit or ReplayEdit()).apply(entry.envelope, self.settings.limits)
         self.schemas.check(envelope)
+        return envelope
+
+    def replay(self, queue: str, entry_id: str, edit: ReplayEdit | None = None,
+               operator: str | None = None) -> str | None:
+        """Publish a dead-lettered task again (edited first); return the new entry id.
+
+        Returns None when the entry is gone (someone replayed or purged it first);
+        raises as :meth:`edited` does.
+        """
+        envelope = self.edited(queue, entry_id, edit)
+        if envelope is None:
+            return None
         enc, body = encode_body(envelope, self.settings.gzip_min_bytes,
                                 limits=self.settings.limits)
         keys = self.settings.keys.queue(queue)

@@ -3,6 +3,7 @@ operations of ``celery envelope dlq``, through the same :class:`DeadLetters`."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
@@ -95,28 +96,37 @@ async def dead_letter_show(request: Request, queue: QueueName, entry_id: EntryId
 @router.post("/dead-letters/{queue}/{entry_id}/replay", response_model=ReplayOut,
              responses=responses(404, 503), dependencies=[Depends(require(Scope.OPERATOR))])
 async def dead_letter_replay(request: Request, queue: QueueName, entry_id: EntryId,
-                             edit: ReplayIn | None = None) -> ReplayOut:
+                             edit: ReplayIn | None = None,
+                             dry_run: Annotated[bool, Query(
+                                 description="check the edit (every rule and the payload "
+                                             "schema) and answer the edited Envelope "
+                                             "without publishing it")] = False) -> ReplayOut:
     """Publish a dead-lettered task again, edited first (payload, merge patch, version,
     retries); the edited Envelope must pass every rule (422 otherwise)."""
     edit = edit or ReplayIn()
     replay = ReplayEdit(**edit.model_dump())
     operator = f"dispatcher:{request.state.caller}"
+    dead_letters = stores(request).dead_letters
 
-    def run() -> str | None:
+    def run() -> ReplayOut | None:
         try:
-            new_id: str | None = stores(request).dead_letters.replay(
-                queue, entry_id, replay, operator=operator)
+            if dry_run:
+                envelope = dead_letters.edited(queue, entry_id, replay)
+                return None if envelope is None else ReplayOut(
+                    queue=queue, id=entry_id, new_id=None,
+                    envelope=json.loads(envelope.to_json()))
+            new_id = dead_letters.replay(queue, entry_id, replay, operator=operator)
         except MalformedEntry as exc:
             raise invalid([Violation("envelope", "json", exc.reason)]) from exc
         except InvalidEnvelope as exc:
             raise invalid(exc.violations) from exc
-        return new_id
+        return None if new_id is None else ReplayOut(queue=queue, id=entry_id, new_id=new_id)
 
-    new_id = await blocking(run)
-    if new_id is None:
+    answer: ReplayOut | None = await blocking(run)
+    if answer is None:
         raise Problem(404, "not_found", f"no dead-letter entry {entry_id} in queue {queue} "
                                         "(replayed or purged already)")
-    return ReplayOut(queue=queue, id=entry_id, new_id=new_id)
+    return answer
 
 
 @router.delete("/dead-letters/{queue}", response_model=PurgeOut, responses=responses(503),
