@@ -27,7 +27,7 @@ try:
     from opentelemetry import trace as otel_trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # pragma: no cover - the otel extra is optional
-    otel_trace = None
+    otel_trace = None  # type: ignore[assignment]
 
 #: Envelope headers that carry the trace context.
 TRACE_HEADERS = ("traceparent", "tracestate")
