@@ -439,7 +439,8 @@ def test_cancel_a_queued_and_a_delayed_task(matrix: Matrix) -> None:
     and one delayed task of every worker language, knowing only their ids: neither runs.
     Tasks published after them run; nothing is dead-lettered."""
     holders = hold_every_worker(matrix, "cancel", HOLD_MS)
-    due = datetime.now(timezone.utc) + timedelta(seconds=2)
+    # Far enough ahead that every language's cancel finds it still delayed on a busy machine.
+    due = datetime.now(timezone.utc) + timedelta(seconds=6)
     plan, queued, delayed, after = [], {}, {}, {}
     for producer, worker in PAIRS:
         queue = matrix.queue("cancel", worker)
