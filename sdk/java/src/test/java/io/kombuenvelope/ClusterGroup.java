@@ -8,7 +8,8 @@ import java.util.concurrent.TimeUnit;
 /**
  * A Redis Cluster from the redis-server binary, on free loopback ports: three primaries with one
  * replica each (or as many as asked; {@code redis-cli --cluster create ... --cluster-replicas 1}),
- * node timeout 1 s; with certificates, every node speaks only TLS, the cluster bus included.
+ * node timeout 1 s, every replica in sync before it is used and free to take over however long it
+ * was cut off from its primary; with certificates, every node speaks only TLS, the cluster bus included.
  */
 final class ClusterGroup implements AutoCloseable {
     final List<RedisServer> nodes = new ArrayList<>();
@@ -28,7 +29,7 @@ final class ClusterGroup implements AutoCloseable {
         ClusterGroup g = new ClusterGroup(tls);
         try {
             List<String> args = new ArrayList<>(List.of("--cluster-enabled", "yes", "--cluster-config-file",
-                    "nodes.conf", "--cluster-node-timeout", "1000"));
+                    "nodes.conf", "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0"));
             if (tls != null) {
                 args.addAll(List.of("--tls-cluster", "yes"));
             }
@@ -56,11 +57,24 @@ final class ClusterGroup implements AutoCloseable {
                 SentinelGroup.await("cluster_state:ok on " + n.port,
                         () -> Resp.at(n.port).text("CLUSTER", "INFO").contains("cluster_state:ok"));
             }
+            g.awaitReplicasInSync(3 * replicas);
             return g;
         } catch (IOException | InterruptedException | RuntimeException | Error e) {
             g.close();
             throw e;
         }
+    }
+
+    /**
+     * Waits until {@code count} nodes are replicas whose first sync with their primary is done: a
+     * replica that never synced refuses to fail over ("Disconnected from master for longer than
+     * allowed"), so a primary killed before that leaves its slots unserved for good.
+     */
+    private void awaitReplicasInSync(int count) throws InterruptedException {
+        SentinelGroup.await(count + " replicas in sync with their primaries", () -> nodes.stream()
+                .map(n -> Resp.at(n.port).text("INFO", "replication"))
+                .filter(info -> info.contains("role:slave") && info.contains("master_link_status:up"))
+                .count() == count);
     }
 
     /** {@code redis-cluster://...} naming the first three nodes as seeds ({@code rediss-cluster://...?ssl_ca_certs=...}: TLS). */
@@ -149,6 +163,20 @@ final class ClusterGroup implements AutoCloseable {
         Resp.at(fromPort).call("CLUSTER", "SETSLOT", s, "NODE", to);
         for (int p : primaries()) {
             Resp.at(p).call("CLUSTER", "SETSLOT", s, "NODE", to);
+        }
+    }
+
+    /**
+     * Whether replicas may take over a failed primary ({@code cluster-replica-no-failover} on every
+     * node that answers): held, a dead primary's slots stay unserved until released.
+     */
+    void holdFailovers(boolean hold) {
+        for (RedisServer n : nodes) {
+            try {
+                Resp.at(n.port).call("CONFIG", "SET", "cluster-replica-no-failover", hold ? "yes" : "no");
+            } catch (IOException e) {
+                // a node that is down
+            }
         }
     }
 

@@ -1,10 +1,10 @@
 package io.kombuenvelope;
 
 import java.io.IOException;
+import java.time.Duration;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Map;
-import java.util.concurrent.TimeUnit;
 import java.util.function.BooleanSupplier;
 
 /**
@@ -129,8 +129,14 @@ final class SentinelGroup implements AutoCloseable {
         return node(port).text("INFO", section);
     }
 
+    /** Waits up to 20 s for {@code cond}, failing with {@code what}. */
     static void await(String what, BooleanSupplier cond) throws InterruptedException {
-        long deadline = System.nanoTime() + TimeUnit.SECONDS.toNanos(20);
+        await(what, Duration.ofSeconds(20), cond);
+    }
+
+    /** Waits up to {@code timeout} for {@code cond}, failing with {@code what}. */
+    static void await(String what, Duration timeout, BooleanSupplier cond) throws InterruptedException {
+        long deadline = System.nanoTime() + timeout.toNanos();
         while (!cond.getAsBoolean()) {
             if (System.nanoTime() > deadline) {
                 throw new AssertionError("timed out waiting for " + what);
