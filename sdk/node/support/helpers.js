@@ -4,15 +4,18 @@
 // (support/certificates.js).
 
 import { execFile, spawn } from 'node:child_process';
+import crypto from 'node:crypto';
 import fs from 'node:fs';
 import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
+import { after } from 'node:test';
 import { promisify } from 'node:util';
 import { fileURLToPath } from 'node:url';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
 import { parseJson } from '../src/json.js';
+import { parseRedisUrl } from '../src/url.js';
 import { tlsDirectives } from './certificates.js';
 
 /**
@@ -77,6 +80,31 @@ export async function testRedis() {
   if (external) return { url: external, close: async () => {} };
   if (!onPath('redis-server')) return null;
   return startRedisServer();
+}
+
+/**
+ * The Redis of one test file's suites (testRedis()): `server` (null without
+ * one), `skip` (false, or why the suites skip), `prefixFor()` (a fresh key
+ * prefix `<tag>-<10 hex digits>` for each test) and `connect()`, called in a
+ * describe: { redis, workers }, an ioredis client of the server for its tests
+ * and a list to push their Workers on. After the suite the Workers stop (grace
+ * 0, errors ignored), then the client disconnects and the server closes.
+ */
+export async function redisSuite(tag) {
+  const server = await testRedis();
+  const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+  const prefixFor = () => `${tag}-${crypto.randomBytes(5).toString('hex')}`;
+  const connect = () => {
+    const redis = server ? new Redis(parseRedisUrl(server.url)) : null;
+    const workers = [];
+    after(async () => {
+      for (const w of workers) await w.stop({ graceMs: 0 }).catch(() => {});
+      redis?.disconnect();
+      await server?.close();
+    });
+    return { redis, workers };
+  };
+  return { server, skip, prefixFor, connect };
 }
 
 /** The password of each port whose server requires one (startRedisServer's `password`). */

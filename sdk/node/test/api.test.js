@@ -2,34 +2,22 @@
 // started at once, its events, close(), publishMany, and an ioredis client as the connection.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { once } from 'node:events';
 import { Writable } from 'node:stream';
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import Redis from 'ioredis';
 import {
   InvalidEnvelope, InvalidPayloadError, KeySpace, Producer, Worker, createLogger, parseRedisUrl,
 } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('api');
 
 const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
-const prefixFor = () => `api-${crypto.randomBytes(5).toString('hex')}`;
 const FAST = { leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 };
 
 describe('BullMQ-like API', { skip, concurrency: false }, () => {
-  let redis;
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    redis?.disconnect();
-    await server?.close();
-  });
+  const { redis } = connect();
 
   test('a worker built from a queue and handlers starts by itself and reports each outcome', async () => {
     const prefix = prefixFor();

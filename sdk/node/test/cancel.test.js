@@ -2,31 +2,18 @@
 // Producer#cancel marks <prefix>:cancelled and removes the task from the delayed sets.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
-import { after, before, describe, test } from 'node:test';
-import Redis from 'ioredis';
+import { describe, test } from 'node:test';
 import {
-  CANCEL_MARK_TTL_MS, InvalidQueueName, KeySpace, Producer, Timestamp, Worker, createLogger, parseRedisUrl,
+  CANCEL_MARK_TTL_MS, InvalidQueueName, KeySpace, Producer, Timestamp, Worker, createLogger,
 } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
-const prefixFor = () => `cx-${crypto.randomBytes(5).toString('hex')}`;
+const { server, skip, prefixFor, connect } = await redisSuite('cx');
 const later = () => Timestamp.fromEpochMs(Date.now() + 3_600_000);
 
 describe('cancel', { skip, concurrency: false }, () => {
-  let redis;
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    redis?.disconnect();
-    await server?.close();
-  });
+  const { redis } = connect();
 
   test('a delayed task is removed from whichever queue holds it; the mark is written first and always', async () => {
     const prefix = prefixFor();

@@ -2,19 +2,15 @@
 // dead-lettered, on the keys the Python tools use.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { once } from 'node:events';
 import { Writable } from 'node:stream';
-import { after, before, describe, test } from 'node:test';
-import Redis from 'ioredis';
+import { describe, test } from 'node:test';
 import {
   DeadLetters, InvalidEnvelope, InvalidPayloadError, KeySpace, Producer, Worker, createLogger, jsonMergePatch,
-  parseRedisUrl,
 } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('dl');
 const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
 
 test('merge patch follows RFC 7386', () => {
@@ -23,19 +19,10 @@ test('merge patch follows RFC 7386', () => {
 });
 
 describe('dead letters', { skip, concurrency: false }, () => {
-  let redis;
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    redis?.disconnect();
-    await server?.close();
-  });
+  const { redis } = connect();
 
   test('list, show, replay with an edited payload run by a worker, and a second replay publishes nothing', async () => {
-    const prefix = `dl-${crypto.randomBytes(5).toString('hex')}`;
+    const prefix = prefixFor();
     const ran = [];
     const worker = new Worker('orders', {
       'order.close': (payload) => {
@@ -85,7 +72,7 @@ describe('dead letters', { skip, concurrency: false }, () => {
   });
 
   test('stats count per queue, task type and failure class; purge deletes what matches', async () => {
-    const prefix = `dl-${crypto.randomBytes(5).toString('hex')}`;
+    const prefix = prefixFor();
     const worker = new Worker('orders', {
       'a.bad': () => { throw new InvalidPayloadError('bad'); },
     }, { connection: server.url, prefix, logger: quiet(), leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 });

@@ -2,19 +2,16 @@
 // announcements (section 15) and payload schemas (section 16).
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { after, before, describe, test } from 'node:test';
-import Redis from 'ioredis';
+import { describe, test } from 'node:test';
 import {
   DeadLetters, InvalidEnvelope, KeySpace, NotServed, Producer, RETRY_POLICY_HEADER, RejectedError, TIERED, Timestamp,
-  TransientError, Worker, createLogger, parseRedisUrl,
+  TransientError, Worker, createLogger,
 } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('r5');
 const QUEUE = 'rec';
 const DAY_MS = 86_400_000;
 const ORDER_SCHEMA = JSON.stringify({
@@ -34,20 +31,7 @@ function logSink() {
 }
 
 describe('revision 5', { skip, concurrency: false }, () => {
-  let redis;
-  const closing = [];
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    for (const c of closing) await c().catch(() => {});
-    redis?.disconnect();
-    await server?.close();
-  });
-
-  const prefixFor = () => `r5-${crypto.randomBytes(5).toString('hex')}`;
+  const { redis, workers } = connect();
 
   /** A producer and a started worker on `prefix`; `handlers` are registered on the worker. */
   async function setup(prefix, handlers = {}, options = {}) {
@@ -60,7 +44,7 @@ describe('revision 5', { skip, concurrency: false }, () => {
         deferMs: 100, promoterMaxIdleMs: 100, logger: sink.logger, ...options.worker,
       });
       for (const [type, fn] of Object.entries(handlers)) worker.register(type, fn, { payloadVersions: [1, 2] });
-      closing.push(() => worker.stop({ graceMs: 0 }));
+      workers.push(worker);
       await worker.start();
     }
     return { producer, worker, lines: sink.lines, qk: new KeySpace(prefix).queue(QUEUE) };

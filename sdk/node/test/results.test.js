@@ -3,7 +3,6 @@
 // (a second private redis-server here) with SET and PUBLISH, before the entry is settled.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
@@ -14,14 +13,12 @@ import {
   resultRequestOf,
 } from '../src/index.js';
 import { retryWhileAway } from '../src/outage.js';
-import { startRedisServer, testRedis, waitFor } from '../support/helpers.js';
+import { redisSuite, startRedisServer, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('rs');
 const QUEUE = 'jobs';
 const DATE_DONE = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00$/;
 
-const prefixFor = () => `rs-${crypto.randomBytes(5).toString('hex')}`;
 const asking = (key, expiresS) => ({ celery: { result: expiresS === undefined ? { key } : { key, expires_s: expiresS } } });
 
 function logSink() {
@@ -113,23 +110,18 @@ describe('result meta (pure)', () => {
 });
 
 describe('results and expiry (worker)', { skip, concurrency: false }, () => {
-  let redis;
+  const { redis, workers } = connect();
   let backendServer;
   let backend;
-  const workers = [];
 
   before(async () => {
-    redis = new Redis(parseRedisUrl(server.url));
     backendServer = await startRedisServer();
     backend = new Redis(parseRedisUrl(backendServer.url));
   });
 
   after(async () => {
-    for (const w of workers) await w.stop({ graceMs: 0 }).catch(() => {});
-    redis?.disconnect();
     backend?.disconnect();
     await backendServer?.close();
-    await server?.close();
   });
 
   async function startWorker(prefix, options = {}) {

@@ -3,22 +3,18 @@
 // failed write kept for the next one.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { after, before, describe, test } from 'node:test';
-import Redis from 'ioredis';
+import { describe, test } from 'node:test';
 import {
   HISTOGRAM_BOUNDS, KeySpace, Producer, RETRY_POLICY_HEADER, STATS_KEEP_MS, TIERED, TaskStatistics, TransientError,
-  Timestamp, Worker, bucketField, createLogger, parseRedisUrl,
+  Timestamp, Worker, bucketField, createLogger,
 } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('st');
 const QUEUE = 'stats';
 const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
-const prefixFor = () => `st-${crypto.randomBytes(5).toString('hex')}`;
 
 test('an observation goes to the first bucket whose bound is at least its value', () => {
   assert.equal(HISTOGRAM_BOUNDS.length, 17);
@@ -30,16 +26,7 @@ test('an observation goes to the first bucket whose bound is at least its value'
 });
 
 describe('worker statistics', { skip, concurrency: false }, () => {
-  let redis;
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    redis?.disconnect();
-    await server?.close();
-  });
+  const { redis } = connect();
 
   test('the hash after a known workload has exactly the expected fields and values', async () => {
     const prefix = prefixFor();

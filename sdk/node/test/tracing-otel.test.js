@@ -4,18 +4,15 @@
 // of it; a task published from the handler continues the trace.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import { SpanKind, SpanStatusCode, context, trace } from '@opentelemetry/api';
 import { AsyncLocalStorageContextManager } from '@opentelemetry/context-async-hooks';
 import { BasicTracerProvider, InMemorySpanExporter, SimpleSpanProcessor } from '@opentelemetry/sdk-trace-base';
-import Redis from 'ioredis';
-import { Producer, Worker, createLogger, parseRedisUrl, parseTraceparent } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { Producer, Worker, createLogger, parseTraceparent } from '../src/index.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('to');
 const QUEUE = 'traced';
 const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
 
@@ -24,19 +21,10 @@ trace.setGlobalTracerProvider(new BasicTracerProvider({ spanProcessors: [new Sim
 context.setGlobalContextManager(new AsyncLocalStorageContextManager().enable());
 
 describe('trace context with OpenTelemetry', { skip, concurrency: false }, () => {
-  let redis;
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    redis?.disconnect();
-    await server?.close();
-  });
+  connect();
 
   test('send and process spans chain the publish, the attempt and the tasks it publishes', async () => {
-    const prefix = `to-${crypto.randomBytes(5).toString('hex')}`;
+    const prefix = prefixFor();
     const producer = new Producer({ connection: server.url, prefix, logger: quiet() });
     const ran = new Map();
     const worker = new Worker(QUEUE, {

@@ -3,19 +3,16 @@
 // from a handler copies the running task's traceparent and tracestate unchanged.
 
 import assert from 'node:assert/strict';
-import crypto from 'node:crypto';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { Writable } from 'node:stream';
 import { pathToFileURL } from 'node:url';
-import { after, before, describe, test } from 'node:test';
-import Redis from 'ioredis';
-import { Producer, Worker, createLogger, parseRedisUrl, parseTraceparent } from '../src/index.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { describe, test } from 'node:test';
+import { Producer, Worker, createLogger, parseTraceparent } from '../src/index.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('tr');
 const QUEUE = 'untraced';
 const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
 const TRACE_ID = '0af7651916cd43dd8448eb211c80319c';
@@ -54,19 +51,10 @@ test('without @opentelemetry/api installed, the running task is passed through',
 });
 
 describe('trace context without a tracer provider', { skip, concurrency: false }, () => {
-  let redis;
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    redis?.disconnect();
-    await server?.close();
-  });
+  connect();
 
   test('a task published from a handler passes its trace context through unchanged', async () => {
-    const prefix = `tr-${crypto.randomBytes(5).toString('hex')}`;
+    const prefix = prefixFor();
     const producer = new Producer({ connection: server.url, prefix, logger: quiet() });
     const children = new Map();
     const worker = new Worker(QUEUE, {

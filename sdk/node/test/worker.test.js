@@ -3,11 +3,9 @@
 
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import crypto from 'node:crypto';
 import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { after, before, describe, test } from 'node:test';
-import Redis from 'ioredis';
+import { describe, test } from 'node:test';
 import { registerBuiltinHandlers } from '../support/handlers.js';
 import { decodeEntry, encodeEntry } from '../src/codec.js';
 import { newEnvelope } from '../src/envelope.js';
@@ -19,11 +17,10 @@ import { RETRY_POLICY_HEADER, RejectedError, TIERED, TransientError } from '../s
 // Envelope headers asking for automatic retries (docs/protocol.md section 8).
 const TIERED_HEADERS = { [RETRY_POLICY_HEADER]: TIERED };
 import { Timestamp } from '../src/time.js';
-import { Worker, parseRedisUrl } from '../src/worker.js';
-import { testRedis, waitFor } from '../support/helpers.js';
+import { Worker } from '../src/worker.js';
+import { redisSuite, waitFor } from '../support/helpers.js';
 
-const server = await testRedis();
-const skip = server ? false : 'no Redis: set ENVELOPE_TEST_REDIS_URL or put redis-server on PATH';
+const { server, skip, prefixFor, connect } = await redisSuite('n');
 const QUEUE = 'jobs';
 
 function logSink() {
@@ -38,18 +35,7 @@ function logSink() {
 }
 
 describe('worker', { skip, concurrency: false }, () => {
-  let redis;
-  const workers = [];
-
-  before(() => {
-    redis = new Redis(parseRedisUrl(server.url));
-  });
-
-  after(async () => {
-    for (const w of workers) await w.stop({ graceMs: 0 }).catch(() => {});
-    redis?.disconnect();
-    await server?.close();
-  });
+  const { redis, workers } = connect();
 
   async function startWorker(prefix, options = {}, register = () => {}) {
     const sink = logSink();
@@ -64,7 +50,6 @@ describe('worker', { skip, concurrency: false }, () => {
     return { worker, lines: sink.lines };
   }
 
-  const prefixFor = () => `n-${crypto.randomBytes(5).toString('hex')}`;
   const dead = async (prefix) => {
     const entries = await redis.xrange(new KeySpace(prefix).queue(QUEUE).dead, '-', '+');
     return entries.map(([id, flat]) => ({ id, ...Object.fromEntries(flat.reduce((acc, v, i) => (i % 2 ? acc : [...acc, [v, flat[i + 1]]]), [])) }));

@@ -8,48 +8,15 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import com.fasterxml.jackson.databind.JsonNode;
 
-import io.lettuce.core.RedisClient;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
-
 import java.time.Duration;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
-import java.util.UUID;
 
-import org.junit.jupiter.api.AfterAll;
-import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /** Worker announcements and the producer's served check (docs/protocol.md section 15). */
-class AnnouncementTest {
-    static RedisClient client;
-    static StatefulRedisConnection<String, byte[]> conn;
-    static RedisCommands<String, byte[]> redis;
-    String prefix;
-    Keys keys;
-
-    @BeforeAll
-    static void connect() {
-        client = Redis.client(RedisServer.shared().uri());
-        conn = client.connect(Redis.CODEC);
-        redis = conn.sync();
-    }
-
-    @AfterAll
-    static void disconnect() {
-        conn.close();
-        client.shutdown();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "a" + UUID.randomUUID().toString().substring(0, 8);
-        keys = new Keys(prefix);
-    }
-
+class AnnouncementTest extends RedisFixture {
     Worker.Builder worker() {
         return Worker.builder().client(client).prefix(prefix).queues("billing", "mail").concurrency(3)
                 .block(Duration.ofMillis(200)).lease(Duration.ofMillis(1500)).runPromoter(false)

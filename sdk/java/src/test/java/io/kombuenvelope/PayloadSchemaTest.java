@@ -5,53 +5,22 @@ import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
-import io.lettuce.core.RedisClient;
 import io.lettuce.core.RedisException;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
 
 import java.time.Duration;
 import java.util.ArrayList;
 import java.util.List;
-import java.util.UUID;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 
-import org.junit.jupiter.api.AfterAll;
-import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /** Payload schemas at publish and at the worker (docs/protocol.md section 16), against a real redis-server. */
-class PayloadSchemaTest {
+class PayloadSchemaTest extends RedisFixture {
     static final String ORDER = "{\"type\":\"object\",\"required\":[\"order_id\"],\"additionalProperties\":false,"
             + "\"properties\":{\"order_id\":{\"type\":\"integer\"}}}";
-    static RedisClient client;
-    static StatefulRedisConnection<String, byte[]> conn;
-    static RedisCommands<String, byte[]> redis;
     final String queue = "orders";
-    String prefix;
-    Keys keys;
-
-    @BeforeAll
-    static void connect() {
-        client = Redis.client(RedisServer.shared().uri());
-        conn = client.connect(Redis.CODEC);
-        redis = conn.sync();
-    }
-
-    @AfterAll
-    static void disconnect() {
-        conn.close();
-        client.shutdown();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "s" + UUID.randomUUID().toString().substring(0, 8);
-        keys = new Keys(prefix);
-    }
 
     Producer producer() {
         return Producer.builder().client(client).prefix(prefix).queue(queue).build();

@@ -18,7 +18,6 @@ import java.time.Duration;
 import java.time.Instant;
 import java.util.List;
 import java.util.Map;
-import java.util.UUID;
 import java.util.concurrent.BlockingQueue;
 import java.util.concurrent.LinkedBlockingQueue;
 import java.util.concurrent.TimeUnit;
@@ -27,51 +26,34 @@ import java.util.regex.Pattern;
 
 import org.junit.jupiter.api.AfterAll;
 import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /**
  * Results for Celery callers (docs/protocol.md section 12), written to a result backend that is a
  * redis-server of its own, apart from the one holding the queues.
  */
-class ResultsTest {
+class ResultsTest extends RedisFixture {
     private static final Pattern DATE_DONE = Pattern.compile(
             "\"date_done\":\"([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{6}\\+00:00)\"");
     static RedisServer backendServer;
-    static RedisClient client;
     static RedisClient backend;
-    static StatefulRedisConnection<String, byte[]> conn;
     static StatefulRedisConnection<String, byte[]> backendConn;
-    static RedisCommands<String, byte[]> redis;
     static RedisCommands<String, byte[]> results;
-    String prefix;
-    Keys keys;
     final String queue = "celery";
 
     @BeforeAll
-    static void connect() throws Exception {
+    static void startBackend() throws Exception {
         backendServer = RedisServer.startPrivate(0);
-        client = Redis.client(RedisServer.shared().uri());
         backend = Redis.client(backendServer.uri());
-        conn = client.connect(Redis.CODEC);
         backendConn = backend.connect(Redis.CODEC);
-        redis = conn.sync();
         results = backendConn.sync();
     }
 
     @AfterAll
-    static void disconnect() {
-        conn.close();
+    static void stopBackend() {
         backendConn.close();
-        client.shutdown();
         backend.shutdown();
         backendServer.stop();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "r" + UUID.randomUUID().toString().substring(0, 8);
-        keys = new Keys(prefix);
     }
 
     Producer producer() {

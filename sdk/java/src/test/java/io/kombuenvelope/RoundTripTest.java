@@ -8,10 +8,7 @@ import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
-import io.lettuce.core.RedisClient;
 import io.lettuce.core.StreamMessage;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
 
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
@@ -22,45 +19,17 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
-import java.util.UUID;
 import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.function.BooleanSupplier;
 
-import org.junit.jupiter.api.AfterAll;
-import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /** Producer → worker round trips against a real redis-server. */
-class RoundTripTest {
-    static RedisClient client;
-    static StatefulRedisConnection<String, byte[]> conn;
-    static RedisCommands<String, byte[]> redis;
-    String prefix;
-    Keys keys;
+class RoundTripTest extends RedisFixture {
     final String queue = "jobs";
-
-    @BeforeAll
-    static void connect() {
-        client = Redis.client(RedisServer.shared().uri());
-        conn = client.connect(Redis.CODEC);
-        redis = conn.sync();
-    }
-
-    @AfterAll
-    static void disconnect() {
-        conn.close();
-        client.shutdown();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "t" + UUID.randomUUID().toString().substring(0, 8);
-        keys = new Keys(prefix);
-    }
 
     Producer producer() {
         return Producer.builder().client(client).prefix(prefix).queue(queue).build();

@@ -5,51 +5,19 @@ import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNotNull;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
-import io.lettuce.core.RedisClient;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
-
 import java.time.Duration;
 import java.time.Instant;
 import java.util.Map;
-import java.util.UUID;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.TimeUnit;
 import java.util.function.BooleanSupplier;
 
-import org.junit.jupiter.api.AfterAll;
-import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /** Task records (docs/protocol.md section 14): what each step writes, how long it stays, how it reads. */
-class TaskRecordsTest {
+class TaskRecordsTest extends RedisFixture {
     static final long WEEK_S = Duration.ofDays(7).toSeconds();
-    static RedisClient client;
-    static StatefulRedisConnection<String, byte[]> conn;
-    static RedisCommands<String, byte[]> redis;
     final String queue = "jobs";
-    String prefix;
-    Keys keys;
-
-    @BeforeAll
-    static void connect() {
-        client = Redis.client(RedisServer.shared().uri());
-        conn = client.connect(Redis.CODEC);
-        redis = conn.sync();
-    }
-
-    @AfterAll
-    static void disconnect() {
-        conn.close();
-        client.shutdown();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "r" + UUID.randomUUID().toString().substring(0, 8);
-        keys = new Keys(prefix);
-    }
 
     Producer.Builder producer() {
         return Producer.builder().client(client).prefix(prefix).queue(queue);

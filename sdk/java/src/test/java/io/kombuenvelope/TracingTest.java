@@ -6,7 +6,6 @@ import static org.junit.jupiter.api.Assertions.assertNotNull;
 import static org.junit.jupiter.api.Assertions.assertNull;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
-import io.lettuce.core.RedisClient;
 import io.opentelemetry.api.common.AttributeKey;
 import io.opentelemetry.api.trace.Span;
 import io.opentelemetry.api.trace.SpanKind;
@@ -21,37 +20,16 @@ import io.opentelemetry.sdk.trace.export.SimpleSpanProcessor;
 import java.time.Duration;
 import java.util.List;
 import java.util.Map;
-import java.util.UUID;
 import java.util.concurrent.ConcurrentHashMap;
 import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 
-import org.junit.jupiter.api.AfterAll;
-import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /** Trace context in headers and the send/process spans (docs/protocol.md section 18). */
-class TracingTest {
-    static RedisClient client;
-    String prefix;
+class TracingTest extends RedisFixture {
     /** The Envelopes the handlers ran, by task type. */
     final Map<String, Envelope> ran = new ConcurrentHashMap<>();
-
-    @BeforeAll
-    static void connect() {
-        client = Redis.client(RedisServer.shared().uri());
-    }
-
-    @AfterAll
-    static void disconnect() {
-        client.shutdown();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "t" + UUID.randomUUID().toString().substring(0, 8);
-    }
 
     /**
      * A worker of queue {@code q} whose {@code parent} handler publishes a {@code child} with
@@ -156,13 +134,9 @@ class TracingTest {
         try (Producer p = Producer.builder().client(client).prefix(prefix).queue("q").build();
              Worker w = worker(p, done).build().start()) {
             String plain = p.publish("idle", Envelope.builder("child").build()).entryId();
-            Keys keys = new Keys(prefix);
-            try (var conn = client.connect(Redis.CODEC)) {
-                var entry = conn.sync().xrange(keys.stream("idle", "normal"),
-                        io.lettuce.core.Range.create(plain, plain)).get(0);
-                assertEquals(Map.of(), EntryCodec.decodeEntry(entry.getBody(), Limits.DEFAULT).headers(),
-                        "outside any trace, nothing is written");
-            }
+            var entry = redis.xrange(keys.stream("idle", "normal"), io.lettuce.core.Range.create(plain, plain)).get(0);
+            assertEquals(Map.of(), EntryCodec.decodeEntry(entry.getBody(), Limits.DEFAULT).headers(),
+                    "outside any trace, nothing is written");
             Envelope parent = Envelope.builder("parent").header("traceparent", incoming)
                     .header("tracestate", "vendor=1").build();
             assertEquals(traceId, parent.traceId(), "trace_id defaults to the traceparent's trace id");

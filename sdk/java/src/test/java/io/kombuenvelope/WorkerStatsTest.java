@@ -3,49 +3,16 @@ package io.kombuenvelope;
 import static org.junit.jupiter.api.Assertions.assertEquals;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
-import io.lettuce.core.RedisClient;
-import io.lettuce.core.api.StatefulRedisConnection;
-import io.lettuce.core.api.sync.RedisCommands;
-
 import java.time.Duration;
 import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.Map;
 import java.util.TreeMap;
-import java.util.UUID;
 
-import org.junit.jupiter.api.AfterAll;
-import org.junit.jupiter.api.BeforeAll;
-import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 
 /** Worker statistics (docs/protocol.md section 17) and heartbeat_ms in the announcement (section 15). */
-class WorkerStatsTest {
-    static RedisClient client;
-    static StatefulRedisConnection<String, byte[]> conn;
-    static RedisCommands<String, byte[]> redis;
-    String prefix;
-    Keys keys;
-
-    @BeforeAll
-    static void connect() {
-        client = Redis.client(RedisServer.shared().uri());
-        conn = client.connect(Redis.CODEC);
-        redis = conn.sync();
-    }
-
-    @AfterAll
-    static void disconnect() {
-        conn.close();
-        client.shutdown();
-    }
-
-    @BeforeEach
-    void freshPrefix() {
-        prefix = "s" + UUID.randomUUID().toString().substring(0, 8);
-        keys = new Keys(prefix);
-    }
-
+class WorkerStatsTest extends RedisFixture {
     /** The stats hash of {@code queue} as text. */
     Map<String, Long> hash(String queue) {
         Map<String, Long> out = new TreeMap<>();
