@@ -11,11 +11,16 @@ from datetime import datetime, timedelta, timezone
 import httpx
 import pytest
 import redis
+from apps.periodic_app import create_app
 from support import wait_for
 from support.announce import announce as announce_worker
+from support.envelope_streams import envelope_url
 from support.workers import CeleryWorker
 
+from celery_ext.periodic import PeriodicScheduler, occurrence_task_id
 from kombu_envelope import Settings
+from kombu_envelope.store.promoter import Promoter, redis_now_ms
+from kombu_envelope.store.task_records import TaskRecords, TaskState
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 TOKEN = "w-" + "d" * 30
@@ -142,3 +147,41 @@ def test_state_of_a_task_run_by_a_celery_worker(api: httpx.Client, redis_url: st
     state = api.get(f"/tasks/{task_id}").json()
     assert state["language"] == "python" and state["attempts"] == 1
     assert state["worker"] and state["started_at"] and state["finished_at"]
+
+
+def test_state_of_a_periodic_occurrence_from_scheduled_to_succeeded(
+        api: httpx.Client, redis_url: str) -> None:
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    settings = Settings(key_prefix=PREFIX)
+    client = redis.Redis.from_url(redis_url)
+    app = create_app(envelope_url(redis_url), redis_url, PREFIX,
+                     {"tick": {"every": 1, "options": {"queue": queue}}})
+    records = TaskRecords(client, settings)
+    try:
+        scheduler = PeriodicScheduler(app, client, settings)
+        scheduler.sync()
+        due = int(client.hget(settings.keys.queue(queue).periodic, "tick"))
+        assert scheduler.run_due(due)[0] == 1  # stored ahead of its time: still delayed
+        task_id = occurrence_task_id(PREFIX, "tick", due)
+        due_at = datetime.fromtimestamp(due / 1000, tz=timezone.utc)
+        record = records.get(task_id)
+        assert (record.state, record.queue, record.due_at) == (TaskState.SCHEDULED, queue, due_at)
+        shown = api.get(f"/tasks/{task_id}").json()
+        assert (shown["state"], shown["queue"]) == ("scheduled", queue)
+        assert datetime.fromisoformat(shown["due_at"].replace("Z", "+00:00")) == due_at
+        assert shown["task_type"] == "periodic_app.record" and shown["published_at"]
+
+        promoter = Promoter(lambda: client, settings)
+        wait_for(lambda: promoter.promote_queue(queue, redis_now_ms(client))[0] == 1,
+                 timeout=10)
+        assert records.get(task_id).state is TaskState.QUEUED
+        assert api.get(f"/tasks/{task_id}").json()["state"] == "queued"
+
+        env = {"TEST_BROKER_URL": envelope_url(redis_url), "TEST_REDIS_URL": redis_url,
+               "TEST_KEY_PREFIX": PREFIX, "TEST_BEAT_SCHEDULE": "{}"}
+        with CeleryWorker("apps.periodic_app", queues=[queue], env=env):
+            wait_for(lambda: records.get(task_id).state is TaskState.SUCCEEDED, timeout=20)
+        assert api.get(f"/tasks/{task_id}").json()["state"] == "succeeded"
+    finally:
+        app.close()
+        client.close()
