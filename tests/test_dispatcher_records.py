@@ -110,6 +110,18 @@ def test_batch_answers_each_item(api: httpx.Client, queue: str) -> None:
     assert items[1]["problem"]["violations"][0]["rule"] == "range"
 
 
+def test_batch_items_posted_again_are_duplicates_and_new_ones_are_not(
+        api: httpx.Client, queue: str) -> None:
+    given = {"task_type": "bill.charge", "task_id": f"b-{uuid.uuid4().hex}"}
+    first = api.post("/tasks:batch", json={"queue": queue, "tasks": [given]}).json()["items"]
+    again = api.post("/tasks:batch", json={"queue": queue, "tasks": [
+        given, {"task_type": "bill.charge"}, {"task_type": "bill.charge"}]}).json()["items"]
+    assert [i["status"] for i in first] == [201]
+    assert [i["status"] for i in again] == [200, 201, 201]
+    assert again[0]["task"]["duplicate"] and again[0]["task"]["state"] == "queued"
+    assert again[1]["task"]["task_id"] != again[2]["task"]["task_id"]
+
+
 def test_schemas_register_enforce_list_delete(api: httpx.Client, queue: str) -> None:
     schema = {"type": "object", "properties": {"order": {"type": "integer"}},
               "required": ["order"], "additionalProperties": False}
