@@ -19,7 +19,8 @@ schedulers race, each occurrence is published exactly once; a scheduler
 killed at any point leaves the occurrence claimable by the others. The task
 id of an occurrence is derived from the key prefix, the entry name and the
 occurrence time (:func:`occurrence_task_id`), so an occurrence is recognisable
-everywhere (results, logs, cancellation).
+everywhere (results, logs, cancellation). The same call writes the occurrence's
+task record (``scheduled``, due at the occurrence; docs/protocol.md, section 14).
 
 An occurrence whose task cannot be built (its payload breaks its schema,
 :mod:`kombu_envelope.store.schemas`, for one) is logged and skipped.
@@ -72,7 +73,7 @@ from redis.exceptions import RedisError, WatchError
 from celery_ext.broker import broker_settings
 from celery_ext.protocol import CeleryAdapter
 from kombu_envelope.codec import encode_body
-from kombu_envelope.envelope import Envelope, format_rfc3339
+from kombu_envelope.envelope import Envelope, format_rfc3339, utcnow
 from kombu_envelope.errors import InvalidQueueName
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
@@ -81,6 +82,12 @@ from kombu_envelope.store.periodic_entries import FINGERPRINT_FIELD_PREFIX
 from kombu_envelope.store.promoter import redis_now_ms
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.schemas import PayloadSchemas
+from kombu_envelope.store.task_records import (
+    RecordWrite,
+    TaskState,
+    envelope_fields,
+    record_write,
+)
 
 __all__ = [
     "ENABLED_SETTING",
@@ -90,6 +97,7 @@ __all__ = [
     "entries_of",
     "following_occurrence",
     "next_occurrence",
+    "occurrence_record",
     "occurrence_task_id",
     "periodic_scheduler",
 ]
@@ -318,6 +326,17 @@ def build_occurrence_task(app: Any, entry: PeriodicEntry, task_id: str,
     return OccurrenceTask(entry.queue, envelope, body, headers)
 
 
+def occurrence_record(settings: Settings, queue: str, envelope: Envelope,
+                      occurrence_ms: int) -> RecordWrite:
+    """The task record ``periodic.lua`` writes for an occurrence it stores: ``scheduled``,
+    due at the occurrence (docs/protocol.md, section 14)."""
+    now = utcnow()
+    return record_write(settings, queue, envelope.task_id, TaskState.SCHEDULED,
+                        {**envelope_fields(envelope, queue, now), "published_at": now,
+                         "due_at": _utc(occurrence_ms)},
+                        due_ms=occurrence_ms, now=now)
+
+
 # --------------------------------------------------------------- scheduler
 
 
@@ -532,12 +551,13 @@ class PeriodicScheduler:
             return 0
         self._skip_until.pop(entry.name, None)
         keys = self.settings.keys.queue(entry.queue)
+        record = occurrence_record(self.settings, entry.queue, task.envelope, occurrence_ms)
         batch = Batch(self.client)
         batch.first("sadd", self.settings.keys.queues, entry.queue)  # promoters find it
-        batch.script("periodic", [keys.periodic, keys.delayed, keys.delayed_data],
+        batch.script("periodic", [keys.periodic, keys.delayed, keys.delayed_data, *record.keys],
                      [entry.name, occurrence_ms, following_ms, task_id,
                       bucket_for(task.envelope.priority).value, enc, body,
-                      self.settings.keys.wakeup_channel])
+                      self.settings.keys.wakeup_channel, *record.args])
         claimed = int(batch.execute()[0])
         if claimed:
             signals.after_task_publish.send(sender=entry.task, body=task.body,

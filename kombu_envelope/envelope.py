@@ -13,8 +13,8 @@ readable whatever the clock says.
 from __future__ import annotations
 
 import math
+import os
 import re
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any
@@ -151,10 +151,15 @@ def parse_rfc3339(value: Any) -> datetime:
     return _in_range(parsed)
 
 
+_ONE_MINUTE = timedelta(minutes=1)
+
+
 def format_rfc3339(value: datetime) -> str:
     """Format an aware datetime as RFC 3339, keeping its offset (UTC is written ``Z``)."""
+    if value.tzinfo is timezone.utc:  # the usual case, written on every Envelope
+        return value.isoformat()[:-6] + "Z"
     offset = value.utcoffset()
-    if offset is not None and offset % timedelta(minutes=1):
+    if offset is not None and offset % _ONE_MINUTE:
         value = value.astimezone(timezone.utc)
     text = value.isoformat()
     return text[:-6] + "Z" if text.endswith("+00:00") else text
@@ -168,46 +173,65 @@ Timestamp = Annotated[
 ]
 
 
+# The variant nibble of a random UUID (RFC 9562: 10xx) for each random hex digit.
+_UUID_VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}
+
+
+def _uuid4_hex() -> str:
+    """A random (version 4) UUID as 32 hex digits; ``uuid.uuid4().hex`` without the cost
+    of building a ``UUID`` object, which publishing many tasks at once feels."""
+    digits = os.urandom(16).hex()
+    return f"{digits[:12]}4{digits[13:16]}{_UUID_VARIANT[digits[16]]}{digits[17:]}"
+
+
 def _new_task_id() -> str:
-    return str(uuid.uuid4())
+    digits = _uuid4_hex()
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
 
 
 def _new_trace_id() -> str:
-    return uuid.uuid4().hex
+    return _uuid4_hex()
 
 
 _JSON_SCALARS = (str, int, float, type(None))
+# Exact types checked first: most values of a payload are one of them.
+_EXACT_SCALARS = frozenset({str, int, bool, type(None)})
+
+
+def _is_json_scalar(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, _JSON_SCALARS)
 
 
 def _quick_json_depth(value: Any, max_depth: int, level: int) -> int | None:
     """Depth of a valid JSON value, or None if anything is wrong (no error paths built)."""
-    if isinstance(value, dict):
+    kind = type(value)
+    if kind is dict or (kind is not list and isinstance(value, dict)):
         if level > max_depth:
             return None
         items: Any = value.values()
         for key in value:
-            if not isinstance(key, str):
+            if type(key) is not str and not isinstance(key, str):
                 return None
-    elif isinstance(value, list):
+    elif kind is list or isinstance(value, list):
         if level > max_depth:
             return None
         items = value
-    elif isinstance(value, float):
-        return level - 1 if math.isfinite(value) else None
     else:
-        return level - 1 if isinstance(value, _JSON_SCALARS) else None
+        return level - 1 if _is_json_scalar(value) else None
     depth = level
     for item in items:
-        if isinstance(item, (dict, list)):
+        kind = type(item)
+        if kind in _EXACT_SCALARS:
+            continue
+        if kind is dict or kind is list or isinstance(item, (dict, list)):
             inner = _quick_json_depth(item, max_depth, level + 1)
             if inner is None:
                 return None
             if inner > depth:
                 depth = inner
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                return None
-        elif not isinstance(item, _JSON_SCALARS):
+        elif not _is_json_scalar(item):
             return None
     return depth
 

@@ -11,13 +11,18 @@ from datetime import datetime, timedelta, timezone
 import httpx
 import pytest
 import redis
+from apps.periodic_app import create_app
 from support import wait_for
 from support.announce import announce as announce_worker
+from support.envelope_streams import envelope_url
 from support.workers import CeleryWorker
 
+from celery_ext.periodic import PeriodicScheduler, occurrence_task_id
 from kombu_envelope import Envelope, Settings
 from kombu_envelope.failures import Failure, FailureClass
 from kombu_envelope.store.dead_letters import DeadLetters, dead_letter_envelope
+from kombu_envelope.store.promoter import Promoter, redis_now_ms
+from kombu_envelope.store.task_records import TaskRecords, TaskState
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 TOKEN = "w-" + "d" * 30
@@ -107,6 +112,18 @@ def test_batch_answers_each_item(api: httpx.Client, queue: str) -> None:
     assert items[1]["problem"]["violations"][0]["rule"] == "range"
 
 
+def test_batch_items_posted_again_are_duplicates_and_new_ones_are_not(
+        api: httpx.Client, queue: str) -> None:
+    given = {"task_type": "bill.charge", "task_id": f"b-{uuid.uuid4().hex}"}
+    first = api.post("/tasks:batch", json={"queue": queue, "tasks": [given]}).json()["items"]
+    again = api.post("/tasks:batch", json={"queue": queue, "tasks": [
+        given, {"task_type": "bill.charge"}, {"task_type": "bill.charge"}]}).json()["items"]
+    assert [i["status"] for i in first] == [201]
+    assert [i["status"] for i in again] == [200, 201, 201]
+    assert again[0]["task"]["duplicate"] and again[0]["task"]["state"] == "queued"
+    assert again[1]["task"]["task_id"] != again[2]["task"]["task_id"]
+
+
 def test_schemas_register_enforce_list_delete(api: httpx.Client, queue: str) -> None:
     schema = {"type": "object", "properties": {"order": {"type": "integer"}},
               "required": ["order"], "additionalProperties": False}
@@ -183,3 +200,41 @@ def test_replay_dry_run_checks_the_payload_schema_and_publishes_nothing(
                     ).status_code == 404
     api.delete("/schemas/bill.refund/2")
     client.close()
+
+
+def test_state_of_a_periodic_occurrence_from_scheduled_to_succeeded(
+        api: httpx.Client, redis_url: str) -> None:
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    settings = Settings(key_prefix=PREFIX)
+    client = redis.Redis.from_url(redis_url)
+    app = create_app(envelope_url(redis_url), redis_url, PREFIX,
+                     {"tick": {"every": 1, "options": {"queue": queue}}})
+    records = TaskRecords(client, settings)
+    try:
+        scheduler = PeriodicScheduler(app, client, settings)
+        scheduler.sync()
+        due = int(client.hget(settings.keys.queue(queue).periodic, "tick"))
+        assert scheduler.run_due(due)[0] == 1  # stored ahead of its time: still delayed
+        task_id = occurrence_task_id(PREFIX, "tick", due)
+        due_at = datetime.fromtimestamp(due / 1000, tz=timezone.utc)
+        record = records.get(task_id)
+        assert (record.state, record.queue, record.due_at) == (TaskState.SCHEDULED, queue, due_at)
+        shown = api.get(f"/tasks/{task_id}").json()
+        assert (shown["state"], shown["queue"]) == ("scheduled", queue)
+        assert datetime.fromisoformat(shown["due_at"].replace("Z", "+00:00")) == due_at
+        assert shown["task_type"] == "periodic_app.record" and shown["published_at"]
+
+        promoter = Promoter(lambda: client, settings)
+        wait_for(lambda: promoter.promote_queue(queue, redis_now_ms(client))[0] == 1,
+                 timeout=10)
+        assert records.get(task_id).state is TaskState.QUEUED
+        assert api.get(f"/tasks/{task_id}").json()["state"] == "queued"
+
+        env = {"TEST_BROKER_URL": envelope_url(redis_url), "TEST_REDIS_URL": redis_url,
+               "TEST_KEY_PREFIX": PREFIX, "TEST_BEAT_SCHEDULE": "{}"}
+        with CeleryWorker("apps.periodic_app", queues=[queue], env=env):
+            wait_for(lambda: records.get(task_id).state is TaskState.SUCCEEDED, timeout=20)
+        assert api.get(f"/tasks/{task_id}").json()["state"] == "succeeded"
+    finally:
+        app.close()
+        client.close()

@@ -22,6 +22,6 @@ def test_every_script_that_writes_task_records_has_the_same_write_record() -> No
     pattern = re.compile(r"^-- The task record .*?^end\n", re.S | re.M)
     copies = {path.name: pattern.findall(path.read_text()) for path in sorted(lua.glob("*.lua"))}
     found = {name: found[0] for name, found in copies.items() if found}
-    assert set(found) == {"cancel.lua", "dead_letter.lua", "enqueue.lua", "replay.lua",
-                          "requeue.lua", "retry.lua", "schedule.lua"}
+    assert set(found) == {"cancel.lua", "dead_letter.lua", "enqueue.lua", "periodic.lua",
+                          "replay.lua", "requeue.lua", "retry.lua", "schedule.lua"}
     assert len(set(found.values())) == 1, "write_record differs between scripts"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -80,10 +80,14 @@ def _within_rate(limiter: RateLimiter, who: str) -> None:
                       headers={"Retry-After": str(max(1, round(wait)))})
 
 
-def require(scope: Scope) -> Callable[[Request], None]:
-    """A route dependency: the caller's token must allow ``scope``, within its rate."""
+def require(scope: Scope) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: the caller's token must allow ``scope``, within its rate.
 
-    def check(request: Request) -> None:
+    A coroutine, though it never waits: FastAPI runs a plain function dependency in its
+    thread pool, a thread hop on every request.
+    """
+
+    async def check(request: Request) -> None:
         state = request.app.state
         address = request.client.host if request.client else "?"
         try:

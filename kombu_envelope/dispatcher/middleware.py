@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from kombu_envelope.dispatcher.problems import Problem
@@ -38,7 +38,12 @@ def content_policy(path: str) -> bytes:
 
 class Guarded:
     """Adds :data:`SECURITY_HEADERS` and answers 413 to a body above ``max_body_bytes``
-    (by its ``Content-Length``, or while it is read)."""
+    (by its ``Content-Length``, or while it is read when it has none).
+
+    A body with a ``Content-Length`` is not counted again as it is read: the HTTP server
+    delivers exactly that many bytes (more are the next request). This runs on every
+    request, so it does no more than that.
+    """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
@@ -53,13 +58,19 @@ class Guarded:
 
         async def send_secured(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS, policy]
+                message["headers"] = [*message.get("headers", ()), *SECURITY_HEADERS, policy]
             await send(message)
 
-        length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        length = _content_length(scope["headers"])
+        if length is None:
+            receive = self._counted(receive)
+        elif not length.isdigit() or int(length) > self.max_body_bytes:
             await self._too_large(send_secured)
             return
+        await self.app(scope, receive, send_secured)
+
+    def _counted(self, receive: Receive) -> Receive:
+        """``receive`` that raises 413 once the body read so far is above the limit."""
         seen = 0
 
         async def receive_limited() -> Message:
@@ -71,7 +82,7 @@ class Guarded:
                     raise Problem(413, "body_too_large", self._message)
             return message
 
-        await self.app(scope, receive_limited, send_secured)
+        return receive_limited
 
     async def _too_large(self, send: Send) -> None:
         body = json.dumps({"error": "body_too_large", "message": self._message}).encode()
@@ -79,3 +90,11 @@ class Guarded:
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The value of the first ``Content-Length`` header, or None."""
+    for name, value in headers:
+        if name == b"content-length":
+            return value
+    return None

@@ -53,11 +53,16 @@ IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", min_lengt
 
 @dataclass(frozen=True)
 class Prepared:
-    """A task that passed every check, the queue it goes to and its publish token."""
+    """A task that passed every check, the queue it goes to and its publish token.
+
+    ``new_id``: its ``task_id`` is a random UUID made here, so it cannot have been posted
+    before (a task id the body or an ``Idempotency-Key`` gives may have been).
+    """
 
     queue: str
     envelope: Envelope
     token: str
+    new_id: bool = False
 
 
 def _reject_constant(name: str) -> Any:
@@ -79,6 +84,7 @@ def prepare(found: Stores, data: Any, queue: str | None, key: str | None) -> Pre
         raise invalid([Violation("envelope", "type", "must be a JSON object")])
     if "limits" in data:  # the one name Envelope.new takes for itself
         raise invalid([Violation("limits", "unknown_field", "Extra inputs are not permitted")])
+    new_id = key is None and "task_id" not in data
     if key is not None:
         data = {"task_id": str(uuid.uuid5(IDEMPOTENCY_NAMESPACE, key)), **data}
     limits = found.settings.limits
@@ -91,21 +97,24 @@ def prepare(found: Stores, data: Any, queue: str | None, key: str | None) -> Pre
     queue = found.router.queue_for(queue, envelope.task_type, envelope.payload_version)
     found.settings.keys.queue(queue)  # an invalid queue name is a 422 here
     token = hashlib.sha256(f"{queue}\n{envelope.task_id}\n{key or ''}".encode()).hexdigest()[:32]
-    return Prepared(queue, envelope, token)
+    return Prepared(queue, envelope, token, new_id)
 
 
 def _known_states(found: Stores, items: list[Prepared]) -> list[str | None]:
     """The state of each task that has a record (posted before), else None: one round
-    trip for the lot, then one look per task found."""
-    if not items:
-        return []
+    trip for the tasks whose id was given (none when every id is new), then one look per
+    task found."""
+    given = [item for item in items if not item.new_id]
+    if not given:
+        return [None] * len(items)
     records = found.records
     pipe = found.client.pipeline(transaction=False)
-    for item in items:
+    for item in given:
         pipe.exists(records.record_key(item.queue, item.envelope.task_id))
-    exists = pipe.execute()
-    return [records.get(item.envelope.task_id, item.queue).state.value if there else None
-            for item, there in zip(items, exists)]
+    exists = iter(pipe.execute())
+    return [None if item.new_id or not next(exists)
+            else records.get(item.envelope.task_id, item.queue).state.value
+            for item in items]
 
 
 def _accepted(item: Prepared, state: str | None, entry_id: str | None) -> TaskAccepted:
