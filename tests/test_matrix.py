@@ -63,7 +63,7 @@ pytestmark = [
 TASK = "matrix.task"
 #: Scenario families worked by the long-lived process of every language.
 FAMILIES = ("now", "delayed", "retry", "limits", "dead", "idem", "cancel", "expires", "result",
-            "metrics")
+            "metrics", "trace")
 #: How long a scenario may take to settle once published.
 SETTLE_S = 40.0
 #: How long a holding task keeps its worker busy while a scenario publishes behind it.
@@ -157,11 +157,12 @@ class Matrix:
 @pytest.fixture(scope="module")
 def matrix(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
     prefix = f"mx-{uuid.uuid4().hex[:8]}"
+    # Made before the Go build's, which would otherwise race it to create the base temp dir.
+    tmp = tmp_path_factory.mktemp("matrix")
     with ThreadPoolExecutor(2) as builds:
         go_build = builds.submit(build_go_peer, tmp_path_factory)
         java_build = builds.submit(build_java_peer)
-        launch = Launcher(redis_url, prefix, tmp_path_factory.mktemp("matrix"),
-                          go_build.result(), java_build.result())
+        launch = Launcher(redis_url, prefix, tmp, go_build.result(), java_build.result())
     client = redis.Redis.from_url(redis_url)
     app = create_app(envelope_url(redis_url), redis_url, prefix, 3000)
     started: list[JsonLinePeer | CeleryWorker] = []
@@ -203,6 +204,83 @@ def test_a_task_now(matrix: Matrix) -> None:
     matrix.publish(plan)
     matrix.expect_effects(expected)
     matrix.assert_drained(*(matrix.queue("now", w) for w in LANGUAGES))
+
+
+def chain_of(hops: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """The ``then`` of a task after which ``(queue, task_id)`` hops run in turn (the last
+    without a ``then``: an empty list would be one more level of nesting)."""
+    then: list[dict[str, Any]] = []
+    for queue, tid in reversed(hops):
+        then = [{"queue": queue, "task_id": tid, **({"then": then} if then else {})}]
+    return then
+
+
+def test_one_trace_crosses_every_language(matrix: Matrix) -> None:
+    """A chain from each first producer through the three other languages' workers (py ->
+    go -> node -> java, rotated), each hop published by the previous hop's handler through
+    its SDK's producer: without OpenTelemetry every hop is delivered the first producer's
+    traceparent and tracestate unchanged, and the first task's trace_id (docs/protocol.md,
+    section 18). Three hops is the longest chain whose nested ``then`` keeps the first
+    payload within the default 5 levels of nesting (section 1, ``max_depth``)."""
+    plan, expected, chains = [], {}, {}
+    for producer in LANGUAGES:
+        start = LANGUAGES.index(producer) + 1
+        workers = [LANGUAGES[(start + n) % len(LANGUAGES)] for n in range(len(LANGUAGES) - 1)]
+        hops = [(matrix.queue("trace", worker), task_id(f"trace{n}", producer, worker))
+                for n, worker in enumerate(workers)]
+        trace_id = uuid.uuid4().hex
+        sent = {"traceparent": f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01",
+                "tracestate": f"mx={producer},vendor=first"}
+        (queue, first), *rest = hops
+        plan.append((producer, queue, {"task_id": first, "headers": sent,
+                                       "payload": {"then": chain_of(rest)}}))
+        expected.update({tid: worker for (_, tid), worker in zip(hops, workers, strict=True)})
+        chains[producer] = (sent, [tid for _, tid in hops])
+    matrix.publish(plan)
+    matrix.expect_effects(expected)
+    traces = matrix.records.traces(expected)
+    wrong = {}
+    for producer, (sent, tids) in chains.items():
+        first_trace_id = traces[tids[0]][0]["trace_id"] if traces[tids[0]] else None
+        want = {**sent, "trace_id": first_trace_id}
+        for tid in tids:
+            seen = [{name: record[name] for name in want} | {"language": record["language"]}
+                    for record in traces[tid]]
+            if seen != [{**want, "language": expected[tid]}]:
+                wrong[tid] = (producer, seen)
+        assert first_trace_id == sent["traceparent"].split("-")[1], (
+            f"{producer}: a task published with a traceparent and no trace_id takes the "
+            f"traceparent's trace id, got {first_trace_id}")
+    assert not wrong, f"task_id -> (first producer, trace headers delivered): {wrong}\n{chains}"
+    matrix.assert_drained(*(matrix.queue("trace", w) for w in LANGUAGES))
+
+
+def test_a_bad_then_is_dead_lettered_as_an_invalid_payload(matrix: Matrix) -> None:
+    """A ``then`` task without a queue: every handler refuses the payload, naming the field."""
+    plan, expected = [], {}
+    for worker in LANGUAGES:
+        tid = task_id("badthen", other(worker), worker)
+        plan.append((other(worker), matrix.queue("trace", worker),
+                     {"task_id": tid, "payload": {"then": [{"queue": "", "task_id": "x"}]}}))
+        expected[tid] = worker
+
+    def dead() -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for worker in LANGUAGES:
+            found.update(matrix.dead_entries(matrix.queue("trace", worker)))
+        return found
+
+    matrix.publish(plan)
+    wait_for(lambda: set(expected) <= set(dead()), timeout=SETTLE_S,
+             message=lambda: f"not dead-lettered: {set(expected) - set(dead())}\n{matrix.logs()}")
+    entries = {tid: entry["fields"] for tid, entry in dead().items() if tid in expected}
+    wrong = {tid: (fields.failure_class.value, fields.reason) for tid, fields in entries.items()
+             if (fields.failure_class.value, "payload.then" in fields.reason)
+             != ("invalid_payload", True)}
+    assert not wrong, f"task_id -> (failure_class, reason): {wrong}"
+    assert not any(matrix.records.effects(expected).values())
+    assert not matrix.client.exists(*(f"{matrix.prefix}:mx:attempts:{tid}" for tid in expected))
+    matrix.assert_drained(*(matrix.queue("trace", w) for w in LANGUAGES))
 
 
 def test_a_task_delayed_with_a_plus_0800_offset(matrix: Matrix) -> None:

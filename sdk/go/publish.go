@@ -116,8 +116,10 @@ func WithHeader(name, value string) PublishOption {
 
 // NewTask builds an Envelope for taskType with payload (a JSON object: a
 // []byte or json.RawMessage as it is, anything else through json.Marshal),
-// the trace id of ctx when it carries one (TraceIDFromContext, else the trace
-// id of its OpenTelemetry span context), then opts.
+// then opts. Unless WithTraceID sets it, its trace_id is the one ctx carries
+// (TraceIDFromContext), else the trace id of a traceparent header set by opts,
+// else that of ctx's OpenTelemetry span context, else a new one
+// (docs/protocol.md section 18).
 func NewTask(ctx context.Context, taskType string, payload any, opts ...PublishOption) (*Envelope, error) {
 	var body []byte
 	switch p := payload.(type) {
@@ -133,12 +135,15 @@ func NewTask(ctx context.Context, taskType string, payload any, opts ...PublishO
 		}
 	}
 	e := New(taskType, body)
-	if id := cmp.Or(TraceIDFromContext(ctx), traceIDOfSpan(ctx)); id != "" {
-		e.TraceID = id
-	}
+	fresh := e.TraceID
 	for _, opt := range opts {
 		if err := opt(e); err != nil {
 			return nil, err
+		}
+	}
+	if e.TraceID == fresh {
+		if id := cmp.Or(TraceIDFromContext(ctx), traceIDOfHeaders(e.Headers), traceIDOfSpan(ctx)); id != "" {
+			e.TraceID = id
 		}
 	}
 	return e, nil

@@ -107,7 +107,7 @@ func setHeaders(e *Envelope, headers map[string]string) {
 func runningTaskContext(ctx context.Context, e *Envelope) context.Context {
 	carrier := propagation.MapCarrier(e.Headers)
 	ctx = propagator().Extract(ctx, carrier)
-	if !trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), carrier)).IsValid() {
+	if traceIDOfHeaders(e.Headers) == "" {
 		return ctx
 	}
 	return context.WithValue(ctx, runningTraceKey{},
@@ -121,6 +121,11 @@ func startProcess(ctx context.Context, tp trace.TracerProvider, task *Task) (con
 		attribute.Int64("kombu_envelope.retry_count", task.RetryCount))
 	return tracerOf(tp).Start(ctx, "process "+task.Queue, trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(attrs...))
+}
+
+// traceIDOfHeaders is the trace id of a valid headers.traceparent, "" when none.
+func traceIDOfHeaders(headers map[string]string) string {
+	return traceIDOfSpan(propagation.TraceContext{}.Extract(context.Background(), propagation.MapCarrier(headers)))
 }
 
 // traceIDOfSpan is the trace id of the span context ctx carries, "" when none.

@@ -157,20 +157,28 @@ func TestTraceContextPassesThroughWithoutOpenTelemetry(t *testing.T) {
 	p, ran := tracedWorker(e, nil)
 	ctx := context.Background()
 
-	// A traceparent set by the caller (another language's producer) is kept, and
-	// a task published from its handler copies it and its tracestate unchanged.
+	// A traceparent set by the caller (another language's producer) is kept, gives
+	// the task its trace id as trace_id, and a task published from its handler
+	// copies it and its tracestate unchanged.
 	const traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 	const tracestate = "vendor=opaque, other=1" // kept as it is, blank included
 	parent, err := p.PublishTask(ctx, e.queue, "jobs.parent", nil, WithHeader(HeaderTraceparent, traceparent),
-		WithHeader(HeaderTracestate, tracestate), WithTraceID("4bf92f3577b34da6a3ce929d0e0e4736"))
+		WithHeader(HeaderTracestate, tracestate))
 	if err != nil {
 		t.Fatal(err)
+	}
+	if parent.TraceID != "4bf92f3577b34da6a3ce929d0e0e4736" {
+		t.Fatalf("published with a traceparent: %s", parent.JSON())
 	}
 	e.waitFor("the child to run", func() bool { return ran.get("jobs.child") != nil })
 	child := ran.get("jobs.child")
 	if child.Headers[HeaderTraceparent] != traceparent || child.Headers[HeaderTracestate] != tracestate ||
 		child.TraceID != parent.TraceID {
 		t.Fatalf("child %s", child.JSON())
+	}
+	own, err := NewTask(ctx, "jobs.child", nil, WithHeader(HeaderTraceparent, traceparent), WithTraceID("own"))
+	if err != nil || own.TraceID != "own" {
+		t.Fatalf("a trace_id of its own: %v %v", own, err)
 	}
 
 	// Published in a span context (remote, no SDK): its traceparent, and trace_id its trace id.

@@ -2,10 +2,15 @@
 
 ``matrix.task`` does what the Go, Node and Java peers' handler of the same name does
 (``tests/interop/go/matrix.go``): it records the attempt in
-``<prefix>:mx:attempts:<task_id>`` (``py:<retries>``); with ``hold_ms`` it records
-``<prefix>:mx:started:<task_id>`` and waits; it fails with :class:`MatrixFailure` while
-``fail`` is true or for the first ``fail_times`` attempts; otherwise it records its effect
-in ``<prefix>:mx:effect:<task_id>`` (``py:<unix ms>``) and returns ``{"language": "py"}``.
+``<prefix>:mx:attempts:<task_id>`` (``py:<retries>``) and the trace headers it came with in
+``<prefix>:mx:trace:<task_id>`` (the JSON ``{"language", "traceparent", "tracestate",
+"trace_id"}``); with ``hold_ms`` it records ``<prefix>:mx:started:<task_id>`` and waits; it
+fails with :class:`MatrixFailure` while ``fail`` is true or for the first ``fail_times``
+attempts; otherwise it records its effect in ``<prefix>:mx:effect:<task_id>``
+(``py:<unix ms>``), publishes each task of ``then`` (``{"queue", "task_id", "then"}``) as a
+``matrix.task`` whose payload's ``then`` is the nested one, with the app's ``send_task`` from
+inside the task (so it continues the running task's trace), and returns
+``{"language": "py"}``.
 
 Configured from the environment when loaded by a worker: ``TEST_BROKER_URL``
 (``envelope://...``), ``TEST_RESULT_BACKEND`` (``redis://...``, whose Redis also holds the
@@ -17,6 +22,7 @@ retries automatically only when its Envelope asks (``x-retry-policy: tiered``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from functools import cache
@@ -26,6 +32,8 @@ import redis
 from celery import Celery, Task
 
 import celery_ext  # noqa: F401  (envelope:// URLs, trace ids, the execution shell)
+from celery_ext.failures import InvalidPayload
+from kombu_envelope.trace_context import TRACE_HEADERS
 
 #: The retry delays of every matrix worker (the peers are started with the same).
 RETRY_POLICY = {"fast_retries": 2, "backoff_s": 0.2, "max_backoff_s": 1.0}
@@ -33,6 +41,22 @@ RETRY_POLICY = {"fast_retries": 2, "backoff_s": 0.2, "max_backoff_s": 1.0}
 
 class MatrixFailure(Exception):
     """The error of a matrix task asked to fail: not transient."""
+
+
+def next_tasks(value: Any, name: str = "then") -> list[dict[str, Any]]:
+    """The tasks of ``payload.then`` (``None``: none), each checked; else InvalidPayload."""
+    if value is None:
+        return []
+    rule = (f'payload.{name} must be a list of {{"queue": non-empty string, '
+            f'"task_id": non-empty string, "then": list}}')
+    if not isinstance(value, list):
+        raise InvalidPayload(rule)
+    for index, task in enumerate(value):
+        if not (isinstance(task, dict) and isinstance(task.get("queue"), str) and task["queue"]
+                and isinstance(task.get("task_id"), str) and task["task_id"]):
+            raise InvalidPayload(rule)
+        next_tasks(task.get("then"), f"{name}[{index}].then")
+    return value
 
 
 def create_app(broker_url: str | None = None, result_backend: str | None = None,
@@ -61,16 +85,23 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
     # Retries only when the Envelope asks (x-retry-policy: tiered), as in every language.
     @app.task(name="matrix.task", shared=False, bind=True, envelope_retry_policy=False)
     def matrix_task(self: Task, hold_ms: int = 0, fail_times: int = 0, fail: bool = False,
-                    **payload: Any) -> dict[str, str]:
+                    then: Any = None, **payload: Any) -> dict[str, str]:
         """The matrix handler (see the module's doc)."""
         task_id = self.request.id
+        chain = next_tasks(then)
         attempt = records().rpush(f"{prefix}:mx:attempts:{task_id}", f"py:{self.request.retries}")
+        seen = {"language": "py", "trace_id": getattr(self.request, "trace_id", None),
+                **{name: getattr(self.request, name, None) for name in TRACE_HEADERS}}
+        records().rpush(f"{prefix}:mx:trace:{task_id}", json.dumps(seen))
         if hold_ms:
             records().rpush(f"{prefix}:mx:started:{task_id}", "py")
             time.sleep(hold_ms / 1000)
         if fail or attempt <= fail_times:
             raise MatrixFailure(f"matrix.task failed attempt {attempt}")
         records().rpush(f"{prefix}:mx:effect:{task_id}", f"py:{int(time.time() * 1000)}")
+        for task in chain:
+            app.send_task("matrix.task", kwargs={"then": task.get("then") or []},
+                          queue=task["queue"], task_id=task["task_id"])
         return {"language": "py"}
 
     return app

@@ -160,7 +160,8 @@ class CeleryPeer:
     """The Python producer side: a Celery app on ``envelope://`` in this process.
 
     ``publish`` is Celery's ``send_task`` (``eta`` for ``schedule_time``, ``expires``, the
-    headers ``max_retries``, ``idempotency_key`` and ``x-retry-policy``); ``cancel`` is
+    task's ``headers`` and the headers ``max_retries``, ``idempotency_key`` and
+    ``x-retry-policy``); ``cancel`` is
     Celery's ``revoke()``, which answers no outcome (``None``); ``replay`` is
     :class:`kombu_envelope.store.dead_letters.DeadLetters`. Answers are computed when sent.
     """
@@ -193,7 +194,7 @@ class CeleryPeer:
         return self._answers.pop(0)
 
     def _send_task(self, queue_name: str, task: Mapping[str, Any]) -> str:
-        headers: dict[str, Any] = {}
+        headers: dict[str, Any] = dict(task.get("headers") or {})
         if "max_retries" in task:
             headers["max_retries"] = task["max_retries"]
         if task.get("idempotency_key"):
@@ -213,8 +214,9 @@ class Records:
     """What the ``matrix.task`` handlers recorded, per task id, in ``<prefix>:mx:*`` lists.
 
     ``effect`` holds ``<language>:<unix ms>`` per effect, ``attempts``
-    ``<language>:<retry_count>`` per attempt and ``started`` ``<language>`` per attempt
-    that held (``hold_ms``).
+    ``<language>:<retry_count>`` per attempt, ``started`` ``<language>`` per attempt
+    that held (``hold_ms``) and ``trace`` the JSON ``{"language", "traceparent",
+    "tracestate", "trace_id"}`` of the headers each attempt came with.
     """
 
     def __init__(self, client: redis.Redis, prefix: str) -> None:
@@ -228,6 +230,11 @@ class Records:
             pipe.lrange(f"{self.prefix}:mx:{what}:{task_id}", 0, -1)
         return {task_id: [item.decode() for item in items]
                 for task_id, items in zip(ids, pipe.execute(), strict=True)}
+
+    def traces(self, task_ids: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+        """task_id -> the trace headers of each attempt, in order."""
+        return {task_id: [json.loads(item) for item in items]
+                for task_id, items in self.read("trace", task_ids).items()}
 
     def effects(self, task_ids: Iterable[str]) -> dict[str, list[str]]:
         """task_id -> the language of each effect, in order."""

@@ -10,7 +10,8 @@ package main
 //	{"id": 4, "op": "cancel", "task_ids": [...]}                   -> {"id": 4, "ok": true, "outcomes": [{"outcome", "queue"}, ...]}
 //
 // TASK is {"task_id", "task_type", "payload", "schedule_time", "expires",
-// "max_retries" (absent: 3, null: unlimited), "retry_policy", "idempotency_key"}.
+// "max_retries" (absent: 3, null: unlimited), "retry_policy", "idempotency_key",
+// "headers" (string values, e.g. traceparent and tracestate)}.
 // A failed command answers {"id": N, "ok": false, "error": "..."}; the process
 // ends when stdin closes or on SIGTERM. Workers write the results Celery callers
 // ask for to the Redis of --results.
@@ -37,14 +38,15 @@ import (
 
 // matrixTask is one task of a publish command.
 type matrixTask struct {
-	TaskID         string          `json:"task_id"`
-	TaskType       string          `json:"task_type"`
-	Payload        json.RawMessage `json:"payload"`
-	ScheduleTime   string          `json:"schedule_time"`
-	Expires        string          `json:"expires"`
-	MaxRetries     json.RawMessage `json:"max_retries"` // empty: absent; "null": unlimited
-	RetryPolicy    string          `json:"retry_policy"`
-	IdempotencyKey string          `json:"idempotency_key"`
+	TaskID         string            `json:"task_id"`
+	TaskType       string            `json:"task_type"`
+	Payload        json.RawMessage   `json:"payload"`
+	ScheduleTime   string            `json:"schedule_time"`
+	Expires        string            `json:"expires"`
+	MaxRetries     json.RawMessage   `json:"max_retries"` // empty: absent; "null": unlimited
+	RetryPolicy    string            `json:"retry_policy"`
+	IdempotencyKey string            `json:"idempotency_key"`
+	Headers        map[string]string `json:"headers"`
 }
 
 // matrixCommand is one line of stdin.
@@ -198,7 +200,15 @@ func (t matrixTask) envelope() (*envelope.Envelope, error) {
 	if err != nil || body.Kind != envelope.Object {
 		return nil, fmt.Errorf("payload must be a JSON object: %v", err)
 	}
-	e := envelope.New(t.TaskType, envelope.AppendCanonical(nil, body))
+	// The headers first: a caller's traceparent gives the task its trace_id.
+	headers := make([]envelope.PublishOption, 0, len(t.Headers))
+	for name, value := range t.Headers {
+		headers = append(headers, envelope.WithHeader(name, value))
+	}
+	e, err := envelope.NewTask(context.Background(), t.TaskType, envelope.AppendCanonical(nil, body), headers...)
+	if err != nil {
+		return nil, err
+	}
 	if t.TaskID != "" {
 		e.TaskID = t.TaskID
 	}
@@ -272,7 +282,7 @@ func (m *matrixPeer) consume(queue string) error {
 	if err != nil {
 		return err
 	}
-	w.HandleResult("matrix.task", matrixHandler(m.client, m.prefix))
+	w.HandleResult("matrix.task", matrixHandler(m.client, m.prefix, m.producer))
 	m.workers.Add(1)
 	go func() {
 		defer m.workers.Done()
@@ -291,26 +301,79 @@ func (e *MatrixFailure) Error() string {
 }
 func (e *MatrixFailure) ExceptionType() string { return "MatrixFailure" }
 
+// matrixNext is one task of a payload's "then": published after the effect.
+type matrixNext struct {
+	Queue  string       `json:"queue"`
+	TaskID string       `json:"task_id"`
+	Then   []matrixNext `json:"then"`
+}
+
+// checkNext checks each task of then (named name), and of the "then"s nested in it.
+func checkNext(then []matrixNext, name string) error {
+	for i, next := range then {
+		if next.Queue == "" || next.TaskID == "" {
+			return fmt.Errorf(`payload.%s must be a list of {"queue": non-empty string, `+
+				`"task_id": non-empty string, "then": list}`, name)
+		}
+		if err := checkNext(next.Then, fmt.Sprintf("%s[%d].then", name, i)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// matrixTrace is what a record of <prefix>:mx:trace:<task_id> holds.
+type matrixTrace struct {
+	Language    string  `json:"language"`
+	Traceparent *string `json:"traceparent"`
+	Tracestate  *string `json:"tracestate"`
+	TraceID     string  `json:"trace_id"`
+}
+
+// header is the value of a header, nil when the Envelope has none.
+func header(t *envelope.Task, name string) *string {
+	if value, ok := t.Headers[name]; ok {
+		return &value
+	}
+	return nil
+}
+
 // matrixHandler is matrix.task, the same in every language (tests/apps/matrix_app.py):
-// it records the attempt in <prefix>:mx:attempts:<task_id> ("go:<retry_count>"),
-// with hold_ms records <prefix>:mx:started:<task_id> and waits, fails while
-// "fail" is true or for the first fail_times attempts, and otherwise records its
-// effect in <prefix>:mx:effect:<task_id> ("go:<unix ms>") and returns
-// {"language": "go"}.
-func matrixHandler(client *redis.Client, prefix string) envelope.ResultHandlerFunc {
+// it records the attempt in <prefix>:mx:attempts:<task_id> ("go:<retry_count>")
+// and the trace headers it came with in <prefix>:mx:trace:<task_id> (JSON
+// {"language", "traceparent", "tracestate", "trace_id"}), with hold_ms records
+// <prefix>:mx:started:<task_id> and waits, fails while "fail" is true or for
+// the first fail_times attempts, and otherwise records its effect in
+// <prefix>:mx:effect:<task_id> ("go:<unix ms>"), publishes each task of "then"
+// ({"queue", "task_id", "then"}) as a matrix.task whose payload's "then" is the
+// nested one, with producer and the handler's ctx (so it continues the trace),
+// and returns {"language": "go"}.
+func matrixHandler(client *redis.Client, prefix string, producer *envelope.Producer) envelope.ResultHandlerFunc {
 	return func(ctx context.Context, t *envelope.Task) (any, error) {
 		var p struct {
-			HoldMS    int64 `json:"hold_ms"`
-			FailTimes int64 `json:"fail_times"`
-			Fail      bool  `json:"fail"`
+			HoldMS    int64        `json:"hold_ms"`
+			FailTimes int64        `json:"fail_times"`
+			Fail      bool         `json:"fail"`
+			Then      []matrixNext `json:"then"`
 		}
 		if err := t.DecodePayload(&p); err != nil {
+			return nil, envelope.InvalidPayload(err)
+		}
+		if err := checkNext(p.Then, "then"); err != nil {
 			return nil, envelope.InvalidPayload(err)
 		}
 		key := func(what string) string { return prefix + ":mx:" + what + ":" + t.TaskID }
 		attempt, err := client.RPush(ctx, key("attempts"),
 			fmt.Sprintf("%s:%d", envelope.Language, t.RetryCount)).Result()
 		if err != nil {
+			return nil, envelope.Transient(err)
+		}
+		seen, err := json.Marshal(matrixTrace{Language: envelope.Language, TraceID: t.TraceID,
+			Traceparent: header(t, envelope.HeaderTraceparent), Tracestate: header(t, envelope.HeaderTracestate)})
+		if err != nil {
+			return nil, err
+		}
+		if err := client.RPush(ctx, key("trace"), seen).Err(); err != nil {
 			return nil, envelope.Transient(err)
 		}
 		if p.HoldMS > 0 {
@@ -329,6 +392,17 @@ func matrixHandler(client *redis.Client, prefix string) envelope.ResultHandlerFu
 		effect := fmt.Sprintf("%s:%d", envelope.Language, time.Now().UnixMilli())
 		if err := client.RPush(ctx, key("effect"), effect).Err(); err != nil {
 			return nil, envelope.Transient(err)
+		}
+		for _, next := range p.Then {
+			then := next.Then
+			if then == nil {
+				then = []matrixNext{}
+			}
+			_, err := producer.PublishTask(ctx, next.Queue, "matrix.task",
+				map[string]any{"then": then}, envelope.WithTaskID(next.TaskID))
+			if err != nil {
+				return nil, err
+			}
 		}
 		return map[string]string{"language": envelope.Language}, nil
 	}

@@ -1,11 +1,16 @@
 // matrix.task, the handler every language of the cross-language matrix runs alike
 // (tests/interop/go/matrix.go, tests/apps/matrix_app.py, the Java peer):
 //
-//   * records the attempt: RPUSH <prefix>:mx:attempts:<task_id> "node:<retry_count>";
+//   * records the attempt: RPUSH <prefix>:mx:attempts:<task_id> "node:<retry_count>", and
+//     the trace headers it came with: RPUSH <prefix>:mx:trace:<task_id> of the JSON
+//     {"language", "traceparent", "tracestate", "trace_id"};
 //   * with payload.hold_ms, records RPUSH <prefix>:mx:started:<task_id> "node" and waits;
 //   * fails (MatrixFailure, not transient) while payload.fail is true, or for the first
 //     payload.fail_times attempts;
-//   * otherwise records its effect: RPUSH <prefix>:mx:effect:<task_id> "node:<unix ms>".
+//   * otherwise records its effect: RPUSH <prefix>:mx:effect:<task_id> "node:<unix ms>",
+//     then publishes each task of payload.then ({queue, task_id, then}) as a matrix.task
+//     whose payload's then is the nested one, with the peer's producer from inside the
+//     handler (so it continues the running task's trace).
 
 import { setTimeout as sleep } from 'node:timers/promises';
 import { InvalidPayloadError } from 'kombu-envelope';
@@ -25,19 +30,42 @@ const count = (value, name) => {
   return Number(value);
 };
 
-/** Register matrix.task on `worker`. */
-export function registerMatrixHandler(worker) {
+/** The tasks of payload.then: [{ queue, task_id, then }], each checked. */
+function nextTasks(value, name = 'then') {
+  if (value === undefined || value === null) return [];
+  const rule = `payload.${name} must be a list of {"queue": non-empty string, "task_id": non-empty string, "then": list}`;
+  if (!Array.isArray(value)) throw new InvalidPayloadError(rule);
+  return value.map((next, i) => {
+    if (next === null || typeof next !== 'object' || typeof next.queue !== 'string' || !next.queue
+      || typeof next.task_id !== 'string' || !next.task_id) {
+      throw new InvalidPayloadError(rule);
+    }
+    nextTasks(next.then, `${name}[${i}].then`);
+    return next;
+  });
+}
+
+/** Register matrix.task on `worker`; it publishes the tasks of payload.then with `producer`. */
+export function registerMatrixHandler(worker, producer) {
   worker.register('matrix.task', async (payload, ctx) => {
     const holdMs = count(payload.hold_ms, 'hold_ms');
     const failTimes = count(payload.fail_times, 'fail_times');
+    const then = nextTasks(payload.then);
     const key = (what) => `${ctx.keys.prefix}:mx:${what}:${ctx.taskId}`;
     const attempt = await ctx.redis.rpush(key('attempts'), `node:${ctx.attempt}`);
+    const headers = ctx.envelope.headers ?? {};
+    await ctx.redis.rpush(key('trace'), JSON.stringify({
+      language: 'node', traceparent: headers.traceparent ?? null, tracestate: headers.tracestate ?? null, trace_id: ctx.traceId,
+    }));
     if (holdMs > 0) {
       await ctx.redis.rpush(key('started'), 'node');
       await sleep(holdMs, undefined, { signal: ctx.signal });
     }
     if (payload.fail === true || attempt <= failTimes) throw new MatrixFailure(`matrix.task failed attempt ${attempt}`);
     await ctx.redis.rpush(key('effect'), `node:${Date.now()}`);
+    for (const next of then) {
+      await producer.publish(next.queue, { task_type: 'matrix.task', task_id: next.task_id, payload: { then: next.then ?? [] } });
+    }
     return { language: 'node' };
   });
   return worker;

@@ -13,7 +13,8 @@
 //   {"id": 4, "op": "cancel", "task_ids": [...]}                      -> {"id": 4, "ok": true, "outcomes": [{outcome, queue}, ...]}
 //
 // TASK is {task_id, task_type, payload, schedule_time, expires, max_retries (absent: 3,
-// null: unlimited), retry_policy, idempotency_key}. A failed command answers
+// null: unlimited), retry_policy, idempotency_key, headers (string values, e.g.
+// traceparent and tracestate)}. A failed command answers
 // {"id": N, "ok": false, "error": "..."}. The process ends when stdin closes or on SIGTERM.
 // Workers write the results Celery callers ask for to the Redis of --results (default --redis).
 
@@ -41,7 +42,9 @@ function fieldsOf(task) {
     if (task[name] !== undefined) fields[name] = task[name];
   }
   if (Object.hasOwn(task, 'max_retries')) fields.max_retries = task.max_retries;
-  if (task.retry_policy !== undefined) fields.headers = { [RETRY_POLICY_HEADER]: task.retry_policy };
+  if (task.headers !== undefined || task.retry_policy !== undefined) {
+    fields.headers = { ...task.headers, ...(task.retry_policy !== undefined ? { [RETRY_POLICY_HEADER]: task.retry_policy } : {}) };
+  }
   return fields;
 }
 
@@ -62,7 +65,7 @@ class MatrixPeer {
       backoffMs: 200, maxBackoffMs: 1000, deferMs: 300, promoter: this.workers.length === 0,
       resultBackend: this.args.results ?? this.args.redis, logger: this.log,
     });
-    registerMatrixHandler(worker);
+    registerMatrixHandler(worker, this.producer);
     this.workers.push(worker);
     worker.start().catch((err) => this.log.error('worker stopped', { queue, err }));
   }

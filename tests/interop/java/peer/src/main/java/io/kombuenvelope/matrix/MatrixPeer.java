@@ -33,9 +33,10 @@ import java.util.List;
  * </pre>
  *
  * TASK is {task_id, task_type, payload, schedule_time, expires, max_retries (absent: 3, null:
- * unlimited), retry_policy, idempotency_key}. A failed command answers {"id": N, "ok": false,
- * "error": "..."}. The process ends when stdin closes. Workers write the results Celery callers ask
- * for to the Redis of {@code --results} (default {@code --redis}).
+ * unlimited), retry_policy, idempotency_key, headers (string values, e.g. traceparent and
+ * tracestate)}. A failed command answers {"id": N, "ok": false, "error": "..."}. The process ends
+ * when stdin closes. Workers write the results Celery callers ask for to the Redis of
+ * {@code --results} (default {@code --redis}).
  *
  * <pre>java -cp ... io.kombuenvelope.matrix.MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]</pre>
  */
@@ -102,7 +103,7 @@ public final class MatrixPeer implements AutoCloseable {
                 .retryPolicy(new RetryPolicy(2, Duration.ofMillis(200), Duration.ofMillis(1000)))
                 .runPromoter(workers.isEmpty())
                 .resultBackend(results)
-                .resultHandler(MatrixHandler.TASK_TYPE, new MatrixHandler(connection.sync(), prefix))
+                .resultHandler(MatrixHandler.TASK_TYPE, new MatrixHandler(connection.sync(), prefix, producer))
                 .build().start());
     }
 
@@ -165,6 +166,7 @@ public final class MatrixPeer implements AutoCloseable {
         if (task.has("max_retries")) {
             b.maxRetries(task.get("max_retries").isNull() ? null : task.get("max_retries").asLong());
         }
+        task.path("headers").fields().forEachRemaining(h -> b.header(h.getKey(), h.getValue().asText()));
         if (task.hasNonNull("retry_policy")) {
             b.header("x-retry-policy", task.get("retry_policy").asText());
         }
