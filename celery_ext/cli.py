@@ -1,4 +1,5 @@
-"""``celery envelope ...``: operate the scheduler, delayed tasks, dead letters and schemas.
+"""``celery envelope ...``: operate the scheduler, the outbox relay, delayed tasks, dead
+letters and schemas.
 
 Registered through the ``celery.commands`` entry point, so every command runs
 as ``celery -A proj envelope <command>`` against the app's broker. Output is a
@@ -8,6 +9,7 @@ human-readable table; ``--json`` prints JSON instead.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from datetime import datetime
@@ -16,14 +18,17 @@ from typing import Any
 import click
 
 from celery_ext.broker import broker_redis, broker_settings
+from celery_ext.outbox import DB_SETTING
 from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.cli_output import echo_table
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
 from kombu_envelope.errors import EnvelopeError
+from kombu_envelope.outbox.options import DB_URL_ENV, DEFAULT_BATCH, DEFAULT_IDLE_S
 from kombu_envelope.schemas_cli import schema_commands
 from kombu_envelope.store.dead_letters import DeadLetterFilter, DeadLetters, ReplayEdit
 from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTasks
 from kombu_envelope.store.promoter import Promoter
+from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.schemas import PayloadSchemas
 
 
@@ -111,6 +116,36 @@ def dispatcher(ctx: click.Context, options: tuple[str, ...]) -> None:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     serve(broker_redis(app, settings), settings, config)
+
+
+@envelope.command("outbox-relay")
+@click.option("--db", default=None, help="SQLAlchemy database URL of the outbox "
+              "(default: the app's envelope_outbox_db, else $ENVELOPE_OUTBOX_DB).")
+@click.option("--batch", default=DEFAULT_BATCH, show_default=True,
+              type=click.IntRange(min=1), help="Rows relayed per transaction.")
+@click.option("--idle", default=DEFAULT_IDLE_S, show_default=True,
+              help="Seconds between two looks at an empty outbox.")
+@click.pass_context
+def outbox_relay(ctx: click.Context, db: str | None, batch: int, idle: float) -> None:
+    """Relay committed outbox rows to the app's broker (needs the ``outbox`` extra).
+
+    Any number may run against one PostgreSQL outbox; on SQLite they take turns.
+    Stops on SIGINT (Ctrl-C) or SIGTERM after the batch in progress.
+    """
+    from kombu_envelope.outbox.__main__ import stop_on_signals
+    from kombu_envelope.outbox.relay import Relay, outbox_engine
+
+    app = _app(ctx)
+    url = db or app.conf.get(DB_SETTING) or os.environ.get(DB_URL_ENV)
+    if not url:
+        raise click.UsageError(f"give --db, the {DB_SETTING} setting or ${DB_URL_ENV}")
+    settings = broker_settings(app)
+    relay = Relay(outbox_engine(url), Publisher(broker_redis(app, settings), settings),
+                  batch=batch, idle_s=idle)
+    stop = stop_on_signals()
+    click.echo(f"relaying the outbox (prefix {settings.key_prefix}); Ctrl-C to stop")
+    relay.run(stop)
+    click.echo("outbox relay stopped")
 
 
 # ------------------------------------------------------------------ delayed

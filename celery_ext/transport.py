@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery import current_app
 from celery.worker import state
 
+from celery_ext.outbox import outbox_sink
 from celery_ext.protocol import CeleryAdapter
 from celery_ext.readiness import announced_concurrency, announced_tasks
 from celery_ext.revoke import RevokingChannel
 from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
+from kombu_envelope.outbox.context import OutboxSink
 
 
 class Transport(EnvelopeTransport):
@@ -37,3 +40,8 @@ class Transport(EnvelopeTransport):
     def concurrency(self) -> int | None:
         """The worker's pool concurrency."""
         return announced_concurrency()
+
+    def outbox_sink(self) -> OutboxSink | None:
+        """An explicit ``divert_to``'s sink, else the outbox of the current app's
+        ``envelope_outbox`` setting when in a transaction (:mod:`celery_ext.outbox`)."""
+        return super().outbox_sink() or outbox_sink(current_app, self.settings)

@@ -2,8 +2,9 @@
 
 Publishing: the message adapter decides whether a message is a task. Tasks
 are validated, encoded as Envelopes and added to the queue's priority stream
-(or its delayed set when ``schedule_time`` is ahead); other messages go to
-the queue's ``kombu`` stream. Exchange bindings live in Redis, so routing
+(or its delayed set when ``schedule_time`` is ahead), or written to the
+transactional outbox when one is in use (:mod:`kombu_envelope.outbox`); other
+messages go to the queue's ``kombu`` stream. Exchange bindings live in Redis, so routing
 agrees across processes.
 
 Consuming: one consumer group per stream, shared by every worker of every
@@ -54,6 +55,7 @@ from kombu_envelope.store.cluster import CLUSTER_REDIRECTS, forget_slot_owner
 from kombu_envelope.store.outages import is_outage, retries_seen
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
+from kombu_envelope.store.replacing import pending_replaced_by
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.scripts import script
 
@@ -177,6 +179,10 @@ class Channel(virtual.Channel):
         envelope = self.adapter.to_envelope(message, body, self.settings.limits)
         if envelope is None:
             self._put_kombu(queue, message)
+            return
+        sink = self.connection.outbox_sink()
+        if sink is not None and pending_replaced_by(queue, envelope) is None:
+            sink.write(queue, envelope)  # the next attempt of a running task is never diverted
         else:
             self.publisher.publish(queue, envelope)
 

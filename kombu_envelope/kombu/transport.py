@@ -74,6 +74,7 @@ from kombu_envelope.errors import CELERY_FIX, CeleryExtensionMissing
 from kombu_envelope.kombu.adapter import MessageAdapter
 from kombu_envelope.kombu.channel import Channel
 from kombu_envelope.kombu.readers import QueueReader
+from kombu_envelope.outbox.context import OutboxSink, current_sink
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.client import AnyRedis, RedisEndpoint, close_client, new_client
 from kombu_envelope.store.cluster import CLUSTER_REDIRECTS
@@ -270,6 +271,12 @@ class Transport(virtual.Transport):
     def concurrency(self) -> int | None:
         """How many tasks this process runs at once, when known (None here)."""
         return None
+
+    def outbox_sink(self) -> OutboxSink | None:
+        """Where a task published now goes instead of Redis: the enclosing
+        :func:`~kombu_envelope.outbox.context.divert_to`'s sink, if any (Celery's
+        transport also follows the ``envelope_outbox`` setting)."""
+        return current_sink()
 
     def queue_of_stream(self, stream: str) -> str:
         """The queue a stream key belongs to (the hash tag between the braces)."""
