@@ -263,3 +263,24 @@ def test_an_asyncio_session_writes_in_its_transaction(
     assert relay.relay_batch() == 1
     engine.dispose()
     assert stream_task_ids(redis_client, settings) == {committed.task_id: 1}
+
+
+def test_celery_delay_inside_the_block_writes_the_outbox(
+        engine: Engine, relay: Relay, redis_url: str, redis_client: redis.Redis,
+        settings: Settings, key_prefix: str) -> None:
+    from tests.support.celery_outbox import outbox_app
+
+    with outbox_app(redis_url, key_prefix, "sqlalchemy") as (_, placed):
+        from celery_ext.outbox import outbox
+
+        with Session(engine) as session, session.begin(), outbox(session):
+            inside = placed.delay(1)
+        with pytest.raises(RuntimeError), Session(engine) as session, session.begin(), \
+                outbox(session):
+            placed.delay(2)
+            raise RuntimeError("the request failed")
+        outside = placed.delay(3)  # no outbox block: published as usual
+        assert stream_task_ids(redis_client, settings) == {outside.id: 1}
+        assert relay.relay_batch() == 1
+    ids = stream_task_ids(redis_client, settings)
+    assert ids == {outside.id: 1, inside.id: 1}
