@@ -54,7 +54,7 @@ def outbox(session: Any) -> Iterator[None]:
 
 def outbox_mode(app: Any) -> str | None:
     """The app's ``envelope_outbox`` setting, checked."""
-    mode = app.conf.get(SETTING)
+    mode: str | None = app.conf.get(SETTING)
     if mode is not None and mode not in MODES:
         raise ValueError(f"{SETTING} = {mode!r}: must be one of {', '.join(map(repr, MODES))} "
                          "or None")

@@ -23,6 +23,7 @@ from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
+from celery_ext.outbox import outbox
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import Envelope
 from kombu_envelope.errors import InvalidEnvelope
@@ -31,6 +32,8 @@ from kombu_envelope.outbox import OutboxWriter, Relay, divert_to, outbox_engine
 from kombu_envelope.outbox.table import metadata, outbox_table
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.publisher import Publisher
+from tests.support.celery_outbox import outbox_app  # imports celery_ext before any envelope://
+from tests.support.envelope_streams import connect
 from tests.support.postgres import PrivatePostgres
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,8 +159,6 @@ def test_a_row_that_breaks_a_schema_since_is_dead_lettered(
 def test_tasks_published_through_the_channel_are_diverted(
         engine: Engine, relay: Relay, redis_url: str, redis_client: redis.Redis,
         settings: Settings, key_prefix: str) -> None:
-    from tests.support.envelope_streams import connect
-
     with connect(redis_url, key_prefix) as conn:
         producer = conn.Producer()
         with Session(engine) as session, session.begin(), \
@@ -268,11 +269,7 @@ def test_an_asyncio_session_writes_in_its_transaction(
 def test_celery_delay_inside_the_block_writes_the_outbox(
         engine: Engine, relay: Relay, redis_url: str, redis_client: redis.Redis,
         settings: Settings, key_prefix: str) -> None:
-    from tests.support.celery_outbox import outbox_app
-
     with outbox_app(redis_url, key_prefix, "sqlalchemy") as (_, placed):
-        from celery_ext.outbox import outbox
-
         with Session(engine) as session, session.begin(), outbox(session):
             inside = placed.delay(1)
         with pytest.raises(RuntimeError), Session(engine) as session, session.begin(), \

@@ -23,6 +23,7 @@ from kombu_envelope.keys import BUCKETS_BY_URGENCY
 from kombu_envelope.outbox import Relay, outbox_engine
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.publisher import Publisher
+from tests.support.celery_outbox import outbox_app
 
 QUEUE = "outbox"
 
@@ -86,8 +87,6 @@ def test_atomic_commits_and_rollbacks(relay: Relay, redis_client: redis.Redis,
 def test_celery_delay_inside_atomic_writes_the_outbox(
         relay: Relay, redis_url: str, redis_client: redis.Redis, settings: Settings,
         key_prefix: str) -> None:
-    from tests.support.celery_outbox import outbox_app
-
     with outbox_app(redis_url, key_prefix, "django") as (_, placed):
         with transaction.atomic():
             inside = placed.delay(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, Integer, MetaData, String, Text
+from sqlalchemy import BigInteger, DateTime, Integer, MetaData, String, Table, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from kombu_envelope.outbox.rows import (
@@ -49,4 +49,4 @@ class OutboxRow(OutboxBase):
 #: The metadata holding the outbox table.
 metadata: MetaData = OutboxBase.metadata
 #: The outbox table itself.
-outbox_table = OutboxRow.__table__
+outbox_table: Table = metadata.tables[TABLE_NAME]
