@@ -87,20 +87,35 @@ export function failFastOnTls(client) {
 
 /**
  * A socket whose TLS handshake failed may report a second error (the peer's
- * alert) after ioredis stopped listening to it: ignore it on `connection`'s
- * current socket rather than let it be an uncaught exception.
+ * alert) after ioredis, which listens with `once`, stopped listening to it:
+ * give `connection`'s sockets a listener of their own, so that such an error is
+ * dropped rather than an uncaught exception (ioredis still hears the first one).
+ * Sockets opened from now on get it when they are opened; the one open already
+ * (a client connects as it is made) when it reports a TLS failure.
  */
 function ignoreLateSocketErrors(connection) {
+  const connector = connection.connector;
+  if (typeof connector?.connect === 'function' && !quieted.has(connector)) {
+    quieted.add(connector);
+    const connect = connector.connect.bind(connector);
+    connector.connect = (...args) => Promise.resolve(connect(...args)).then((stream) => {
+      quiet(stream);
+      return stream;
+    });
+  }
   connection.on('error', (err) => {
-    const socket = connection.stream;
-    if (!tlsFailureOf(err) || !socket || quieted.has(socket)) return;
-    quieted.add(socket);
-    socket.on('error', () => {});
+    if (tlsFailureOf(err)) quiet(connection.stream);
   });
 }
 
-/** The sockets ignoreLateSocketErrors() already listens to. */
+/** Connectors and sockets ignoreLateSocketErrors() already looks after. */
 const quieted = new WeakSet();
+
+function quiet(stream) {
+  if (!stream || typeof stream.on !== 'function' || quieted.has(stream)) return;
+  quieted.add(stream);
+  stream.on('error', () => {});
+}
 
 /**
  * ioredis asks the sentinels, and a Cluster node for its slots, through
@@ -125,6 +140,8 @@ function reportInnerTlsFailures(client) {
   }
   if (client.isCluster) {
     client.on('+node', (node) => {
+      // A Cluster has no socket of its own: each node's connection has.
+      ignoreLateSocketErrors(node);
       const duplicate = node.duplicate.bind(node);
       node.duplicate = (...args) => report(duplicate(...args));
     });
