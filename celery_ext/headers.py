@@ -13,6 +13,7 @@ language changed the field, the field wins and the header is rebuilt from it.
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -34,10 +35,25 @@ def is_envelope_header(name: Any, value: Any) -> bool:
     That is a header with a string value named ``x-*`` or ``traceparent``,
     ``tracestate`` or ``baggage`` (names compared case-insensitively).
     """
-    if not isinstance(name, str) or not isinstance(value, str):
-        return False
+    if not isinstance(name, str) or name in CELERY_HEADERS or not isinstance(value, str):
+        return False  # Celery's own names first: most headers of a task message
     lowered = name.lower()
     return lowered.startswith("x-") or lowered in W3C_HEADERS
+
+
+def split_headers(headers: Mapping[Any, Any], fields: Container[Any]
+                  ) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """``(kept, envelope)``: the headers of a task message that go to ``ext.celery.headers``
+    (all but the Envelope headers and ``fields``, the headers that become Envelope
+    fields) and its Envelope headers (see :func:`is_envelope_header`), in one pass."""
+    kept: dict[Any, Any] = {}
+    envelope: dict[Any, Any] = {}
+    for name, value in headers.items():
+        if is_envelope_header(name, value):
+            envelope[name] = value
+        elif name not in fields:
+            kept[name] = value
+    return kept, envelope
 
 
 def celery_headers_of(envelope_headers: dict[str, str]) -> dict[str, str]:

@@ -85,7 +85,7 @@ from kombu.serialization import registry
 from celery_ext.arguments import bind, unbind
 from celery_ext.headers import (
     celery_headers_of,
-    is_envelope_header,
+    split_headers,
     time_header,
     time_of,
     timelimit_header,
@@ -114,7 +114,7 @@ DEFAULT_PAYLOAD_VERSIONS = (1,)
 MAX_RETRIES_HEADER = "max_retries"
 
 # Headers that become Envelope fields and are not kept in ext.celery.headers.
-_FIELD_HEADERS = ("task", "id", "retries", "trace_id", "expires")
+_FIELD_HEADERS = frozenset({"task", "id", "retries", "trace_id", "expires"})
 # Properties the transport sets on every message: not part of the task.
 _TRANSPORT_PROPERTIES = frozenset({"delivery_info", "delivery_tag", "body_encoding",
                                    "priority", UNSET_PRIORITY_PROPERTY})
@@ -226,8 +226,7 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     app = current_app._get_current_object()
     bound = bind(getattr(task, "run", None), args, kwargs)
 
-    kept = {k: v for k, v in headers.items()
-            if k not in _FIELD_HEADERS and not is_envelope_header(k, v)}
+    kept, envelope_headers = split_headers(headers, _FIELD_HEADERS)
     properties = message.get("properties") or {}
     celery_priority = (None if properties.get(UNSET_PRIORITY_PROPERTY)
                        else properties.get("priority"))
@@ -265,7 +264,7 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         "retry_count": retries,
         "priority": to_envelope_priority(celery_priority),
         "idempotency_key": headers.get("idempotency_key"),
-        "headers": {k: v for k, v in headers.items() if is_envelope_header(k, v)},
+        "headers": envelope_headers,
         "ext": {EXT_NAMESPACE: ext},
     }
     if "trace_id" in headers:
