@@ -61,6 +61,7 @@ class Batch:
         self._cluster = isinstance(client, RedisCluster)
         self._pipe = client.pipeline(transaction=False)
         self._calls: dict[int, tuple[str, list[Any], list[Any]]] = {}
+        self._shas: dict[str, str] = {}  # by script name: looked up once per batch
         self._size = 0
         #: Commands a Cluster gets before the pipeline; on one Redis, how many of the
         #: pipeline's first commands are first() steps.
@@ -97,7 +98,9 @@ class Batch:
 
     def script(self, name: str, keys: list[Any], args: list[Any]) -> Batch:
         """Queue a call of script ``name`` (``kombu_envelope/lua/<name>.lua``)."""
-        sha = script(self.client, name).sha
+        sha = self._shas.get(name)
+        if sha is None:
+            sha = self._shas[name] = script(self.client, name).sha
         options = {}
         if self._cluster and keys:
             # Named here, the node is not asked (COMMAND GETKEYS, a round trip per call)
