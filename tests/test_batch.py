@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
 import redis
 
+from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import PRIORITY_DEFAULT, Envelope, utcnow
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
@@ -61,3 +63,13 @@ def test_a_redis_that_lost_its_scripts_gets_them_again() -> None:
         assert [entry_id for entry_id, _ in client.xrange(stream)][2:] == [
             entry_id.encode() for entry_id in ids if entry_id]
         client.close()
+
+
+def test_small_and_large_bodies_of_one_batch_arrive_whole(
+        redis_client: redis.Redis, key_prefix: str) -> None:
+    settings = Settings(key_prefix=key_prefix, gzip_min_bytes=None)
+    envelopes = [Envelope.new(task_type="order.close", payload={"blob": os.urandom(n).hex()})
+                 for n in (10, 70_000, 10, 40_000, 40_000, 10)]
+    Publisher(redis_client, settings).publish_many([("q", envelope) for envelope in envelopes])
+    stream = settings.keys.queue("q").stream(bucket_for(PRIORITY_DEFAULT))
+    assert [decode_entry(fields) for _, fields in redis_client.xrange(stream)] == envelopes

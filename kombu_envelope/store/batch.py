@@ -40,6 +40,7 @@ goes through the client's pool, not the connection the ``WAIT`` follows).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from redis.cluster import RedisCluster
@@ -194,10 +195,8 @@ class Batch:
             pool.release(connection)
 
     def _exchange(self, connection: Any) -> list[Any]:
-        packed: list[bytes] = []
-        for args, _ in self._steps:
-            packed.extend(_packed(connection, args))
-        connection.send_packed_command(packed)
+        connection.send_packed_command(_chunks(
+            piece for args, _ in self._steps for piece in _packed(connection, args)))
         replies: list[Any] = []
         for args, options in self._steps:
             try:
@@ -205,6 +204,32 @@ class Batch:
             except ResponseError as exc:
                 replies.append(exc)
         return replies
+
+
+#: Pieces of a batch are joined up to this size, so that its many small commands are
+#: written in a few calls while a large body is not copied once more.
+_CHUNK_BYTES = 64 * 1024
+
+
+def _chunks(pieces: Iterator[bytes]) -> list[bytes]:
+    chunks: list[bytes] = []
+    pending: list[bytes] = []
+    size = 0
+    for piece in pieces:
+        if len(piece) >= _CHUNK_BYTES:
+            if pending:
+                chunks.append(b"".join(pending))
+                pending, size = [], 0
+            chunks.append(piece)
+            continue
+        pending.append(piece)
+        size += len(piece)
+        if size >= _CHUNK_BYTES:
+            chunks.append(b"".join(pending))
+            pending, size = [], 0
+    if pending:
+        chunks.append(b"".join(pending))
+    return chunks
 
 
 def _packed(connection: Any, args: tuple[Any, ...]) -> list[bytes]:
