@@ -76,7 +76,8 @@ class Publisher:
 
         Each Envelope gets ``traceparent``/``tracestate`` headers from the current trace
         unless it has them (docs/protocol.md, section 18; they are added to the
-        Envelope given), and with OpenTelemetry its ``send <queue>`` span.
+        Envelope given), and with OpenTelemetry and a tracer provider its ``send <queue>``
+        span.
 
         ``tokens`` gives each Envelope its publish token (docs/protocol.md, section 4)
         instead of one random token for the call: a caller that derives the token from
