@@ -114,6 +114,8 @@ def parse_rfc3339(value: Any) -> datetime:
     finer than a microsecond are truncated.
     """
     if isinstance(value, datetime):
+        if value.tzinfo is timezone.utc:  # e.g. utcnow(): always in range, whole minutes
+            return value
         if value.tzinfo is None or value.utcoffset() is None:
             raise PydanticCustomError(
                 "timezone_required", "naive datetime: a timezone offset is required"
@@ -343,6 +345,8 @@ class Envelope(BaseModel):
     @field_validator("ext")
     @classmethod
     def _ext_is_json(cls, ext: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not ext:
+            return ext
         _json_depth(ext, "ext", max_depth=64)
         _to_json(ext, "ext")
         return ext
@@ -350,6 +354,8 @@ class Envelope(BaseModel):
     @field_validator("headers")
     @classmethod
     def _headers_are_unicode(cls, headers: dict[str, str]) -> dict[str, str]:
+        if not headers:
+            return headers
         _to_json(headers, "headers")
         return headers
 
@@ -374,9 +380,10 @@ class Envelope(BaseModel):
         """
         context = {"limits": limits or DEFAULT_LIMITS}
         try:
+            # The model's validator itself: model_validate* add a layer of Python per call.
             if isinstance(data, (str, bytes, bytearray)):
-                return cls.model_validate_json(data, context=context)
-            return cls.model_validate(data, context=context)
+                return cls.__pydantic_validator__.validate_json(data, context=context)
+            return cls.__pydantic_validator__.validate_python(data, context=context)
         except ValidationError as exc:
             raise InvalidEnvelope(violations_from(exc)) from exc
 
@@ -405,7 +412,7 @@ class Envelope(BaseModel):
         (``"max_retries": null``, unlimited retries) it is written.
         """
         exclude = {name for name in _NULL_BY_DEFAULT if getattr(self, name) is None}
-        return self.model_dump_json(exclude=exclude).encode()
+        return self.__pydantic_serializer__.to_json(self, exclude=exclude)
 
     def is_due(self, now: datetime | None = None) -> bool:
         """True when the task may run now (no ``schedule_time`` or one in the past)."""

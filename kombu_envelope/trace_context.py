@@ -83,6 +83,17 @@ def _current_span_context() -> Any:
     return span_context if span_context.is_valid else None
 
 
+def _tracing() -> bool:
+    """False when no tracer provider is configured: spans would then record nothing and
+    carry their parent's context, which the headers get without them."""
+    tracer = _tracer()
+    if isinstance(tracer, otel_trace.NoOpTracer):
+        return False
+    return not (isinstance(tracer, otel_trace.ProxyTracer) and isinstance(
+        otel_trace.get_tracer_provider(),
+        (otel_trace.ProxyTracerProvider, otel_trace.NoOpTracerProvider)))
+
+
 @cache
 def _tracer() -> Any:
     # A proxy until a tracer provider is set, which it then follows.
@@ -101,11 +112,14 @@ def _attributes(operation: str, queue: str, task_id: str, task_type: str) -> dic
 
 
 class SendSpan:
-    """The ``send <queue>`` span of one publish (a no-op without OpenTelemetry)."""
+    """The ``send <queue>`` span of one publish (a no-op without OpenTelemetry or
+    without a tracer provider: the headers are then the current trace's)."""
 
-    def __init__(self, queue: str, task_id: str, task_type: str) -> None:
+    def __init__(self, queue: str, task_id: str, task_type: str, *,
+                 tracing: bool | None = None) -> None:
+        """``tracing``: whether a tracer provider is configured, when the caller knows."""
         self.span = None
-        if otel_trace is not None:
+        if otel_trace is not None and (_tracing() if tracing is None else tracing):
             self.span = _tracer().start_span(
                 f"send {queue}", kind=otel_trace.SpanKind.PRODUCER,
                 attributes=_attributes("send", queue, task_id, task_type))
@@ -130,6 +144,14 @@ class SendSpan:
         if error is not None:
             _record_error(self.span, error)
         self.span.end()
+
+
+def send_spans(publishes: list[tuple[str, str, str]]) -> list[SendSpan]:
+    """The spans of many publishes, each ``(queue, task_id, task_type)``; whether a tracer
+    provider is configured is asked once."""
+    tracing = otel_trace is not None and _tracing()
+    return [SendSpan(queue, task_id, task_type, tracing=tracing)
+            for queue, task_id, task_type in publishes]
 
 
 @contextmanager

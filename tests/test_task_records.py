@@ -112,6 +112,26 @@ def test_a_record_spec_carries_its_fields_and_the_expiry_of_its_state() -> None:
     assert (off.keys, off.args) == ([], [])
 
 
+def test_one_publish_many_writes_each_task_its_own_record(
+        redis_client: redis.Redis, records: TaskRecords, settings: Settings) -> None:
+    queue = f"shapes-{uuid.uuid4().hex[:8]}"
+    envelopes = [Envelope.new(task_type="order.close"), Envelope.new(task_type="order.close"),
+                 Envelope.new(task_type="order.open", payload_version=2),
+                 Envelope.new(task_type="order.close", retry_count=1),
+                 Envelope.new(task_type="order.close", schedule_time=utcnow() + timedelta(hours=1))]
+    Publisher(redis_client, settings).publish_many([(queue, envelope) for envelope in envelopes])
+    read = [records.get(envelope.task_id, queue) for envelope in envelopes]
+    assert [(record.task_id, record.task_type, record.payload_version, record.retry_count,
+             record.state) for record in read] == [
+        (envelopes[0].task_id, "order.close", 1, 0, TaskState.QUEUED),
+        (envelopes[1].task_id, "order.close", 1, 0, TaskState.QUEUED),
+        (envelopes[2].task_id, "order.open", 2, 0, TaskState.QUEUED),
+        (envelopes[3].task_id, "order.close", 1, 1, TaskState.QUEUED),
+        (envelopes[4].task_id, "order.close", 1, 0, TaskState.SCHEDULED)]
+    assert read[0].published_at == read[2].published_at == read[4].published_at
+    assert read[4].due_at is not None and read[0].due_at is None
+
+
 def test_a_task_without_record_reads_unknown(records: TaskRecords) -> None:
     assert records.get("no-such-task").state is TaskState.UNKNOWN
     assert records.get("no-such-task", "celery").state is TaskState.UNKNOWN

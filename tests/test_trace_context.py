@@ -140,6 +140,24 @@ def test_without_opentelemetry_a_running_task_hands_its_trace_on(
     assert stored.trace_id == PARENT_TRACE
 
 
+def test_without_a_tracer_provider_no_span_is_started_and_the_trace_is_handed_on(
+        monkeypatch: pytest.MonkeyPatch, publisher: Publisher, client: redis.Redis,
+        key_prefix: str, queue: str) -> None:
+    monkeypatch.setattr(trace_context, "_tracer", lambda: trace.ProxyTracer("test"))
+    assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    started: list[str] = []
+    start_span = trace.ProxyTracer.start_span
+    monkeypatch.setattr(trace.ProxyTracer, "start_span", lambda self, name, *args, **kwargs: (
+        started.append(name), start_span(self, name, *args, **kwargs))[1])
+    incoming = {"traceparent": PARENT, "tracestate": "vendor=1"}
+    with process_span(queue, "t-1", "order.close", 0, incoming):
+        publisher.publish_many([(queue, Envelope.new(task_type="order.next"))])
+    assert started == [f"process {queue}"]  # the worker's own span; no send span
+    stored = published(client, key_prefix, queue)
+    assert stored.headers == incoming
+    assert stored.trace_id == PARENT_TRACE
+
+
 def test_the_process_span_is_a_child_of_the_traceparent_and_records_a_failure(
         spans: InMemorySpanExporter) -> None:
     with pytest.raises(ValueError), process_span("billing", "t-2", "bill.charge", 2,

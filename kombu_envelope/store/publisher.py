@@ -25,12 +25,13 @@ from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replac
 from kombu_envelope.store.schemas import PayloadSchemas
 from kombu_envelope.store.scripts import script
 from kombu_envelope.store.task_records import (
+    RecordSpecs,
     RecordWrite,
     TaskState,
     envelope_fields,
     record_write,
 )
-from kombu_envelope.trace_context import SendSpan
+from kombu_envelope.trace_context import SendSpan, send_spans
 
 
 class Publisher:
@@ -75,7 +76,8 @@ class Publisher:
 
         Each Envelope gets ``traceparent``/``tracestate`` headers from the current trace
         unless it has them (docs/protocol.md, section 18; they are added to the
-        Envelope given), and with OpenTelemetry its ``send <queue>`` span.
+        Envelope given), and with OpenTelemetry and a tracer provider its ``send <queue>``
+        span.
 
         ``tokens`` gives each Envelope its publish token (docs/protocol.md, section 4)
         instead of one random token for the call: a caller that derives the token from
@@ -83,8 +85,8 @@ class Publisher:
         has a second publish of it within ``publish_dedupe_ms`` store nothing.
         """
         items = list(items)
-        spans = [SendSpan(queue, envelope.task_id, envelope.task_type)
-                 for queue, envelope in items]
+        spans = send_spans([(queue, envelope.task_id, envelope.task_type)
+                            for queue, envelope in items])
         try:
             replies = self._send(items, spans, now or utcnow(), tokens)
         except BaseException as exc:
@@ -116,19 +118,20 @@ class Publisher:
         elif len(tokens) != len(prepared):
             raise ValueError(f"{len(tokens)} publish tokens for {len(prepared)} Envelopes")
         dedupe_ms = settings.publish_dedupe_ms
+        records = RecordSpecs(settings, now)
         if len(prepared) == 1 and not delayed_queues and not settings.wait_replicas:
             # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
             # sends SCRIPT EXISTS, a second round trip on every single publish. With
             # wait_replicas the WAIT must share the script's connection: a Batch, whose
             # raw EVALSHA needs no SCRIPT EXISTS either.
             keys, envelope, enc, body = prepared[0]
-            record = publish_record(settings, keys.queue, envelope, now)
+            record_keys, record_args = _queued_record(records, keys, envelope)
             enqueue = script(self.client, "enqueue")
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
                                   keys.delayed_data, keys.published(envelope.task_id),
-                                  *record.keys],
+                                  *record_keys],
                             args=[envelope.task_id, enc, body, tokens[0], dedupe_ms,
-                                  *record.args])
+                                  *record_args])
             return [reply.decode() if isinstance(reply, bytes) else reply]
         batch = Batch(self.client, settings, "publish")  # WAIT with wait_replicas
         if delayed_queues:
@@ -139,11 +142,11 @@ class Publisher:
                 batch.first("sadd", settings.keys.queues, queue)
         for (keys, envelope, enc, body), token in zip(prepared, tokens):
             if envelope.is_due(now):
-                record = publish_record(settings, keys.queue, envelope, now)
+                record_keys, record_args = _queued_record(records, keys, envelope)
                 batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
                                          keys.delayed, keys.delayed_data,
-                                         keys.published(envelope.task_id), *record.keys],
-                             [envelope.task_id, enc, body, token, dedupe_ms, *record.args])
+                                         keys.published(envelope.task_id), *record_keys],
+                             [envelope.task_id, enc, body, token, dedupe_ms, *record_args])
             else:
                 schedule_encoded(batch, settings, keys, envelope, enc, body, token=token,
                                  now=now)
@@ -168,8 +171,20 @@ def publish_record(settings: Settings, queue: str, envelope: Envelope,
     due = envelope.is_due(now)
     return record_write(settings, queue, envelope.task_id,
                         TaskState.QUEUED if due else TaskState.SCHEDULED,
-                        {**envelope_fields(envelope, queue, now), "published_at": now},
+                        _published_fields(queue, envelope, now),
                         due_ms=None if due else envelope.due_ms(), now=now)
+
+
+def _published_fields(queue: str, envelope: Envelope, now: datetime) -> dict[str, Any]:
+    return {**envelope_fields(envelope, queue, now), "published_at": now}
+
+
+def _queued_record(records: RecordSpecs, keys: QueueKeys,
+                   envelope: Envelope) -> tuple[list[str], list[str | bytes]]:
+    """The record KEYS and ARGV of a publish of a due ``envelope`` at ``records.now``:
+    :func:`publish_record`'s write, its spec shared by the tasks of the call alike."""
+    return records.write(keys, envelope.task_id, TaskState.QUEUED,
+                         _published_fields(keys.queue, envelope, records.now))
 
 
 def schedule_encoded(batch: Batch, settings: Settings, keys: QueueKeys,

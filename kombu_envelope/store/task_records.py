@@ -31,7 +31,7 @@ from kombu_envelope.settings import Settings
 from kombu_envelope.store.announcements import Announcements
 from kombu_envelope.store.replies import as_text
 
-__all__ = ["RecordWrite", "TaskRecord", "TaskRecords", "TaskState", "entry_record",
+__all__ = ["RecordSpecs", "RecordWrite", "TaskRecord", "TaskRecords", "TaskState", "entry_record",
            "envelope_fields", "failure_error", "record_write", "skip_write"]
 
 #: The least a record of a task not ended yet is kept after its last write (ms): 7 days.
@@ -145,6 +145,35 @@ def record_write(settings: Settings, queue: str, task_id: str, state: TaskState,
         ttl_ms = max(OPEN_RECORD_MS, retention_ms) + ahead_ms
     return RecordWrite(settings.keys.queue(queue).task_record(task_id), values, ttl_ms,
                        retention_ms if may_die else None)
+
+
+class RecordSpecs:
+    """The record writes of many steps taken at one moment ``now``, as script KEYS and ARGV.
+
+    Steps whose record differs only by its task (one queue, state and set of fields,
+    e.g. every task of one type published in one call) share one spec, built and
+    encoded once; only the record key is the task's own.
+    """
+
+    def __init__(self, settings: Settings, now: datetime) -> None:
+        self.settings = settings
+        self.now = now
+        self._specs: dict[tuple[Any, ...], list[str | bytes]] = {}
+
+    def write(self, keys: QueueKeys, task_id: str, state: TaskState,
+              fields: Mapping[str, Any], *, due_ms: int | None = None,
+              ) -> tuple[list[str], list[str | bytes]]:
+        """``(keys, args)`` of :func:`record_write` for the step (both empty when records
+        are off)."""
+        if self.settings.task_record_retention_s <= 0:
+            return [], []
+        shape = (keys.queue, state, due_ms, *fields.items())
+        args = self._specs.get(shape)
+        if args is None:
+            args = self._specs[shape] = record_write(
+                self.settings, keys.queue, task_id, state, fields, due_ms=due_ms,
+                now=self.now).args
+        return [keys.task_record(task_id)], args
 
 
 def entry_record(client: Any, settings: Settings, queue: str, stream: str, entry_id: str,
