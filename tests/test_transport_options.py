@@ -181,8 +181,12 @@ def test_kombu_envelope_never_imports_celery(redis_url: str, key_prefix: str) ->
         import importlib, pkgutil, sys
         import kombu
         from kombu import Queue
+        import django.conf, django
         import kombu_envelope
         from kombu_envelope import Envelope
+        # The outbox's Django app has models: importing them needs Django set up.
+        django.conf.settings.configure(INSTALLED_APPS=["kombu_envelope.outbox.django"])
+        django.setup()
         for module in pkgutil.walk_packages(kombu_envelope.__path__, "kombu_envelope."):
             importlib.import_module(module.name)
         with kombu.Connection({broker}, transport_options={{"key_prefix": {prefix}}}) as conn:

@@ -22,7 +22,7 @@ def outbox_app(redis_url: str, key_prefix: str, mode: str) -> Iterator[tuple[Cel
     app.conf.update(broker_transport_options={"key_prefix": key_prefix},
                     task_default_queue=QUEUE, envelope_outbox=mode)
 
-    @app.task(name="order.placed")
+    @app.task(name="order.placed", shared=False)
     def placed(n: int) -> int:
         return n
 
