@@ -64,16 +64,20 @@ def current_trace_id() -> str | None:
 
 def write_trace_headers(headers: MutableMapping[str, str]) -> None:
     """Fill in ``traceparent``/``tracestate`` from the current trace, unless set already."""
-    if headers.get("traceparent"):
-        return
+    if not headers.get("traceparent"):
+        headers.update(current_trace_headers())
+
+
+def current_trace_headers() -> dict[str, str]:
+    """``traceparent``/``tracestate`` of the current trace (empty outside of one)."""
     if _current_span_context() is not None:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier)
-        headers.update({name: carrier[name] for name in TRACE_HEADERS if name in carrier})
-        return
+        return {name: carrier[name] for name in TRACE_HEADERS if name in carrier}
     running = _running.get()
     if running and trace_id_of(running.get("traceparent")):
-        headers.update({name: running[name] for name in TRACE_HEADERS if running.get(name)})
+        return {name: running[name] for name in TRACE_HEADERS if running.get(name)}
+    return {}
 
 
 def _current_span_context() -> Any:
@@ -116,9 +120,13 @@ class SendSpan:
     without a tracer provider: the headers are then the current trace's)."""
 
     def __init__(self, queue: str, task_id: str, task_type: str, *,
-                 tracing: bool | None = None) -> None:
-        """``tracing``: whether a tracer provider is configured, when the caller knows."""
+                 tracing: bool | None = None,
+                 inherited: Mapping[str, str] | None = None) -> None:
+        """``tracing``: whether a tracer provider is configured, when the caller knows;
+        ``inherited``: the current trace's headers (:func:`current_trace_headers`), when
+        the caller read them already."""
         self.span = None
+        self._inherited = inherited
         if otel_trace is not None and (_tracing() if tracing is None else tracing):
             self.span = _tracer().start_span(
                 f"send {queue}", kind=otel_trace.SpanKind.PRODUCER,
@@ -126,8 +134,11 @@ class SendSpan:
 
     def write_headers(self, headers: MutableMapping[str, str]) -> None:
         """Write this span's context (or the current trace's) into ``headers``."""
-        if headers.get("traceparent") or self.span is None:
-            write_trace_headers(headers)
+        if headers.get("traceparent"):
+            return
+        if self.span is None:
+            headers.update(current_trace_headers() if self._inherited is None
+                           else self._inherited)
             return
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(
@@ -150,7 +161,9 @@ def send_spans(publishes: list[tuple[str, str, str]]) -> list[SendSpan]:
     """The spans of many publishes, each ``(queue, task_id, task_type)``; whether a tracer
     provider is configured is asked once."""
     tracing = otel_trace is not None and _tracing()
-    return [SendSpan(queue, task_id, task_type, tracing=tracing)
+    # Without spans every publish hands on the same current trace: read it once.
+    inherited = None if tracing else current_trace_headers()
+    return [SendSpan(queue, task_id, task_type, tracing=tracing, inherited=inherited)
             for queue, task_id, task_type in publishes]
 
 

@@ -61,7 +61,7 @@ class Publisher:
 
     def publish_many(
         self, items: Iterable[tuple[str, Envelope]], now: datetime | None = None,
-        tokens: Sequence[str] | None = None,
+        tokens: Sequence[str] | None = None, *, checked: bool = False,
     ) -> list[str | None]:
         """Publish many Envelopes in one pipelined round trip (one per node on a Cluster).
 
@@ -83,12 +83,16 @@ class Publisher:
         instead of one random token for the call: a caller that derives the token from
         what identifies a publish (the dispatcher: the task id or ``Idempotency-Key``)
         has a second publish of it within ``publish_dedupe_ms`` store nothing.
+
+        ``checked``: the caller applied the publish-time rules and the payload schemas
+        to every Envelope a moment ago (the dispatcher does, to answer each task of a
+        batch on its own), so they are not applied twice.
         """
         items = list(items)
         spans = send_spans([(queue, envelope.task_id, envelope.task_type)
                             for queue, envelope in items])
         try:
-            replies = self._send(items, spans, now or utcnow(), tokens)
+            replies = self._send(items, spans, now or utcnow(), tokens, checked)
         except BaseException as exc:
             for span in spans:
                 span.end(exc)
@@ -98,19 +102,21 @@ class Publisher:
         return replies
 
     def _send(self, items: list[tuple[str, Envelope]], spans: list[SendSpan], now: datetime,
-              tokens: Sequence[str] | None) -> list[str | None]:
+              tokens: Sequence[str] | None, checked: bool) -> list[str | None]:
         settings = self.settings
+        gzip_min_bytes, limits = settings.gzip_min_bytes, settings.limits
         prepared = []
+        queue_keys: dict[str, QueueKeys] = {}
         for (queue, envelope), span in zip(items, spans):
-            keys = settings.keys.queue(queue)  # an invalid queue name also sends nothing
+            keys = queue_keys.get(queue)
+            if keys is None:  # an invalid queue name also sends nothing
+                keys = queue_keys[queue] = settings.keys.queue(queue)
             span.write_headers(envelope.headers)  # published, so validated, with the rest
-            self._check(envelope, now)
-            prepared.append((keys, envelope,
-                             *encode_body(envelope, settings.gzip_min_bytes,
-                                          limits=settings.limits)))
-        delayed_queues = sorted(
-            {keys.queue for keys, envelope, _, _ in prepared if not envelope.is_due(now)}
-        )
+            if not checked:
+                self._check(envelope, now)
+            prepared.append((keys, envelope, envelope.is_due(now),
+                             *encode_body(envelope, gzip_min_bytes, limits=limits)))
+        delayed_queues = sorted({keys.queue for keys, _, due, _, _ in prepared if not due})
         # One token for every try of this call: a try repeated after a lost reply
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         if tokens is None:
@@ -124,7 +130,7 @@ class Publisher:
             # sends SCRIPT EXISTS, a second round trip on every single publish. With
             # wait_replicas the WAIT must share the script's connection: a Batch, whose
             # raw EVALSHA needs no SCRIPT EXISTS either.
-            keys, envelope, enc, body = prepared[0]
+            keys, envelope, _, enc, body = prepared[0]
             record_keys, record_args = _queued_record(records, keys, envelope)
             enqueue = script(self.client, "enqueue")
             reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
@@ -140,8 +146,8 @@ class Publisher:
             # lost with a Redis restart is rebuilt by the next publish.
             for queue in delayed_queues:
                 batch.first("sadd", settings.keys.queues, queue)
-        for (keys, envelope, enc, body), token in zip(prepared, tokens):
-            if envelope.is_due(now):
+        for (keys, envelope, due, enc, body), token in zip(prepared, tokens):
+            if due:
                 record_keys, record_args = _queued_record(records, keys, envelope)
                 batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
                                          keys.delayed, keys.delayed_data,
@@ -182,9 +188,13 @@ def _published_fields(queue: str, envelope: Envelope, now: datetime) -> dict[str
 def _queued_record(records: RecordSpecs, keys: QueueKeys,
                    envelope: Envelope) -> tuple[list[str], list[str | bytes]]:
     """The record KEYS and ARGV of a publish of a due ``envelope`` at ``records.now``:
-    :func:`publish_record`'s write, its spec shared by the tasks of the call alike."""
-    return records.write(keys, envelope.task_id, TaskState.QUEUED,
-                         _published_fields(keys.queue, envelope, records.now))
+    :func:`publish_record`'s write, its spec shared by the tasks of the call alike (the
+    fields :func:`envelope_fields` writes for a due task are its queue, type, version and
+    retry count)."""
+    return records.write(
+        keys, envelope.task_id, TaskState.QUEUED,
+        lambda: _published_fields(keys.queue, envelope, records.now),
+        shape=(envelope.task_type, envelope.payload_version, envelope.retry_count))
 
 
 def schedule_encoded(batch: Batch, settings: Settings, keys: QueueKeys,

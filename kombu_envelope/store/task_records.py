@@ -13,7 +13,7 @@ the scripts run without a record.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
@@ -161,18 +161,27 @@ class RecordSpecs:
         self._specs: dict[tuple[Any, ...], list[str | bytes]] = {}
 
     def write(self, keys: QueueKeys, task_id: str, state: TaskState,
-              fields: Mapping[str, Any], *, due_ms: int | None = None,
+              fields: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
+              due_ms: int | None = None, shape: tuple[Any, ...] | None = None,
               ) -> tuple[list[str], list[str | bytes]]:
         """``(keys, args)`` of :func:`record_write` for the step (both empty when records
-        are off)."""
+        are off).
+
+        ``shape``, when given, names what the fields depend on (they are then a function
+        that makes them, called once per shape), so that a step whose spec is known
+        builds no fields at all.
+        """
         if self.settings.task_record_retention_s <= 0:
             return [], []
-        shape = (keys.queue, state, due_ms, *fields.items())
-        args = self._specs.get(shape)
+        if shape is None:
+            assert not callable(fields)
+            shape = tuple(fields.items())
+        key = (keys.queue, state, due_ms, *shape)
+        args = self._specs.get(key)
         if args is None:
-            args = self._specs[shape] = record_write(
-                self.settings, keys.queue, task_id, state, fields, due_ms=due_ms,
-                now=self.now).args
+            args = self._specs[key] = record_write(
+                self.settings, keys.queue, task_id, state,
+                fields() if callable(fields) else fields, due_ms=due_ms, now=self.now).args
         return [keys.task_record(task_id)], args
 
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
+from pydantic_core import to_json
 
 from kombu_envelope.dispatcher.config import Scope
 from kombu_envelope.dispatcher.guard import require
 from kombu_envelope.dispatcher.models import (
     BatchIn,
-    BatchItem,
     BatchOut,
     CancelOut,
     ProblemOut,
@@ -117,22 +118,29 @@ def _known_states(found: Stores, items: list[Prepared]) -> list[str | None]:
             for item in items]
 
 
-def _accepted(item: Prepared, state: str | None, entry_id: str | None) -> TaskAccepted:
+def _accepted(item: Prepared, state: str | None, entry_id: str | None) -> dict[str, Any]:
+    """A :class:`TaskAccepted` as JSON-ready data: the answers are written without a model
+    each (a batch of 1,000 spent a tenth of its time building and checking them)."""
     if state is not None and state != "unknown":
-        return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue, state=state,
-                            duplicate=True)
-    return TaskAccepted(task_id=item.envelope.task_id, queue=item.queue,
-                        state="queued" if entry_id else "scheduled",  # delayed: no entry
-                        duplicate=False, entry_id=entry_id)
+        return {"task_id": item.envelope.task_id, "queue": item.queue, "state": state,
+                "duplicate": True, "entry_id": None}
+    return {"task_id": item.envelope.task_id, "queue": item.queue,
+            "state": "queued" if entry_id else "scheduled",  # delayed: no entry
+            "duplicate": False, "entry_id": entry_id}
 
 
-def _publish(found: Stores, items: list[Prepared]) -> list[TaskAccepted]:
-    """Publish the tasks not posted before; the answer for each."""
+def _json(data: Any, status: int) -> Response:
+    """An answer whose body is ``data`` as compact JSON, in the shape its route documents."""
+    return Response(to_json(data), status_code=status, media_type="application/json")
+
+
+def _publish(found: Stores, items: list[Prepared]) -> list[dict[str, Any]]:
+    """Publish the tasks not posted before; the answer (a :class:`TaskAccepted`) for each."""
     states = _known_states(found, items)
     fresh = [item for item, state in zip(items, states) if state in (None, "unknown")]
     ids = iter(found.publisher.publish_many(
         [(item.queue, item.envelope) for item in fresh],
-        tokens=[item.token for item in fresh]) if fresh else [])
+        tokens=[item.token for item in fresh], checked=True) if fresh else [])
     return [_accepted(item, state, next(ids) if state in (None, "unknown") else None)
             for item, state in zip(items, states)]
 
@@ -141,8 +149,8 @@ def _publish(found: Stores, items: list[Prepared]) -> list[TaskAccepted]:
              responses={200: {"model": TaskAccepted, "description": "posted before: nothing "
                               "was enqueued again"}, **responses(409, 503)},
              dependencies=[Depends(require(Scope.WRITE))])
-async def post_task(request: Request, response: Response, queue: QueueQuery = None,
-                    idempotency_key: IdempotencyKey = None) -> TaskAccepted:
+async def post_task(request: Request, queue: QueueQuery = None,
+                    idempotency_key: IdempotencyKey = None) -> Response:
     """Schedule one task: an Envelope, or the fields a producer sets (``task_id``,
     ``trace_id`` and ``created_at`` are filled in when left out). It is queued now, or
     delayed until its ``schedule_time``. Without ``queue`` it goes to the queue whose
@@ -152,42 +160,63 @@ async def post_task(request: Request, response: Response, queue: QueueQuery = No
     data = parse_json(await request.body())
     found = stores(request)
 
-    def run() -> TaskAccepted:
+    def run() -> dict[str, Any]:
         return _publish(found, [prepare(found, data, queue, idempotency_key)])[0]
 
-    accepted: TaskAccepted = await blocking(run)
-    if accepted.duplicate:
-        response.status_code = 200
-    return accepted
+    accepted: dict[str, Any] = await blocking(run)
+    return _json(accepted, 200 if accepted["duplicate"] else 201)
 
 
 @router.post("/tasks:batch", response_model=BatchOut, responses=responses(503),
              dependencies=[Depends(require(Scope.WRITE))])
-async def post_batch(request: Request, batch: BatchIn) -> BatchOut:
-    """Schedule many tasks in one round trip to Redis; each is answered on its own (201,
-    200 for a duplicate, 409 or 422), in order. At most the configured ``batch_max``."""
+async def post_batch(request: Request, batch: BatchIn) -> Response:
+    """Schedule many tasks, enqueued in the order posted (a round trip to Redis per
+    hundreds of tasks); each is answered on its own (201, 200 for a duplicate, 409 or
+    422), in order. At most the configured ``batch_max``."""
     limit = config(request).batch_max
     if len(batch.tasks) > limit:
         raise invalid([Violation("tasks", "length", f"at most {limit} tasks per batch, not "
                                                      f"{len(batch.tasks)}")])
     found = stores(request)
+    return _json({"items": await blocking(_batch_answers, found, batch)}, 200)
 
-    def run() -> BatchOut:
-        answers: list[BatchItem] = []
-        ready: list[tuple[int, Prepared]] = []
-        for index, data in enumerate(batch.tasks):
-            try:
-                ready.append((index, prepare(found, data, batch.queue, None)))
-            except Problem as problem:
-                answers.append(BatchItem(index=index, status=problem.status, problem=ProblemOut(
-                    error=problem.error, message=problem.message, **problem.extra)))
-        for (index, _), accepted in zip(ready, _publish(found, [i for _, i in ready])):
-            answers.append(BatchItem(index=index, status=200 if accepted.duplicate else 201,
-                                     task=accepted))
-        return BatchOut(items=sorted(answers, key=lambda answer: answer.index))
 
-    result: BatchOut = await blocking(run)
-    return result
+#: Tasks of a batch checked before they are handed to the publishing thread together.
+BATCH_CHUNK = 100000
+
+
+def _batch_answers(found: Stores, batch: BatchIn) -> list[dict[str, Any]]:
+    """Each task's answer (a :class:`BatchItem`), in order.
+
+    Tasks are checked a chunk at a time while one thread publishes the chunk before,
+    in order: the wait for Redis to store a chunk overlaps the checks of the next
+    (which take about as long), where checking every task first and then publishing
+    them left Redis and the dispatcher each idle half the time.
+    """
+    answers: list[dict[str, Any]] = [{}] * len(batch.tasks)
+
+    def publish(ready: list[tuple[int, Prepared]]) -> None:
+        for (index, _), accepted in zip(ready, _publish(found, [item for _, item in ready])):
+            answers[index] = {"index": index, "status": 200 if accepted["duplicate"] else 201,
+                              "task": accepted, "problem": None}
+
+    with ThreadPoolExecutor(1, thread_name_prefix="batch-publish") as sender:
+        sent: list[Future[None]] = []
+        for start in range(0, len(batch.tasks), BATCH_CHUNK):
+            ready: list[tuple[int, Prepared]] = []
+            for index in range(start, min(start + BATCH_CHUNK, len(batch.tasks))):
+                try:
+                    ready.append((index, prepare(found, batch.tasks[index], batch.queue, None)))
+                except Problem as problem:
+                    answers[index] = {"index": index, "status": problem.status, "task": None,
+                                      "problem": ProblemOut(error=problem.error,
+                                                            message=problem.message,
+                                                            **problem.extra).model_dump()}
+            if ready:
+                sent.append(sender.submit(publish, ready))
+        for future in sent:
+            future.result()  # raises what a publish raised (e.g. Redis unreachable: 503)
+    return answers
 
 
 @router.get("/tasks/{task_id}", response_model=TaskStateOut, responses=responses(503),
