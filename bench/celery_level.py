@@ -215,9 +215,9 @@ def run_celery(ctx: Context, result: ScenarioResult) -> None:
     publish = per_transport(result, transports, "apply_async", "tasks/s")
     publish_cpu = cpu_measures(result, transports, "apply_async", PUBLISH_CPU)
     start = {pool: per_transport(result, transports, f"{names[pool]}: worker start to "
-                                  "last task", "tasks/s") for pool, _ in POOLS}
+                                 "last task", "tasks/s") for pool, _ in POOLS}
     steady = {pool: per_transport(result, transports, f"{names[pool]}: first to last task",
-                                   "tasks/s") for pool, _ in POOLS}
+                                  "tasks/s") for pool, _ in POOLS}
     drain_cpu = {pool: cpu_measures(result, transports, f"{names[pool]} drain", WORKER_CPU)
                  for pool, _ in POOLS}
     for rep in range(ctx.repeat):
@@ -279,9 +279,9 @@ def run_memory(ctx: Context, result: ScenarioResult) -> None:
     transports = redis_transports(ctx)
     result.params.update(tasks=n, payload_bytes=payload_bytes())
     per_task = per_transport(result, transports, "used_memory per task", "bytes",
-                              higher_is_better=False)
+                             higher_is_better=False)
     raw = per_transport(result, transports, "stored message size", "bytes",
-                         higher_is_better=False)
+                        higher_is_better=False)
     for rep in range(ctx.repeat):
         for transport in transports:
             ctx.flush()
@@ -404,7 +404,7 @@ def run_countdown(ctx: Context, result: ScenarioResult) -> None:
     result.params.update(tasks=n, countdown_s=3600, pool="solo", settle_s=settle)
     rss = per_transport(result, transports, "worker RSS", "MiB", higher_is_better=False)
     used = per_transport(result, transports, "Redis used_memory delta", "MiB",
-                          higher_is_better=False)
+                         higher_is_better=False)
     taken = result.measure(f"time for the worker to take in every task, {LABELS[STOCK]}",
                            STOCK, "s", higher_is_better=False)
     for rep in range(ctx.repeat):

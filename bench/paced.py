@@ -76,7 +76,7 @@ def run_paced(ctx: Context, result: ScenarioResult) -> None:
     transports = ctx.celery_transports()
     result.params.update(rate_per_s=rate, seconds=seconds, pool="solo", prefetch_multiplier=4)
     latency = {pct: per_transport(result, transports, f"publish-to-start {pct}", "ms",
-                                   higher_is_better=False) for pct in ("p50", "p99")}
+                                  higher_is_better=False) for pct in ("p50", "p99")}
     cpu = cpu_measures(result, transports, f"at {rate:g}/s", PACED_CPU)
     for rep in range(ctx.repeat):
         for transport in transports:
