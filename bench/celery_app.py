@@ -2,7 +2,8 @@
 
 Configured from the environment, so one module serves every broker:
 
-* ``BENCH_BROKER_URL``: broker URL (``envelope://``, ``redis://`` or ``pyamqp://``).
+* ``BENCH_BROKER_URL``: broker URL (``envelope://``, ``redis://``, ``valkey://`` for
+  celery-redis-plus, or ``pyamqp://``).
 * ``BENCH_REDIS_URL``: Redis where tasks record what they did (counters, start times).
 * ``BENCH_TRANSPORT_OPTIONS``: JSON object of broker transport options.
 * ``BENCH_QUEUE``: the queue tasks go to and workers consume.
@@ -24,11 +25,16 @@ from celery import Celery
 from celery.signals import worker_ready
 
 import celery_ext  # noqa: F401  (makes envelope:// the Celery-aware transport)
+from bench import plus
 
 #: Longest time :func:`hold` blocks (seconds).
 HOLD_LIMIT_S = 300.0
 
-app = Celery("bench", broker=os.environ.get("BENCH_BROKER_URL", "memory://"))
+BROKER_URL = os.environ.get("BENCH_BROKER_URL", "memory://")
+if BROKER_URL.startswith(f"{plus.SCHEME}://"):
+    plus.load()
+
+app = Celery("bench", broker=BROKER_URL)
 app.conf.update(
     task_ignore_result=True,
     result_backend=None,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import plus
 from bench.bulk import run_bulk
 from bench.celery_level import run_celery, run_countdown, run_memory, run_recovery
 from bench.cluster import run_cluster
@@ -20,6 +21,7 @@ from bench.core import Context, Scenario, ScenarioResult
 from bench.delayed import run_delayed
 from bench.dispatcher import run_dispatcher
 from bench.kombu_level import run_consume, run_latency, run_publish
+from bench.paced import run_paced
 from bench.report import write_json, write_markdown
 from bench.sysinfo import amqp_server_version, load_average, machine_info
 from bench.workers import ROOT
@@ -44,6 +46,12 @@ SCENARIOS = (
              "N no-op tasks published, then drained by one `celery worker` subprocess "
              "(solo pool, then prefork with 2 processes).",
              run_celery, {"n": 1_500}, {"n": 100}),
+    Scenario("paced", "Celery publish-to-start at a steady pace",
+             "Tasks sent one by one at a fixed rate to a ready `celery worker` (solo pool): "
+             "p50/p99 from publish to task start, and CPU per task of publisher, worker and "
+             "broker.",
+             run_paced, {"rate": 100, "seconds": 3, "repeat_cap": 3},
+             {"rate": 100, "seconds": 0.3}),
     Scenario("latency", "Latency (kombu)",
              "Single publish round trip, and publish-to-start at a fixed moderate rate "
              "(p50/p99 per repetition).",
@@ -86,8 +94,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Benchmark envelope:// against kombu's redis:// (and RabbitMQ when "
-                    f"${AMQP_ENV} names a reachable server) on one private redis-server.")
+        description="Benchmark envelope:// against kombu's redis:// (with celery-redis-plus "
+                    f"when it is importable, and RabbitMQ when ${AMQP_ENV} names a "
+                    "reachable server) on one private redis-server.")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and one repetition (a smoke test, under a minute)")
     parser.add_argument("--scenarios", default="",
@@ -177,11 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{', '.join(BY_KEY)}")
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 5)
     amqp_url, amqp_note = _amqp_url()
+    plus_loaded, plus_note = plus.load()
     started = time.monotonic()
     with PrivateRedisServer() as server:
         base = Context(redis_url=server.url, amqp_url=amqp_url, repeat=repeat,
-                       quick=args.quick, sizes=sizes, verbose=not args.quiet)
+                       quick=args.quick, sizes=sizes, verbose=not args.quiet,
+                       plus=plus_loaded)
         machine = machine_info(server.url, amqp_url)
+        machine["celery_redis_plus"] = plus_note if plus_loaded else None
         results = []
         repeats: dict[str, int] = {}
         for key in (k for k in BY_KEY if k in chosen):
@@ -196,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {"repeat": repeat, "repeats": repeats, "quick": args.quick,
                    "scenarios": chosen,
                    "sizes": {k: sizes[k] for k in chosen}, "amqp_note": amqp_note,
+                   "plus_note": "" if plus_loaded else plus_note,
                    "command_flags": f" {flags}" if flags else ""},
         "seconds": time.monotonic() - started,
         "scenarios": [r.to_json() for r in results],

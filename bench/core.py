@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from bench.plus import SCHEME as PLUS_SCHEME
 from bench.stats import Measure, Ratio
 
 #: A ``redis.Redis`` client answering bytes; typed loosely because redis-py's
@@ -22,6 +23,8 @@ RedisClient = Any
 ENVELOPE = "envelope"
 STOCK = "redis"
 AMQP = "amqp"
+#: celery-redis-plus (:mod:`bench.plus`), Celery scenarios only.
+PLUS = "plus"
 
 
 @dataclass
@@ -34,6 +37,8 @@ class Context:
     quick: bool
     sizes: dict[str, dict[str, float]]
     verbose: bool = True
+    #: Whether celery-redis-plus is importable (:func:`bench.plus.load`).
+    plus: bool = False
 
     @property
     def hostport(self) -> str:
@@ -41,11 +46,19 @@ class Context:
         return self.redis_url.split("://", 1)[1]
 
     def url(self, transport: str) -> str:
-        """Broker URL of ``transport`` (``envelope``, ``redis`` or ``amqp``)."""
+        """Broker URL of ``transport`` (``envelope``, ``redis``, ``plus`` or ``amqp``)."""
         if transport == AMQP:
             assert self.amqp_url is not None
             return self.amqp_url
+        if transport == PLUS:
+            return f"{PLUS_SCHEME}://{self.hostport}"
         return f"{transport}://{self.hostport}"
+
+    def celery_transports(self) -> list[str]:
+        """The brokers Celery scenarios compare: envelope://, stock redis://, then
+        celery-redis-plus and RabbitMQ when they are available."""
+        return ([ENVELOPE, STOCK] + ([PLUS] if self.plus else [])
+                + ([AMQP] if self.amqp_url else []))
 
     def size(self, scenario: str, name: str) -> int:
         """Integer size ``name`` of ``scenario``."""
@@ -146,6 +159,15 @@ class ScenarioResult:
         created = Ratio(label, numerator, denominator)
         self.ratios.append(created)
         return created
+
+    def ratios_to_envelope(self, what: str, measures: dict[str, Measure],
+                           names: dict[str, str]) -> None:
+        """``what: envelope / <other>`` for every other transport in ``measures``
+        (``names`` gives each transport's short name)."""
+        for transport, measure in measures.items():
+            if transport != ENVELOPE:
+                self.ratio(f"{what}: envelope / {names[transport]}", measures[ENVELOPE],
+                           measure)
 
     def target(self, name: str, source: Measure | Ratio, threshold: float,
                at_least: bool = True, unit: str = "") -> Target:

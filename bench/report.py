@@ -90,6 +90,8 @@ def render(report: dict[str, Any]) -> str:
         _row(["redis-server", f"{meta['redis_server']} (private, no persistence, "
                               "one server for every transport)"]),
         _row(["RabbitMQ", meta["rabbitmq"] or f"skipped: {config['amqp_note']}"]),
+        _row(["celery-redis-plus", meta.get("celery_redis_plus")
+              or f"skipped: {config.get('plus_note') or 'not measured'}"]),
         _row(["kombu / celery", f"{meta['kombu']} / {meta['celery']}"]),
         _row(["redis-py / hiredis", f"{meta['redis_py']} / {meta['hiredis'] or 'not installed'}"]),
         _row(["pydantic / kombu-envelope", f"{meta['pydantic']} / {meta['kombu_envelope']}"]),

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ("publish", "consume", "bulk", "celery", "latency", "delayed", "countdown",
-             "memory", "recovery", "dispatcher")
+SCENARIOS = ("publish", "consume", "bulk", "celery", "paced", "latency", "delayed",
+             "countdown", "memory", "recovery", "dispatcher")
+#: Scenarios that measure celery-redis-plus whenever it is importable.
+PLUS_SCENARIOS = ("celery", "paced", "countdown", "memory")
 
 
 @pytest.mark.slow
@@ -42,6 +44,18 @@ def test_quick_run_reports_every_scenario(tmp_path: Path) -> None:
                   "redis_py", "date"):
         assert report["machine"][field], field
     assert "BENCH_AMQP_URL" in report["config"]["amqp_note"]
+    plus = report["machine"]["celery_redis_plus"]
+    by_key = {s["key"]: s for s in report["scenarios"]}
+    for key in PLUS_SCENARIOS:
+        transports = {m["transport"] for m in by_key[key]["measures"]}
+        assert ("plus" in transports) == bool(plus), (key, transports)
+    assert bool(plus) != bool(report["config"]["plus_note"])
+    redis_transports = {"envelope", "redis"} | ({"plus"} if plus else set())
+    for key in ("celery", "paced"):
+        cpu = [m for m in by_key[key]["measures"] if m["unit"] == "µs"]
+        assert {m["transport"] for m in cpu} == redis_transports, key
+        assert any("envelope / stock" in r["label"] and "CPU" in r["label"]
+                   for r in by_key[key]["ratios"])
 
     text = out_md.read_text(encoding="utf-8")
     assert text.startswith("# Benchmarks\n\nHand-written analysis.\n")
@@ -50,3 +64,4 @@ def test_quick_run_reports_every_scenario(tmp_path: Path) -> None:
     for key in SCENARIOS:
         assert f"(`{key}`)" in text, key
     assert "RabbitMQ | skipped" in text
+    assert (f"celery-redis-plus | {plus}" if plus else "celery-redis-plus | skipped: ") in text
