@@ -33,7 +33,7 @@ from kombu_envelope.outbox.table import metadata, outbox_table
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.publisher import Publisher
 from tests.support.celery_outbox import outbox_app  # imports celery_ext before any envelope://
-from tests.support.envelope_streams import connect
+from tests.support.envelope_streams import connect, envelope_url
 from tests.support.postgres import PrivatePostgres
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +212,33 @@ def test_three_relays_racing_relay_every_row_once(
             process.send_signal(signal.SIGTERM)
         codes = [process.wait(10) for process in relays]
     assert codes == [0, 0, 0]
+    assert stream_task_ids(redis_client, settings) == {e.task_id: 1 for e in envelopes}
+
+
+def test_the_celery_relay_command_relays_with_the_apps_broker_and_stops_on_sigterm(
+        engine: Engine, db_url: str, redis_url: str, redis_client: redis.Redis,
+        settings: Settings, key_prefix: str) -> None:
+    """``celery -A proj envelope outbox-relay``: the database from $ENVELOPE_OUTBOX_DB, the
+    broker and key prefix from the app."""
+    env = {**os.environ, "TEST_BROKER_URL": envelope_url(redis_url),
+           "TEST_KEY_PREFIX": key_prefix, "ENVELOPE_OUTBOX_DB": db_url,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT), *sys.path]),
+           "PYTHONUNBUFFERED": "1"}
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "apps.envelope_app", "envelope", "outbox-relay",
+         "--batch", "5", "--idle", "0.05"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    envelopes = [task(n) for n in range(12)]
+    try:
+        assert relay.stdout is not None
+        assert "relaying the outbox" in relay.stdout.readline()
+        write(engine, settings, envelopes)
+        wait_for(lambda: waiting(engine) == 0, timeout=30)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        code = relay.wait(10)
+    assert code == 0
+    assert relay.stdout.read().strip() == "outbox relay stopped"
     assert stream_task_ids(redis_client, settings) == {e.task_id: 1 for e in envelopes}
 
 
