@@ -20,7 +20,11 @@ The shell adds what a task asks for (docs/protocol.md, sections 7-9):
    unless the tiered policy applies: then it is retried on the fast tier or
    with backoff, up to ``max_retries``. A failure that no retry follows goes
    to the dead-letter stream and is raised again, so the result backend
-   records ``FAILURE``.
+   records ``FAILURE``. What leaves the shell carries the traceback of the
+   task's own frames, without the shell's, as on any broker: Celery formats,
+   stores, logs and pickles that traceback (a prefork child sends it to the
+   main process with the result, Celery's test worker also with the log
+   record), and the shell's frames more than doubled that work.
 
 A Redis error in steps 1 and 2, before the body runs, never fails the task:
 the attempt is handed back, published again ``envelope_idempotency_defer``
@@ -60,6 +64,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import wraps
+from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
 from celery import signals
@@ -209,7 +214,11 @@ class ExecutionShell:
             request = task.request
             if request.called_directly or request.is_eager:
                 return run(*args, **kwargs)
-            return self.execute(task, run, retry, args, kwargs)
+            try:
+                return self.execute(task, run, retry, args, kwargs)
+            except BaseException as exc:
+                exc.__traceback__ = _without_shell_frames(exc.__traceback__)
+                raise
 
         @wraps(retry)
         def shell_retry(*args: Any, **kwargs: Any) -> Any:
@@ -524,6 +533,15 @@ class ExecutionShell:
 
 def _name(attempt: Attempt) -> str:
     return f"{attempt.task.name}[{attempt.request.id}]"
+
+
+def _without_shell_frames(tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` from its first frame outside this module: the task's own frames, as on any
+    broker (all of it when every frame is the shell's)."""
+    first = tb
+    while first is not None and first.tb_frame.f_globals.get("__name__") == __name__:
+        first = first.tb_next
+    return first if first is not None else tb
 
 
 def _until_done(what: str, step: Callable[[], T]) -> T:

@@ -99,6 +99,11 @@ def test_a_task_that_raises_fails_at_once(app: Celery, worker: CeleryWorker,
     with pytest.raises(error):
         result.get(timeout=5)  # Celery's own test_fail waits 5 s
     assert result.state == "FAILURE"
+    # The traceback Celery stores (and logs) is the task's, without the execution shell's
+    # frames, as on any broker.
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', result.traceback)
+    assert frames[-1][1] == task.removeprefix("plain."), result.traceback
+    assert not [f for f in frames if f[0].endswith("execution.py")], result.traceback
     assert len(attempts(redis_client, prefix, name)) == 1
     dead = dead_letter_of(redis_client, prefix, result.id, worker)  # added, not instead
     assert (dead["failure_class"], dead["attempts"]) == (b"task_error", b"1")
