@@ -43,7 +43,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
                     "empty": {}, "list": []},
     },
     "numbers": {
-        "payload": {"floats": [0.1, -0.0, 1e16, 1e-7, 123456789.125, 5e-324, 1.7976931348623157e308],
+        "payload": {"floats": [0.1, -0.0, 1e16, 1e-7, 123456789.125, 5e-324,
+                               1.7976931348623157e308],
                     "ints": [MAX_SAFE_INTEGER, -(2**63), 2**64, 2**70]},
         "payload_version": MAX_SAFE_INTEGER, "retry_count": 2, "max_retries": 7,
         "priority": 255, "timeout_ms": 1,
@@ -83,3 +84,12 @@ def test_a_new_envelope_with_generated_fields_is_written_the_same() -> None:
 @given(valid_envelopes())
 def test_every_valid_envelope_is_written_as_the_model_writes_it(envelope: Envelope) -> None:
     assert envelope.to_json() == canonical(envelope)
+
+
+def test_a_copy_with_changed_fields_is_written_as_the_model_writes_it() -> None:
+    envelope = Envelope.new(**IDENTITY, payload={"k": [1, 2]})
+    changed = envelope.model_copy(update={
+        "retry_count": 1, "schedule_time": datetime(2025, 9, 11, 5, 0, tzinfo=timezone.utc),
+        "max_retries": None})
+    assert changed.to_json() == canonical(changed)
+    assert b'"schedule_time":"2025-09-11T05:00:00Z"' in changed.to_json()
