@@ -150,7 +150,8 @@ def parse_rfc3339(value: Any) -> datetime:
         parsed = datetime.fromisoformat(f"{match['date']}T{match['time']}.{frac}{offset}")
     except ValueError as exc:
         raise PydanticCustomError("rfc3339", "not a valid date, time or offset") from exc
-    return _in_range(parsed)
+    # An offset of 00:00 parses to timezone.utc: in range and whole minutes, as above.
+    return parsed if parsed.tzinfo is timezone.utc else _in_range(parsed)
 
 
 _ONE_MINUTE = timedelta(minutes=1)
