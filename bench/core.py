@@ -6,7 +6,7 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,18 @@ class Context:
         """Progress line on stderr."""
         if self.verbose:
             print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def paced(rate: float, count: int) -> Iterator[int]:
+    """Yield ``0 .. count - 1``, number ``n`` no sooner than ``n / rate`` seconds after the
+    first (at once when behind: the pace is kept, never made up by sending faster)."""
+    interval = 1.0 / rate
+    start = time.perf_counter()
+    for index in range(count):
+        delay = start + index * interval - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        yield index
 
 
 def new_run_id() -> str:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from time import perf_counter
 
-from bench.core import ENVELOPE, Context, ScenarioResult, new_run_id
+from bench.core import ENVELOPE, Context, ScenarioResult, new_run_id, paced
 from bench.kombu_level import new_envelope
 from bench.payload import PAYLOAD, TASK_TYPE
 from bench.stats import percentile
@@ -45,13 +44,8 @@ def _announce(ctx: Context, queue: str) -> None:
 
 def _paced(rate: float, seconds: float, send: Callable[[], None]) -> list[float]:
     """Call ``send`` ``rate`` times a second for ``seconds``; each call's time in ms."""
-    interval = 1 / rate
     latencies = []
-    start = perf_counter()
-    for number in range(int(rate * seconds)):
-        pause = start + number * interval - perf_counter()
-        if pause > 0:
-            time.sleep(pause)
+    for _ in paced(rate, int(rate * seconds)):
         began = perf_counter()
         send()
         latencies.append((perf_counter() - began) * 1000)

@@ -17,7 +17,7 @@ from typing import Any
 from kombu import Connection, Consumer, Exchange, Producer, Queue
 
 import kombu_envelope.kombu.adapter  # noqa: F401  (registers envelope:// and the envelope serializer)
-from bench.core import AMQP, ENVELOPE, STOCK, Context, ScenarioResult, new_run_id
+from bench.core import AMQP, ENVELOPE, STOCK, Context, ScenarioResult, new_run_id, paced
 from bench.payload import PAYLOAD, TASK_TYPE, payload_bytes
 from bench.stats import Measure, percentile
 from bench.workers import ROOT
@@ -279,12 +279,7 @@ def publish_to_start(url: str, queues: list[Queue], kind: str, rate: float, seco
         with connect(url) as conn:
             producer = conn.Producer()
             publishers = [publish_fn(producer, queue, kind, prebuilt=True) for queue in queues]
-            interval = 1.0 / rate
-            start = perf_counter()
-            for index in range(count):
-                delay = start + index * interval - perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
+            for index in paced(rate, count):
                 payload = {**PAYLOAD, "sent_at": time.time()}
                 publishers[index % len(publishers)](
                     new_envelope(payload) if kind == "envelope" else payload)

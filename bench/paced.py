@@ -4,7 +4,6 @@ the latency from each send to its start, and the CPU each side spends per task."
 from __future__ import annotations
 
 import time
-from time import perf_counter
 
 from bench.celery_app import run_key
 from bench.celery_level import (
@@ -19,7 +18,7 @@ from bench.celery_level import (
     recording_client,
     wait_for,
 )
-from bench.core import Context, ScenarioResult, new_run_id
+from bench.core import Context, ScenarioResult, new_run_id, paced
 from bench.cpu import CpuClock, broker_cpu, cpu_note, process_tree_s, this_process_s
 from bench.payload import PAYLOAD
 from bench.stats import percentile
@@ -46,12 +45,7 @@ def _paced_once(ctx: Context, transport: str, rate: float, seconds: float
                           "broker": broker_cpu(transport, client)})
         sent: list[float] = []
         before, published = clock.read(), publisher.read()
-        interval = 1.0 / rate
-        begin = perf_counter()
-        for index in range(count):
-            delay = begin + index * interval - perf_counter()
-            if delay > 0:
-                time.sleep(delay)
+        for index in paced(rate, count):
             sent.append(time.time())
             app.send_task("bench.record", kwargs={"run": run, "index": index, "data": PAYLOAD},
                           queue=queue, producer=producer)
