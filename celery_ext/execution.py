@@ -93,6 +93,7 @@ from celery_ext.statistics import attempt_buffer
 from celery_ext.time_limits import soft_time_limit
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339, utcnow
 from kombu_envelope.failures import Failure, FailureClass
+from kombu_envelope.kombu.settle import record_with_ack
 from kombu_envelope.retrying import (
     FAST_RETRIES_HEADER,
     FIRST_FAILURE_HEADER,
@@ -343,8 +344,12 @@ class ExecutionShell:
         self._count(attempt, {**observation("run", time.monotonic() - began), "succeeded": 1})
         self._settle_claim(attempt, succeeded=True)
         metrics.count("succeeded", attempt.task.name)
-        self._record(attempt, record_write(self.settings, queue, task_id, TaskState.SUCCEEDED,
-                                           {"finished_at": utcnow()}))
+        success = record_write(self.settings, queue, task_id, TaskState.SUCCEEDED,
+                               {"finished_at": utcnow()})
+        delivery = attempt.delivery
+        if not (delivery.stream and delivery.entry_id and record_with_ack(
+                delivery.consumer, delivery.stream, delivery.entry_id, success)):
+            self._record(attempt, success)  # no ack of this run waits here (section 14)
         return result
 
     def _stats(self) -> StatsBuffer:

@@ -36,6 +36,7 @@ from kombu_envelope import Envelope, InvalidEnvelope
 from kombu_envelope.codec import decode_entry, encode_entry
 from kombu_envelope.envelope import utcnow
 from kombu_envelope.keys import KeySpace, QueueKeys, bucket_for
+from kombu_envelope.kombu import settle
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.promoter import Promoter
 
@@ -722,6 +723,37 @@ class EnvelopeTransportBehaviour:
         assert {"n": 1} in got.bodies[:2]
         assert any(b.get("task_type") == "orders.close" for b in got.bodies[:2])
         assert got.bodies[2] == {"n": 2}
+
+
+    def test_under_a_hub_the_acks_of_one_read_go_together_once_it_is_delivered(
+        self, connection: kombu.Connection, keys: KeySpace, settings: Settings,
+        redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        monkeypatch.setattr(settle, "ACK_BATCH_S", 3600.0)  # only the deliveries decide
+        queue = Queue("acked-together")
+        queue(connection.default_channel).declare()
+        producer = connection.Producer()
+        for _ in range(3):
+            producer.publish(task(), serializer="envelope", routing_key="acked-together")
+        streams = keys.queue("acked-together").all_streams
+        hub = Hub()
+        got = Collector()  # acknowledges each message as it comes
+        held = []
+        try:
+            connection.register_with_event_loop(hub)
+            with connection.Consumer([queue], callbacks=[got]) as consumer:
+                consumer.qos(prefetch_count=3)
+                while len(got) < 3:
+                    hub.run_once()
+                    held.append(sum(pending_count(redis_client, s, settings.consumer_group)
+                                    for s in streams))
+                hub.run_once()  # nothing left to deliver: the acks go before it waits
+                assert sum(pending_count(redis_client, s, settings.consumer_group)
+                           for s in streams) == 0
+        finally:
+            hub.close()
+        assert held[-1] == 3  # all three acknowledged, none settled while one was left
+        assert total_length(redis_client, streams) == 0
 
 
 class TestDefaultOptions(EnvelopeTransportBehaviour):

@@ -162,15 +162,22 @@ class Channel(virtual.Channel):
         self.retry_reads_soon = False
         #: Messages read by the last blocking read and not delivered yet (see deliver_buffered).
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
+        #: Queues whose last read took all it asked for: they may hold more right now.
+        self._may_hold_more: set[str] = set()
         self._registered_liveness = False
         self._started_at = utcnow()
         self.queues = Queues(self.client, self.settings)
         self.bindings = Bindings(self.client, self.settings)
         self.settler = Settler(self.client, self.settings, self.consumer_name,
-                               transport.queue_of_stream)
+                               transport.queue_of_stream, self._holds)
         self.inbox = Inbox(self.client, self.settings, self.adapter, self.consumer_name,
                            transport.queue_of_stream, self.settler)
         transport.poller.add(self)
+
+    def _holds(self, delivery_tag: str) -> bool:
+        """Whether the message of ``delivery_tag`` was delivered here and is not settled."""
+        qos = self.qos
+        return delivery_tag in qos._delivered or delivery_tag in qos.kept
 
     # ----------------------------------------------------------------- publish
 
@@ -361,9 +368,17 @@ class Channel(virtual.Channel):
                 raise
             self._recreate_groups()
             reply = read(keys=streams, args=args)
+        self._note_fill(queue, sum(len(entries) for _stream, entries in reply) >= count)
         if retries_seen() != retried:
             reply = reply + self._unseen_own_entries(streams, reply)
         return self._without_held(reply)
+
+    def _note_fill(self, queue: str, filled: bool) -> None:
+        """Remember whether the last read of ``queue`` took all it asked for."""
+        if filled:
+            self._may_hold_more.add(queue)
+        else:
+            self._may_hold_more.discard(queue)
 
     def _unseen_own_entries(self, streams: list[str], reply: list[Any]) -> list[Any]:
         """Entries this consumer holds but never saw: a read retried after its reply
@@ -438,6 +453,8 @@ class Channel(virtual.Channel):
         A queue whose share is smaller than its number of streams waits with a
         blocking XREAD from the group's last-delivered ids instead, which takes
         nothing; its reply makes the channel take exactly the credit with read.lua.
+        When the last read of such a queue took all it asked for, read.lua is tried
+        first: a queue being drained needs no wait, nor the ids to wait from.
 
         A reader whose last reply was lost with its connection first recovers the
         entries that read may have taken (this consumer's own, never delivered).
@@ -459,9 +476,19 @@ class Channel(virtual.Channel):
             share = room // len(idle) if idle else 0
             # Too little credit for every queue: one entry each for the first ones.
             for queue in idle if share else idle[:max(room, 0)]:
-                self._start_read(queue, max(share, 1))
+                if not self._took_without_waiting(queue, max(share, 1)):
+                    self._start_read(queue, max(share, 1))
         return [(fd, reader) for reader in self._readers.values()
                 if (fd := reader.fileno()) is not None]
+
+    def _took_without_waiting(self, queue: str, share: int) -> bool:
+        """Buffer up to ``share`` entries of a queue that may hold more when its share
+        would only let it wait; True when that read brought messages to deliver."""
+        if share >= len(self.keys.queue(queue).all_streams) or queue not in self._may_hold_more:
+            return False
+        messages = self.inbox.messages(self._read_now(queue, share))
+        self._buffer.extend(messages)
+        return bool(messages)
 
     def _start_read(self, queue: str, share: int) -> None:
         streams = self.keys.queue(queue).all_streams
@@ -519,7 +546,7 @@ class Channel(virtual.Channel):
         broke or timed out may have lost a reply that took entries, so the reader
         first recovers this consumer's unseen entries (see start_blocking_reads).
         """
-        wait_only = reader.wait_only
+        wait_only, per_stream = reader.wait_only, reader.reserved // len(reader.streams)
         try:
             reply = reader.reply()
         except ResponseError as exc:
@@ -562,9 +589,11 @@ class Channel(virtual.Channel):
             self._buffer.extend(self._read_queues(self._room()))
             return self.deliver_buffered()
         self._buffer.extend(self.inbox.messages(self._without_held(reply or [])))
-        if reply and self.consuming and self._room() > 0:
-            # The queue that answered may hold more: top the buffer up from it alone
-            # (the other queues have their own reads in flight).
+        self._note_fill(reader.queue, _filled(reply, per_stream))
+        if reader.queue in self._may_hold_more and self.consuming and self._room() > 0:
+            # A stream gave all the read asked of it, so the queue may hold more: top
+            # the buffer up from it alone (the other queues have their own reads in
+            # flight). A reply short on every stream drained them when Redis sent it.
             self._buffer.extend(self.inbox.messages(self._read_now(reader.queue,
                                                                    self._room())))
         return self.deliver_buffered()
@@ -645,3 +674,8 @@ class Channel(virtual.Channel):
                 self.lease_keeper.unregister(self.consumer_name)
             if not self._on_cluster:  # a Cluster client is the transport's, shared
                 self.client.close()
+
+
+def _filled(reply: list[Any] | None, per_stream: int) -> bool:
+    """Whether a blocking read's reply took its full COUNT from one of its streams."""
+    return any(len(entries) >= per_stream for _stream, entries in reply or [])

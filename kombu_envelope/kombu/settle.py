@@ -1,17 +1,24 @@
 """Settling the stream entries of delivered messages: ack, requeue, dead-letter.
 
-Ack is ``XACK`` + ``XDEL``, batched per event-loop turn when a hub drives the
-channel. Requeue puts an entry back at the end of its stream; dead-lettering
-moves it, with its raw bytes, to the queue's dead-letter stream. Each writes the
-task record of its step (docs/protocol.md, section 14): an ack only for a task
-that was skipped (``INFO_SKIPPED``), in the ack's ``MULTI``; the success of a task
-that ran is recorded by whoever ran it.
+Ack is ``XACK`` + ``XDEL``, batched when a hub drives the channel: the acks of the
+messages delivered from one read wait until the channel has nothing more to
+deliver, or for :data:`ACK_BATCH_S` at most. Requeue puts an entry back at the end
+of its stream; dead-lettering moves it, with its raw bytes, to the queue's
+dead-letter stream. Each writes the task record of its step (docs/protocol.md,
+section 14): an ack the record of a task that was skipped (``INFO_SKIPPED``), in
+the ack's ``MULTI``; the success of a task that ran is recorded by whoever ran it,
+in the ack's ``MULTI`` when that ack still waits in this process
+(:func:`record_with_ack`), with the statistics counted so far.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import weakref
 from collections.abc import Callable, Iterable
+from time import monotonic
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -43,19 +50,45 @@ from kombu_envelope.store.worker_stats import UNDECODED, process_buffer
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
 
+#: Longest time a deferred ack waits for the acks of the next deliveries (seconds).
+ACK_BATCH_S = 0.05
+
+#: The settler of each consumer, by process id and consumer name (a forked child
+#: inherits its parent's, which it must not use).
+_settlers: weakref.WeakValueDictionary[tuple[int, str], Settler] = (
+    weakref.WeakValueDictionary())
+
+
+def record_with_ack(consumer: str, stream: str, entry_id: str, record: RecordWrite) -> bool:
+    """Write ``record`` in the ``MULTI`` of the ack of ``entry_id`` when this process
+    makes that ack and has not sent it yet: it waits to be flushed, or the message is
+    still delivered here (a solo-pool worker acknowledges right after the task). False
+    otherwise (the ack went already, or another process makes it): write it yourself."""
+    settler = _settlers.get((os.getpid(), consumer))
+    return settler is not None and settler.attach_record(stream, entry_id, record)
+
 
 class Settler:
     """Acknowledges, requeues and dead-letters the entries one consumer has read."""
 
     def __init__(self, client: Any, settings: Settings, consumer_name: str,
-                 queue_of_stream: Callable[[str], str]) -> None:
+                 queue_of_stream: Callable[[str], str],
+                 holds: Callable[[str], bool] = lambda _tag: False) -> None:
+        """``holds(delivery_tag)``: whether a message delivered here is not settled yet."""
         self.client = client
+        self.holds = holds
         self.settings = settings
         self.consumer_name = consumer_name
         self.queue_of_stream = queue_of_stream
-        #: Whether acks wait for flush_acks (an event loop calls it on every turn).
+        #: Whether acks wait for flush_acks (an event loop calls it on its turns).
         self.defer_acks = False
         self._pending_acks: list[tuple[str, str, RecordWrite]] = []
+        #: When the oldest ack in ``_pending_acks`` was made (monotonic seconds).
+        self._pending_since = 0.0
+        #: Records to write with acks not made yet, by (stream, entry id).
+        self._records_for_ack: dict[tuple[str, str], RecordWrite] = {}
+        self._lock = threading.Lock()  # a thread pool's task may attach a record
+        _settlers[os.getpid(), consumer_name] = self
 
     def ack(self, delivery_info: dict[str, Any]) -> None:
         """Acknowledge and delete the entry a message came from.
@@ -67,11 +100,38 @@ class Settler:
         if stream is None:
             return
         skipped, task_id = delivery_info.get(INFO_SKIPPED), delivery_info.get(INFO_TASK_ID)
+        entry_id = delivery_info[INFO_ENTRY_ID]
         record = (skip_write(self.settings, self.queue_of_stream(stream), task_id, skipped)
                   if skipped and task_id else RecordWrite())
-        self._pending_acks.append((stream, delivery_info[INFO_ENTRY_ID], record))
+        with self._lock:
+            record = self._records_for_ack.pop((stream, entry_id), record)
+            if not self._pending_acks:
+                self._pending_since = monotonic()
+            self._pending_acks.append((stream, entry_id, record))
         if not self.defer_acks:
             self.flush_acks()
+
+    def attach_record(self, stream: str, entry_id: str, record: RecordWrite) -> bool:
+        """Write ``record`` with the ack of ``entry_id``, waiting or still to be made
+        (see :func:`record_with_ack`); False if this settler sends no such ack."""
+        with self._lock:
+            for index, (acked_stream, acked_id, waiting) in enumerate(self._pending_acks):
+                if acked_id == entry_id and acked_stream == stream and waiting.key is None:
+                    self._pending_acks[index] = (stream, entry_id, record)
+                    return True
+            if self.defer_acks and self.holds(f"{stream} {entry_id}"):
+                self._records_for_ack[stream, entry_id] = record
+                return True
+        return False
+
+    def _forget_record(self, stream: str, entry_id: str) -> None:
+        """The entry is settled otherwise than acknowledged: its record is not written."""
+        with self._lock:
+            self._records_for_ack.pop((stream, entry_id), None)
+
+    def acks_waited(self) -> bool:
+        """Whether the oldest waiting ack has waited :data:`ACK_BATCH_S`."""
+        return bool(self._pending_acks) and monotonic() - self._pending_since >= ACK_BATCH_S
 
     def flush_acks(self) -> None:
         """XACK and XDEL every acknowledged entry not yet settled: one MULTI per queue.
@@ -79,15 +139,16 @@ class Settler:
         The entries of one queue share its slot; those of several queues are
         acknowledged in separate transactions (docs/protocol.md, section 5).
         """
-        if not self._pending_acks:
+        with self._lock:
+            pending, self._pending_acks = self._pending_acks, []
+        if not pending:
             return
         by_queue: dict[str, tuple[dict[str, list[str]], list[RecordWrite]]] = {}
-        for stream, entry_id, record in self._pending_acks:
+        for stream, entry_id, record in pending:
             by_stream, records = by_queue.setdefault(self.queue_of_stream(stream), ({}, []))
             by_stream.setdefault(stream, []).append(entry_id)
             if record.key is not None:
                 records.append(record)
-        self._pending_acks = []
         for by_stream, records in by_queue.values():
             self._ack_in_one_slot(by_stream, records)
 
@@ -98,17 +159,24 @@ class Settler:
 
     def _ack_in_one_slot(self, by_stream: dict[str, list[str]],
                          records: list[RecordWrite]) -> None:
-        """One MULTI on the streams of one queue (and the records of its skipped tasks),
-        then ``WAIT`` with ``wait_replicas`` on the connection that ran it (on a Cluster,
-        to the node of the queue's slot)."""
-        pipe = write_pipeline(self.client, self.settings, transaction=True,
-                              key=next(iter(by_stream)))
+        """One MULTI on the streams of one queue (and the records its acks carry, with
+        the statistics counted so far on the queue when there are any), then ``WAIT``
+        with ``wait_replicas`` on the connection that ran it (on a Cluster, to the node
+        of the queue's slot)."""
+        first = next(iter(by_stream))
+        pipe = write_pipeline(self.client, self.settings, transaction=True, key=first)
         for stream, ids in by_stream.items():
             pipe.xack(stream, self.settings.consumer_group, *ids)
             pipe.xdel(stream, *ids)
         for record in records:
             record.add_to(pipe)
-        replies = execute(pipe, self.settings, "ack")
+        stats, queue = process_buffer(self.settings), self.queue_of_stream(first)
+        counted = stats.add_to(pipe, queue) if records else {}
+        try:
+            replies = execute(pipe, self.settings, "ack")
+        except BaseException:
+            stats.give_back(queue, counted)
+            raise
         for (stream, ids), acked in zip(by_stream.items(), replies[:2 * len(by_stream):2]):
             if acked < len(ids):
                 # Normal when a task settled its entry itself (dead-lettered it, or
@@ -126,6 +194,7 @@ class Settler:
             return
         queue = self.queue_of_stream(stream)
         entry_id = delivery_info[INFO_ENTRY_ID]
+        self._forget_record(stream, entry_id)
         record = entry_record(self.client, self.settings, queue, stream, entry_id,
                               TaskState.QUEUED, task_id=delivery_info.get(INFO_TASK_ID))
         run_script(self.client, self.settings, "requeue",
@@ -138,6 +207,7 @@ class Settler:
         stream = delivery_info.get(INFO_STREAM)
         if stream is None:
             return
+        self._forget_record(stream, delivery_info[INFO_ENTRY_ID])
         failure_class = FailureClass(delivery_info.get(INFO_FAILURE_CLASS,
                                                        FailureClass.REJECTED))
         reason = delivery_info.get(INFO_FAILURE_REASON,

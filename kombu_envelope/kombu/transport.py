@@ -122,11 +122,17 @@ class Poller:
 
     def arm(self) -> list[int]:
         """Settle pending acks, then start a blocking read on every queue of every
-        channel that can consume (one per queue); return the fds to wait on."""
+        channel that can consume (one per queue); return the fds to wait on.
+
+        A channel that still has a message to deliver keeps its acks for the next
+        turns (one ``MULTI`` for the messages of one read), unless the oldest has
+        waited ``ACK_BATCH_S``; acks always go before the loop waits.
+        """
         self._fd_to_reader = {}
         come_back = False
         for channel in list(self.channels):
-            channel.settler.flush_acks()
+            if not channel.has_buffered() or channel.settler.acks_waited():
+                channel.settler.flush_acks()
             if not channel.has_buffered():
                 for fd, reader in channel.start_blocking_reads():
                     self._fd_to_reader[fd] = (channel, reader)

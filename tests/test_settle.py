@@ -1,0 +1,112 @@
+"""Acks that wait for the next deliveries, and the success record that rides on the ack
+of its entry (docs/protocol.md, sections 5 and 14), against a real Redis."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import redis
+
+from kombu_envelope import Envelope
+from kombu_envelope.keys import bucket_for
+from kombu_envelope.kombu.delivery_info import INFO_ENTRY_ID, INFO_STREAM, INFO_TASK_ID
+from kombu_envelope.kombu.settle import Settler, record_with_ack
+from kombu_envelope.settings import Settings
+from kombu_envelope.store.publisher import Publisher
+from kombu_envelope.store.queues import Queues
+from kombu_envelope.store.task_records import TaskRecords, TaskState, record_write
+from kombu_envelope.store.worker_stats import process_buffer, read_stats
+
+QUEUE = "settled"
+CONSUMER = "settle-test-consumer"
+
+
+@pytest.fixture
+def settings(key_prefix: str) -> Settings:
+    return Settings(key_prefix=key_prefix)
+
+
+def read_one(client: redis.Redis, settings: Settings) -> dict[str, str]:
+    """Publish a task and read it as CONSUMER: the delivery_info of its pending entry."""
+    Queues(client, settings).declare(QUEUE)
+    envelope = Envelope.new(task_type="orders.close", payload={"order_id": 7})
+    stream = settings.keys.queue(QUEUE).stream(bucket_for(envelope.priority))
+    entry_id = Publisher(client, settings).publish(QUEUE, envelope)
+    assert entry_id is not None
+    client.xreadgroup(settings.consumer_group, CONSUMER, {stream: ">"})
+    return {INFO_STREAM: stream, INFO_ENTRY_ID: entry_id, INFO_TASK_ID: envelope.task_id}
+
+
+def settler(client: redis.Redis, settings: Settings, held: set[str]) -> Settler:
+    found = Settler(client, settings, CONSUMER, lambda _stream: QUEUE, held.__contains__)
+    found.defer_acks = True  # as under an event loop
+    return found
+
+
+def success(settings: Settings, info: dict[str, str]) -> object:
+    return record_write(settings, QUEUE, info[INFO_TASK_ID], TaskState.SUCCEEDED)
+
+
+def pending(client: redis.Redis, settings: Settings, info: dict[str, str]) -> int:
+    return int(client.xpending(info[INFO_STREAM], settings.consumer_group)["pending"])
+
+
+def state(client: redis.Redis, settings: Settings, info: dict[str, str]) -> TaskState:
+    return TaskRecords(client, settings).get(info[INFO_TASK_ID], QUEUE).state
+
+
+def test_a_success_rides_on_the_waiting_ack_with_the_statistics(
+        redis_client: redis.Redis, settings: Settings) -> None:
+    info = read_one(redis_client, settings)
+    acks = settler(redis_client, settings, set())
+    acks.ack(info)
+    assert pending(redis_client, settings, info) == 1  # the ack waits for the next ones
+    assert record_with_ack(CONSUMER, info[INFO_STREAM], info[INFO_ENTRY_ID],
+                           success(settings, info))
+    process_buffer(settings).count(QUEUE, "orders.close", "succeeded")
+    assert state(redis_client, settings, info) is TaskState.QUEUED
+    acks.flush_acks()
+    assert pending(redis_client, settings, info) == 0
+    assert redis_client.xlen(info[INFO_STREAM]) == 0
+    assert state(redis_client, settings, info) is TaskState.SUCCEEDED
+    (stats,) = read_stats(redis_client, settings, QUEUE)
+    assert stats.counters["succeeded"] == 1
+
+
+def test_a_success_waits_for_the_ack_to_come_and_a_requeue_drops_it(
+        redis_client: redis.Redis, settings: Settings) -> None:
+    first, second = read_one(redis_client, settings), read_one(redis_client, settings)
+    held = {f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}" for info in (first, second)}
+    acks = settler(redis_client, settings, held)
+    for info in (first, second):  # delivered here, not acknowledged yet
+        assert record_with_ack(CONSUMER, info[INFO_STREAM], info[INFO_ENTRY_ID],
+                               success(settings, info))
+    acks.ack(first)
+    acks.requeue(second)
+    acks.flush_acks()
+    assert state(redis_client, settings, first) is TaskState.SUCCEEDED
+    assert state(redis_client, settings, second) is TaskState.QUEUED
+    assert pending(redis_client, settings, second) == 0  # put back at the end of its stream
+    assert redis_client.xlen(second[INFO_STREAM]) == 1
+
+
+def test_without_an_ack_to_come_here_the_caller_writes_the_record(
+        redis_client: redis.Redis, settings: Settings) -> None:
+    info = read_one(redis_client, settings)
+    acks = settler(redis_client, settings, set())
+    record = success(settings, info)
+    assert not record_with_ack("no-such-consumer", info[INFO_STREAM], info[INFO_ENTRY_ID],
+                               record)
+    # Neither waiting nor still delivered here: the ack went already, or never comes.
+    assert not record_with_ack(CONSUMER, info[INFO_STREAM], info[INFO_ENTRY_ID], record)
+    acks.ack(info)
+    child = os.fork()
+    if child == 0:  # a forked pool process must not use its parent's settler
+        os._exit(1 if record_with_ack(CONSUMER, info[INFO_STREAM], info[INFO_ENTRY_ID],
+                                      record) else 0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    acks.flush_acks()
+    assert state(redis_client, settings, info) is TaskState.QUEUED
+    assert pending(redis_client, settings, info) == 0
