@@ -273,7 +273,8 @@ def test_records_expire_and_retention_zero_writes_none(
 
 
 def test_a_live_worker_announces_its_queues_and_tasks(
-        worker: CeleryWorker, redis_client: redis.Redis, settings: Settings) -> None:
+        worker: CeleryWorker, app: Celery, redis_client: redis.Redis,
+        settings: Settings) -> None:
     announcements = Announcements(redis_client, settings)
     (live,) = [a for a in announcements.workers("celery") if a.live]
     assert live.language == "python" and live.concurrency == 1 and live.stopped_at is None
@@ -285,7 +286,9 @@ def test_a_live_worker_announces_its_queues_and_tasks(
     assert not announcements.served("celery", "reliable.versioned", 3)
     assert not announcements.served("celery", "no.such.task", 1)
     assert not announcements.served("elsewhere", "reliable.effect", 1)
-    # The worker also consumes "doomed" since the SIGKILL test; no transient queue shows.
+    # A queue added at run time is announced too (the SIGKILL test above adds the same
+    # one; adding it twice is a no-op); no transient queue shows.
+    app.control.add_consumer("doomed", destination=[worker.hostname], reply=True)
     wait_for(lambda: announcements.serving_queues("reliable.versioned", 1)
              == ["celery", "doomed"], timeout=LEASE_MS / 1000 + 5,
              message=lambda: str(announcements.workers()))
