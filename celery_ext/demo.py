@@ -96,6 +96,13 @@ def _start_worker(broker: str, backend: str) -> subprocess.Popen[bytes]:
     )
 
 
+def _say(line: str) -> None:
+    """Print ``line`` in one write: the worker shares the terminal, and its log lines would
+    otherwise land between a line and its newline."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     """Run the demo."""
     with _redis_url() as url:
@@ -115,9 +122,9 @@ def main() -> None:
         try:
             started = time.monotonic()
             for result in results:
-                print(f"  -> {result.get(timeout=60)}")
-            print(f"  -> {delayed.get(timeout=60)} "
-                  f"({time.monotonic() - started:.1f} s after the worker started)")
+                _say(f"  -> {result.get(timeout=60)}")
+            _say(f"  -> {delayed.get(timeout=60)} "
+                 f"({time.monotonic() - started:.1f} s after the worker started)")
             _wait_for_acknowledgements(client)
             _show_streams(client)
         finally:
