@@ -193,8 +193,8 @@ def _queued_record(records: RecordSpecs, keys: QueueKeys,
     retry count)."""
     return records.write(
         keys, envelope.task_id, TaskState.QUEUED,
-        lambda: _published_fields(keys.queue, envelope, records.now),
-        shape=(envelope.task_type, envelope.payload_version, envelope.retry_count))
+        (envelope.task_type, envelope.payload_version, envelope.retry_count),
+        lambda: _published_fields(keys.queue, envelope, records.now))
 
 
 def schedule_encoded(batch: Batch, settings: Settings, keys: QueueKeys,

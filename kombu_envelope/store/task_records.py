@@ -161,27 +161,23 @@ class RecordSpecs:
         self._specs: dict[tuple[Any, ...], list[str | bytes]] = {}
 
     def write(self, keys: QueueKeys, task_id: str, state: TaskState,
-              fields: Mapping[str, Any] | Callable[[], Mapping[str, Any]], *,
-              due_ms: int | None = None, shape: tuple[Any, ...] | None = None,
-              ) -> tuple[list[str], list[str | bytes]]:
+              shape: tuple[Any, ...], fields: Callable[[], Mapping[str, Any]], *,
+              due_ms: int | None = None) -> tuple[list[str], list[str | bytes]]:
         """``(keys, args)`` of :func:`record_write` for the step (both empty when records
         are off).
 
-        ``shape``, when given, names what the fields depend on (they are then a function
-        that makes them, called once per shape), so that a step whose spec is known
-        builds no fields at all.
+        ``shape`` names what the step's fields depend on besides its queue and state;
+        ``fields`` makes them, called once per shape, so a step whose spec is known builds
+        none.
         """
         if self.settings.task_record_retention_s <= 0:
             return [], []
-        if shape is None:
-            assert not callable(fields)
-            shape = tuple(fields.items())
         key = (keys.queue, state, due_ms, *shape)
         args = self._specs.get(key)
         if args is None:
             args = self._specs[key] = record_write(
-                self.settings, keys.queue, task_id, state,
-                fields() if callable(fields) else fields, due_ms=due_ms, now=self.now).args
+                self.settings, keys.queue, task_id, state, fields(), due_ms=due_ms,
+                now=self.now).args
         return [keys.task_record(task_id)], args
 
 
