@@ -19,7 +19,11 @@ from support.workers import CeleryWorker
 
 from celery_ext.periodic import PeriodicScheduler, occurrence_task_id
 from kombu_envelope import Envelope, Settings
+from kombu_envelope.codec import decode_entry
+from kombu_envelope.dispatcher.routes.tasks import BATCH_CHUNK
+from kombu_envelope.envelope import PRIORITY_DEFAULT
 from kombu_envelope.failures import Failure, FailureClass
+from kombu_envelope.keys import bucket_for
 from kombu_envelope.store.dead_letters import DeadLetters, dead_letter_envelope
 from kombu_envelope.store.promoter import Promoter, redis_now_ms
 from kombu_envelope.store.task_records import TaskRecords, TaskState
@@ -122,6 +126,24 @@ def test_batch_items_posted_again_are_duplicates_and_new_ones_are_not(
     assert [i["status"] for i in again] == [200, 201, 201]
     assert again[0]["task"]["duplicate"] and again[0]["task"]["state"] == "queued"
     assert again[1]["task"]["task_id"] != again[2]["task"]["task_id"]
+
+
+def test_a_batch_of_several_chunks_is_answered_and_enqueued_in_posted_order(
+        api: httpx.Client, queue: str, redis_url: str) -> None:
+    """Chunks are checked while the chunk before is published: answers and stream
+    entries still follow the posted order, a bad task in any chunk answered alone."""
+    count = 2 * BATCH_CHUNK + 50
+    bad = {3, BATCH_CHUNK, BATCH_CHUNK + 1, count - 1}
+    tasks = [{"task_type": "bill.charge", "priority": -1} if index in bad else
+             {"task_type": "bill.charge", "task_id": f"c-{index}-{uuid.uuid4().hex[:6]}"}
+             for index in range(count)]
+    items = api.post("/tasks:batch", json={"queue": queue, "tasks": tasks}).json()["items"]
+    assert [item["index"] for item in items] == list(range(count))
+    assert [item["status"] for item in items] == [422 if i in bad else 201 for i in range(count)]
+    stream = Settings(key_prefix=PREFIX).keys.queue(queue).stream(bucket_for(PRIORITY_DEFAULT))
+    entries = redis.Redis.from_url(redis_url).xrange(stream)
+    assert [decode_entry(fields).task_id for _, fields in entries] == [
+        task["task_id"] for task in tasks if "task_id" in task]
 
 
 def test_schemas_register_enforce_list_delete(api: httpx.Client, queue: str) -> None:

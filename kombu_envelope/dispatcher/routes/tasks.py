@@ -182,7 +182,7 @@ async def post_batch(request: Request, batch: BatchIn) -> Response:
 
 
 #: Tasks of a batch checked before they are handed to the publishing thread together.
-BATCH_CHUNK = 100000
+BATCH_CHUNK = 200
 
 
 def _batch_answers(found: Stores, batch: BatchIn) -> list[dict[str, Any]]:
