@@ -90,6 +90,53 @@ def test_the_primary_is_found_through_sentinels_with_their_own_password(
         close_client(client)
 
 
+@pytest.fixture(scope="module")
+def split_sentinels() -> Iterator[tuple[PrivateRedisServer, PrivateRedisServer,
+                                        list[PrivateRedisServer]]]:
+    """Two unrelated primaries X and Y, and three sentinels that disagree under one name:
+    the first monitors X, the other two monitor Y (a sentinel left behind by a failover,
+    or pointed at a restarted old primary, answers like the first)."""
+    with PrivateRedisServer() as x, PrivateRedisServer() as y:
+        sentinels = [PrivateRedisServer(sentinel=True, extra_config=[
+            f"sentinel monitor split {LOOPBACK} {primary.port} 1"]) for primary in (x, y, y)]
+        try:
+            for sentinel in sentinels:
+                sentinel.start()
+            yield x, y, sentinels
+        finally:
+            for sentinel in sentinels:
+                sentinel.close()
+
+
+def _sentinel_url(sentinels: list[PrivateRedisServer]) -> str:
+    return ";".join(f"envelope-sentinel://{LOOPBACK}:{s.port}/0" for s in sentinels)
+
+
+def test_the_primary_is_the_one_a_majority_of_sentinels_name(split_sentinels: tuple[
+        PrivateRedisServer, PrivateRedisServer, list[PrivateRedisServer]]) -> None:
+    x, y, sentinels = split_sentinels
+    settings = Settings(key_prefix="split", master_name="split", outage_tolerance_s=0)
+    client = client_for_url(_sentinel_url(sentinels), settings)  # X's sentinel listed first
+    try:
+        entry_id = Publisher(client, settings).publish(QUEUE, new_envelope())
+    finally:
+        close_client(client)
+    streams = settings.keys.queue(QUEUE).task_streams
+    with redis.Redis(port=y.port) as on_y, redis.Redis(port=x.port) as on_x:
+        assert [s for s in streams if on_y.xrange(s, entry_id, entry_id)]
+        assert not on_x.keys("split:*")
+
+    split = client_for_url(_sentinel_url(sentinels[:2]), settings)  # one vote each
+    try:
+        with pytest.raises(MasterNotFoundError, match=r"2 of 2 sentinels must name the same "
+                                                      r"primary, they name \{"):
+            split.ping()
+    finally:
+        close_client(split)
+    with redis.Redis(port=x.port) as on_x:
+        assert not on_x.keys("split:*")
+
+
 def test_sentinels_refusing_the_password_name_the_failure(group: SentinelGroup) -> None:
     settings = Settings(master_name=group.master_name, sentinel_kwargs={"password": "wrong"},
                         outage_tolerance_s=0)
