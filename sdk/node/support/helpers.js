@@ -10,13 +10,32 @@ import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { after } from 'node:test';
+import { Writable } from 'node:stream';
 import { promisify } from 'node:util';
 import { fileURLToPath } from 'node:url';
 import { setTimeout as sleep } from 'node:timers/promises';
 import Redis from 'ioredis';
 import { parseJson } from '../src/json.js';
+import { createLogger } from '../src/log.js';
 import { parseRedisUrl } from '../src/url.js';
 import { tlsDirectives } from './certificates.js';
+
+/** A logger whose JSON lines (at `level` and above) are collected in `lines`. */
+export function logSink(level = 'debug') {
+  const lines = [];
+  const stream = new Writable({
+    write(chunk, _enc, done) {
+      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
+      done();
+    },
+  });
+  return { lines, logger: createLogger({ stream, level }) };
+}
+
+/** A logger that writes nowhere. */
+export function quietLogger() {
+  return createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
+}
 
 /**
  * The conformance vectors: $ENVELOPE_CONFORMANCE_DIR when set, else the first

@@ -3,17 +3,15 @@
 
 import assert from 'node:assert/strict';
 import { once } from 'node:events';
-import { Writable } from 'node:stream';
 import { describe, test } from 'node:test';
 import Redis from 'ioredis';
 import {
-  InvalidEnvelope, InvalidPayloadError, KeySpace, Producer, Worker, createLogger, parseRedisUrl,
+  InvalidEnvelope, InvalidPayloadError, KeySpace, Producer, Worker, parseRedisUrl,
 } from '../src/index.js';
-import { redisSuite, waitFor } from '../support/helpers.js';
+import { quietLogger, redisSuite, waitFor } from '../support/helpers.js';
 
 const { server, skip, prefixFor, connect } = await redisSuite('api');
 
-const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
 const FAST = { leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 };
 
 describe('BullMQ-like API', { skip, concurrency: false }, () => {
@@ -30,7 +28,7 @@ describe('BullMQ-like API', { skip, concurrency: false }, () => {
         },
         payloadVersions: [1, 2],
       },
-    }, { connection: server.url, prefix, concurrency: 3, logger: quiet(), ...FAST });
+    }, { connection: server.url, prefix, concurrency: 3, logger: quietLogger(), ...FAST });
     worker.on('completed', (env, info) => seen.push(['completed', env.task_type, info.result]));
     worker.on('failed', (env, err, info) => seen.push(['failed', env.task_type, err.name, info.retrying]));
     worker.on('dead', (env, failure) => seen.push(['dead', env.task_type, failure.failure_class]));
@@ -56,7 +54,7 @@ describe('BullMQ-like API', { skip, concurrency: false }, () => {
     const prefix = prefixFor();
     const client = new Redis(parseRedisUrl(server.url));
     const worker = new Worker('orders', { 'order.close': () => 'ok' },
-      { connection: client, prefix, logger: quiet(), ...FAST });
+      { connection: client, prefix, logger: quietLogger(), ...FAST });
     await worker.waitUntilReady();
     assert.notEqual(worker.cmd, client);
     const producer = new Producer({ connection: client, prefix });
@@ -92,7 +90,7 @@ describe('BullMQ-like API', { skip, concurrency: false }, () => {
   });
 
   test('autorun: false waits for start()', async () => {
-    const worker = new Worker('orders', {}, { connection: server.url, prefix: prefixFor(), autorun: false, logger: quiet() });
+    const worker = new Worker('orders', {}, { connection: server.url, prefix: prefixFor(), autorun: false, logger: quietLogger() });
     assert.equal(worker.running, false);
     await worker.start();
     assert.equal(worker.running, true);

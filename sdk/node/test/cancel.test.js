@@ -2,12 +2,11 @@
 // Producer#cancel marks <prefix>:cancelled and removes the task from the delayed sets.
 
 import assert from 'node:assert/strict';
-import { Writable } from 'node:stream';
 import { describe, test } from 'node:test';
 import {
-  CANCEL_MARK_TTL_MS, InvalidQueueName, KeySpace, Producer, Timestamp, Worker, createLogger,
+  CANCEL_MARK_TTL_MS, InvalidQueueName, KeySpace, Producer, Timestamp, Worker,
 } from '../src/index.js';
-import { redisSuite, waitFor } from '../support/helpers.js';
+import { quietLogger, redisSuite, waitFor } from '../support/helpers.js';
 
 const { server, skip, prefixFor, connect } = await redisSuite('cx');
 const later = () => Timestamp.fromEpochMs(Date.now() + 3_600_000);
@@ -71,7 +70,7 @@ describe('cancel', { skip, concurrency: false }, () => {
     });
     const worker = new Worker('orders', { 'a.b': (payload) => { ran.push(payload.i); } }, {
       connection: server.url, prefix, concurrency: 3, leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200,
-      logger: createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) }),
+      logger: quietLogger(),
     });
     try {
       await waitFor(() => worker.stats.succeeded === 2 && worker.stats.cancelled === 1);

@@ -3,15 +3,13 @@
 
 import assert from 'node:assert/strict';
 import { once } from 'node:events';
-import { Writable } from 'node:stream';
 import { describe, test } from 'node:test';
 import {
-  DeadLetters, InvalidEnvelope, InvalidPayloadError, KeySpace, Producer, Worker, createLogger, jsonMergePatch,
+  DeadLetters, InvalidEnvelope, InvalidPayloadError, KeySpace, Producer, Worker, jsonMergePatch,
 } from '../src/index.js';
-import { redisSuite, waitFor } from '../support/helpers.js';
+import { quietLogger, redisSuite, waitFor } from '../support/helpers.js';
 
 const { server, skip, prefixFor, connect } = await redisSuite('dl');
-const quiet = () => createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) });
 
 test('merge patch follows RFC 7386', () => {
   assert.deepEqual(jsonMergePatch({ a: 1, b: { c: 2, d: 3 } }, { a: null, b: { c: 5 }, e: [1] }), { b: { c: 5, d: 3 }, e: [1] });
@@ -29,7 +27,7 @@ describe('dead letters', { skip, concurrency: false }, () => {
         if (!payload.order_id) throw new InvalidPayloadError('order_id is required');
         ran.push(payload.order_id);
       },
-    }, { connection: server.url, prefix, logger: quiet(), leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 });
+    }, { connection: server.url, prefix, logger: quietLogger(), leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 });
     await worker.waitUntilReady();
     const producer = new Producer({ connection: redis, prefix });
     const dead = once(worker, 'dead');
@@ -75,7 +73,7 @@ describe('dead letters', { skip, concurrency: false }, () => {
     const prefix = prefixFor();
     const worker = new Worker('orders', {
       'a.bad': () => { throw new InvalidPayloadError('bad'); },
-    }, { connection: server.url, prefix, logger: quiet(), leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 });
+    }, { connection: server.url, prefix, logger: quietLogger(), leaseMs: 900, blockMs: 100, promoterMaxIdleMs: 200 });
     await worker.waitUntilReady();
     const producer = new Producer({ connection: redis, prefix });
     await producer.publishMany('orders', [{ task_type: 'a.bad' }, { task_type: 'a.bad' }, { task_type: 'a.unknown' }]);

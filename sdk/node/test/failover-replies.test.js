@@ -8,13 +8,12 @@
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
-import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
-import { Producer, Worker, createLogger, isRedisAway, reconnectOnFailover } from '../src/index.js';
+import { Producer, Worker, isRedisAway, reconnectOnFailover } from '../src/index.js';
 import { roleConnection } from '../src/connection.js';
 import { KeySpace } from '../src/keys.js';
-import { onNode, startSentinelGroup, waitFor } from '../support/helpers.js';
+import { logSink, onNode, quietLogger, startSentinelGroup, waitFor } from '../support/helpers.js';
 
 const replyError = (message, extra = {}) => Object.assign(new Error(message), { name: 'ReplyError', ...extra });
 
@@ -71,7 +70,7 @@ describe('failover replies', () => {
     let calls = 0;
     const worker = Object.assign(Object.create(Worker.prototype), {
       queueOfStream: new Map([['s:high', 'q'], ['s:normal', 'q']]), opts: { group: 'workers', outageToleranceMs: 5000 },
-      log: createLogger({ stream: new Writable({ write: (_c, _e, done) => done() }) }),
+      log: quietLogger(),
       cmd: { xgroup: async () => { calls += 1; throw replyError(replies[calls === 1 ? 0 : 1]); } },
     });
     await worker.ensureGroups();
@@ -103,14 +102,7 @@ describe('Sentinel: a primary cut off from its replicas (NOREPLICAS)', { concurr
    */
   async function withWorker(t, body) {
     const prefix = `nr-${crypto.randomBytes(4).toString('hex')}`;
-    const lines = [];
-    const stream = new Writable({
-      write(chunk, _enc, done) {
-        for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
-        done();
-      },
-    });
-    const logger = createLogger({ stream, level: 'info' });
+    const { lines, logger } = logSink('info');
     const runs = [];
     let release;
     const gate = new Promise((resolve) => { release = resolve; });

@@ -4,29 +4,16 @@
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
-import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
 import { KeySpace } from '../src/keys.js';
-import { createLogger } from '../src/log.js';
 import { Producer } from '../src/producer.js';
 import { Worker } from '../src/worker.js';
-import { startRedisServer, waitFor } from '../support/helpers.js';
+import { logSink, startRedisServer, waitFor } from '../support/helpers.js';
 
 const Q1 = 'first';
 const Q2 = 'second';
-
-function logSink() {
-  const lines = [];
-  const stream = new Writable({
-    write(chunk, _enc, done) {
-      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
-      done();
-    },
-  });
-  return { lines, logger: createLogger({ stream, level: 'info' }) };
-}
 
 describe('a worker of several queues', { concurrency: false }, () => {
   let server;
@@ -49,7 +36,7 @@ describe('a worker of several queues', { concurrency: false }, () => {
   /** A started worker of [Q1, Q2] whose handler 'mq.run' records payload.id. */
   async function startWorker(prefix, options = {}) {
     const ran = [];
-    const sink = logSink();
+    const sink = logSink('info');
     const worker = new Worker([Q1, Q2], { 'mq.run': (payload) => { ran.push(payload.id); } }, {
       connection: server.url, prefix, leaseMs: 1500, blockMs: 200, promoterMaxIdleMs: 200, logger: sink.logger, ...options,
     });

@@ -2,14 +2,13 @@
 // announcements (section 15) and payload schemas (section 16).
 
 import assert from 'node:assert/strict';
-import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { describe, test } from 'node:test';
 import {
   DeadLetters, InvalidEnvelope, KeySpace, NotServed, Producer, RETRY_POLICY_HEADER, RejectedError, TIERED, Timestamp,
-  TransientError, Worker, createLogger,
+  TransientError, Worker,
 } from '../src/index.js';
-import { redisSuite, waitFor } from '../support/helpers.js';
+import { logSink, redisSuite, waitFor } from '../support/helpers.js';
 
 const { server, skip, prefixFor, connect } = await redisSuite('r5');
 const QUEUE = 'rec';
@@ -18,17 +17,6 @@ const ORDER_SCHEMA = JSON.stringify({
   type: 'object', required: ['order_id'], additionalProperties: false,
   properties: { order_id: { type: 'integer', minimum: 1 } },
 });
-
-function logSink() {
-  const lines = [];
-  const stream = new Writable({
-    write(chunk, _enc, done) {
-      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
-      done();
-    },
-  });
-  return { lines, logger: createLogger({ stream, level: 'debug' }) };
-}
 
 describe('revision 5', { skip, concurrency: false }, () => {
   const { redis, workers } = connect();

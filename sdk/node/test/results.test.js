@@ -3,34 +3,22 @@
 // (a second private redis-server here) with SET and PUBLISH, before the entry is settled.
 
 import assert from 'node:assert/strict';
-import { Writable } from 'node:stream';
 import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
 import { registerBuiltinHandlers } from '../support/handlers.js';
 import {
   InvalidResultRequest, KeySpace, Producer, RETRY_POLICY_HEADER, ResultEncodeError, TIERED, Timestamp, Worker,
-  checkResult, createLogger, encodeEntry, encodeResult, formatDateDone, newEnvelope, parseRedisUrl, resultMeta,
+  checkResult, encodeEntry, encodeResult, formatDateDone, newEnvelope, parseRedisUrl, resultMeta,
   resultRequestOf,
 } from '../src/index.js';
 import { retryWhileAway } from '../src/outage.js';
-import { redisSuite, startRedisServer, waitFor } from '../support/helpers.js';
+import { logSink, redisSuite, startRedisServer, waitFor } from '../support/helpers.js';
 
 const { server, skip, prefixFor, connect } = await redisSuite('rs');
 const QUEUE = 'jobs';
 const DATE_DONE = /^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00$/;
 
 const asking = (key, expiresS) => ({ celery: { result: expiresS === undefined ? { key } : { key, expires_s: expiresS } } });
-
-function logSink() {
-  const lines = [];
-  const stream = new Writable({
-    write(chunk, _enc, done) {
-      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
-      done();
-    },
-  });
-  return { lines, logger: createLogger({ stream, level: 'debug' }) };
-}
 
 describe('result meta (pure)', () => {
   test('compact JSON in the field order of Celery, date_done with microseconds and +00:00', () => {

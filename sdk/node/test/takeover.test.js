@@ -7,30 +7,17 @@ import crypto from 'node:crypto';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
-import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
 import Redis from 'ioredis';
 import { KeySpace } from '../src/keys.js';
-import { createLogger } from '../src/log.js';
 import { Producer } from '../src/producer.js';
 import { Worker } from '../src/worker.js';
-import { startRedisServer, waitFor } from '../support/helpers.js';
+import { logSink, startRedisServer, waitFor } from '../support/helpers.js';
 
 const LEASE_MS = 1500;
 const INTERVAL_MS = LEASE_MS / 3;
 const QUEUE = 'drill';
-
-function logSink() {
-  const lines = [];
-  const stream = new Writable({
-    write(chunk, _enc, done) {
-      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
-      done();
-    },
-  });
-  return { lines, logger: createLogger({ stream, level: 'info' }) };
-}
 
 describe('takeovers after an outage', { concurrency: false }, () => {
   test('a restart of Redis that outlasts the lease takes over nothing from a live worker', { timeout: 30_000 }, async () => {
@@ -48,7 +35,7 @@ describe('takeovers after an outage', { concurrency: false }, () => {
     // holder's reconnects less eagerly: after the restart its renewal lands a few
     // hundred ms (less than a renewal interval) after the other worker is back.
     for (const retryMs of [300, 50]) {
-      const sink = logSink();
+      const sink = logSink('info');
       const worker = new Worker(QUEUE, {
         'drill.block': async () => {
           starts.push(worker.consumer);
@@ -121,7 +108,7 @@ describe('takeovers after an outage', { concurrency: false }, () => {
         onLook(looks, ghostKey);
       });
       const ran = [];
-      const sink = logSink();
+      const sink = logSink('info');
       const worker = new Worker(QUEUE, { 'idem.effect': (payload) => { ran.push(payload); } }, {
         connection: { host: '127.0.0.1', port: server.port }, prefix, leaseMs: LEASE_MS, blockMs: 200,
         deferMs: 10_000, promoter: false, logger: sink.logger,

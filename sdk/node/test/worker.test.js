@@ -3,14 +3,12 @@
 
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { Writable } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { describe, test } from 'node:test';
 import { registerBuiltinHandlers } from '../support/handlers.js';
 import { decodeEntry, encodeEntry } from '../src/codec.js';
 import { newEnvelope } from '../src/envelope.js';
 import { KeySpace } from '../src/keys.js';
-import { createLogger } from '../src/log.js';
 import { Producer } from '../src/producer.js';
 import { RETRY_POLICY_HEADER, RejectedError, TIERED, TransientError } from '../src/retry.js';
 
@@ -18,21 +16,10 @@ import { RETRY_POLICY_HEADER, RejectedError, TIERED, TransientError } from '../s
 const TIERED_HEADERS = { [RETRY_POLICY_HEADER]: TIERED };
 import { Timestamp } from '../src/time.js';
 import { Worker } from '../src/worker.js';
-import { redisSuite, waitFor } from '../support/helpers.js';
+import { logSink, redisSuite, waitFor } from '../support/helpers.js';
 
 const { server, skip, prefixFor, connect } = await redisSuite('n');
 const QUEUE = 'jobs';
-
-function logSink() {
-  const lines = [];
-  const stream = new Writable({
-    write(chunk, _enc, done) {
-      for (const line of chunk.toString().split('\n')) if (line) lines.push(JSON.parse(line));
-      done();
-    },
-  });
-  return { lines, logger: createLogger({ stream, level: 'debug' }) };
-}
 
 describe('worker', { skip, concurrency: false }, () => {
   const { redis, workers } = connect();
