@@ -243,15 +243,16 @@ def _json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
     return _explained_json_depth(value, where, max_depth, level)  # raises, naming the place
 
 
+def _too_deep(where: str, max_depth: int) -> PydanticCustomError:
+    return PydanticCustomError("max_depth", "nested deeper than {max_depth} levels at {where}",
+                               {"max_depth": max_depth, "where": where})
+
+
 def _explained_json_depth(value: Any, where: str, max_depth: int, level: int = 1) -> int:
     """:func:`_json_depth` that builds the path of each value, to name it in its error."""
     if isinstance(value, dict):
         if level > max_depth:
-            raise PydanticCustomError(
-                "max_depth",
-                "nested deeper than {max_depth} levels at {where}",
-                {"max_depth": max_depth, "where": where},
-            )
+            raise _too_deep(where, max_depth)
         depth = level
         for key, item in value.items():
             if not isinstance(key, str):
@@ -261,11 +262,7 @@ def _explained_json_depth(value: Any, where: str, max_depth: int, level: int = 1
         return depth
     if isinstance(value, list):
         if level > max_depth:
-            raise PydanticCustomError(
-                "max_depth",
-                "nested deeper than {max_depth} levels at {where}",
-                {"max_depth": max_depth, "where": where},
-            )
+            raise _too_deep(where, max_depth)
         depth = level
         for index, item in enumerate(value):
             depth = max(depth, _explained_json_depth(item, f"{where}[{index}]", max_depth,
