@@ -1,0 +1,101 @@
+package io.kombuenvelope;
+
+import io.lettuce.core.RedisConnectionException;
+
+import java.util.ArrayList;
+import java.util.HashMap;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.StringJoiner;
+
+/**
+ * One lookup of a Sentinel group's primary: what each listed sentinel named for {@code master_name},
+ * and the address more than half of them name (docs/protocol.md section 5, failover). A sentinel
+ * counts only when its state for the primary is sane: flagged {@code master}, neither
+ * {@code s_down} nor {@code o_down}. Not thread-safe: its user serializes the calls.
+ */
+final class SentinelVotes {
+    /** A host and port: a sentinel, or the primary one names. */
+    record Address(String host, int port) {
+        @Override
+        public String toString() {
+            return (host.contains(":") ? "[" + host + "]" : host) + ":" + port;
+        }
+    }
+
+    private final String master;
+    /** What each sentinel said, in the order they are listed (null: no answer yet). */
+    private final Map<String, String> said = new LinkedHashMap<>();
+    private final Map<Address, Integer> votes = new HashMap<>();
+    private final List<Throwable> errors = new ArrayList<>();
+    private int pending;
+
+    /** A lookup of {@code master} asking the sentinels named {@code sentinels} ({@code host:port}, each once). */
+    SentinelVotes(String master, List<String> sentinels) {
+        this.master = master;
+        sentinels.forEach(s -> said.put(s, null));
+        this.pending = said.size();
+    }
+
+    /** How many sentinels must name the same primary: more than half of those listed. */
+    int needed() {
+        return said.size() / 2 + 1;
+    }
+
+    /** Records the {@code SENTINEL MASTER} reply of {@code sentinel}. */
+    void named(String sentinel, Map<String, String> state) {
+        String flags = state.getOrDefault("flags", "");
+        List<String> f = List.of(flags.split(","));
+        Address p;
+        try {
+            p = new Address(state.get("ip"), Integer.parseInt(state.get("port")));
+        } catch (RuntimeException e) {
+            answer(sentinel, "answered an unreadable state " + state);
+            return;
+        }
+        if (p.host() == null || !f.contains("master") || f.contains("s_down") || f.contains("o_down")) {
+            answer(sentinel, "named " + p + " with flags " + flags + " (not counted)");
+            return;
+        }
+        votes.merge(p, 1, Integer::sum);
+        answer(sentinel, "named " + p);
+    }
+
+    /** Records that {@code sentinel} could not be asked, or refused ({@code ERR No such master ...}). */
+    void failed(String sentinel, Throwable error) {
+        errors.add(error);
+        answer(sentinel, "failed (" + error.getMessage() + ")");
+    }
+
+    private void answer(String sentinel, String what) {
+        if (said.put(sentinel, what) == null) {
+            pending--;
+        }
+    }
+
+    /** The primary a majority names, or null. */
+    Address majority() {
+        return votes.entrySet().stream().filter(e -> e.getValue() >= needed()).map(Map.Entry::getKey)
+                .findFirst().orElse(null);
+    }
+
+    /** Whether the outcome is known: a majority names a primary, or none can even with the answers still due. */
+    boolean decided() {
+        int best = votes.values().stream().max(Integer::compare).orElse(0);
+        return best >= needed() || best + pending < needed();
+    }
+
+    /**
+     * The error of a lookup without a majority: a connection error (an outage, retried like
+     * "all sentinels unreachable"), with the sentinels' own errors as suppressed ones.
+     */
+    RedisConnectionException noMajority() {
+        StringJoiner each = new StringJoiner(", ");
+        said.forEach((sentinel, what) -> each.add(sentinel + " " + (what == null ? "had not answered" : what)));
+        RedisConnectionException e = new RedisConnectionException("no primary for master_name \"" + master + "\": "
+                + needed() + " of the " + said.size() + " listed sentinels must name the same one; " + each);
+        errors.forEach(e::addSuppressed);
+        return e;
+    }
+}
