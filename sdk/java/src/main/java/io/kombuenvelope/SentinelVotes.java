@@ -65,7 +65,11 @@ final class SentinelVotes {
     /** Records that {@code sentinel} could not be asked, or refused ({@code ERR No such master ...}). */
     void failed(String sentinel, Throwable error) {
         errors.add(error);
-        answer(sentinel, "failed (" + error.getMessage() + ")");
+        Throwable root = error;
+        while (root.getCause() != null && root.getCause() != root) {
+            root = root.getCause();
+        }
+        answer(sentinel, "failed (" + (root.getMessage() != null ? root.getMessage() : root.toString()) + ")");
     }
 
     private void answer(String sentinel, String what) {
@@ -88,14 +92,18 @@ final class SentinelVotes {
 
     /**
      * The error of a lookup without a majority: a connection error (an outage, retried like
-     * "all sentinels unreachable"), with the sentinels' own errors as suppressed ones.
+     * "all sentinels unreachable"). Its cause is a sentinel's refused TLS handshake if there was one
+     * (that is no outage: {@link Redis#isOutage}), else the last sentinel's error; Lettuce keeps
+     * only the cause when it reports a failed connection, so the other errors are suppressed ones.
      */
     RedisConnectionException noMajority() {
         StringJoiner each = new StringJoiner(", ");
         said.forEach((sentinel, what) -> each.add(sentinel + " " + (what == null ? "had not answered" : what)));
+        Throwable cause = errors.stream().filter(e -> Redis.tlsFailure(e) != null).findFirst()
+                .orElse(errors.isEmpty() ? null : errors.get(errors.size() - 1));
         RedisConnectionException e = new RedisConnectionException("no primary for master_name \"" + master + "\": "
-                + needed() + " of the " + said.size() + " listed sentinels must name the same one; " + each);
-        errors.forEach(e::addSuppressed);
+                + needed() + " of the " + said.size() + " listed sentinels must name the same one; " + each, cause);
+        errors.stream().filter(s -> s != cause).forEach(e::addSuppressed);
         return e;
     }
 }
