@@ -45,16 +45,16 @@ final class SentinelVotes {
 
     /** Records the {@code SENTINEL MASTER} reply of {@code sentinel}. */
     void named(String sentinel, Map<String, String> state) {
-        String flags = state.getOrDefault("flags", "");
-        List<String> f = List.of(flags.split(","));
-        Address p;
-        try {
-            p = new Address(state.get("ip"), Integer.parseInt(state.get("port")));
-        } catch (RuntimeException e) {
+        String ip = state.get("ip");
+        String port = state.get("port");
+        if (ip == null || port == null || !port.matches("[0-9]{1,5}")) {
             answer(sentinel, "answered an unreadable state " + state);
             return;
         }
-        if (p.host() == null || !f.contains("master") || f.contains("s_down") || f.contains("o_down")) {
+        Address p = new Address(ip, Integer.parseInt(port));
+        String flags = state.getOrDefault("flags", "");
+        List<String> f = List.of(flags.split(","));
+        if (!f.contains("master") || f.contains("s_down") || f.contains("o_down")) {
             answer(sentinel, "named " + p + " with flags " + flags + " (not counted)");
             return;
         }
