@@ -31,7 +31,7 @@ final class SentinelVotes {
     private final List<Throwable> errors = new ArrayList<>();
     private int pending;
 
-    /** A lookup of {@code master} asking the sentinels named {@code sentinels} ({@code host:port}, each once). */
+    /** A lookup of {@code master} asking the sentinels named {@code sentinels} ({@code host:port}). */
     SentinelVotes(String master, List<String> sentinels) {
         this.master = master;
         sentinels.forEach(s -> said.put(s, null));
@@ -43,8 +43,11 @@ final class SentinelVotes {
         return said.size() / 2 + 1;
     }
 
-    /** Records the {@code SENTINEL MASTER} reply of {@code sentinel}. */
+    /** Records the {@code SENTINEL MASTER} reply of {@code sentinel} (a sentinel listed twice counts once). */
     void named(String sentinel, Map<String, String> state) {
+        if (said.get(sentinel) != null) {
+            return;
+        }
         String ip = state.get("ip");
         String port = state.get("port");
         if (ip == null || port == null || !port.matches("[0-9]{1,5}")) {
@@ -64,6 +67,9 @@ final class SentinelVotes {
 
     /** Records that {@code sentinel} could not be asked, or refused ({@code ERR No such master ...}). */
     void failed(String sentinel, Throwable error) {
+        if (said.get(sentinel) != null) {
+            return;
+        }
         errors.add(error);
         Throwable root = error;
         while (root.getCause() != null && root.getCause() != root) {
@@ -73,9 +79,8 @@ final class SentinelVotes {
     }
 
     private void answer(String sentinel, String what) {
-        if (said.put(sentinel, what) == null) {
-            pending--;
-        }
+        said.put(sentinel, what);
+        pending--;
     }
 
     /** The primary a majority names, or null. */

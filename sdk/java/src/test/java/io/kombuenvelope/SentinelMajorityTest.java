@@ -111,6 +111,11 @@ class SentinelMajorityTest {
         w.named("s3:3", Map.of("ip", "10.0.0.2", "port", "6380", "flags", "master"));
         assertTrue(w.decided(), "two of three agree: s2 need not be waited for");
         w.named("s2:2", Map.of("flags", "master"));
+
+        SentinelVotes twice = new SentinelVotes("m", List.of("s1:1", "s1:1", "s2:2"));
+        twice.named("s1:1", Map.of("ip", "10.0.0.3", "port", "6379", "flags", "master"));
+        twice.named("s1:1", Map.of("ip", "10.0.0.3", "port", "6379", "flags", "master"));
+        assertEquals(null, twice.majority(), "a sentinel listed twice votes once, of two");
         assertEquals(new SentinelVotes.Address("10.0.0.2", 6380), w.majority());
     }
 
