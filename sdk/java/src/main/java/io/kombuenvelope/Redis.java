@@ -37,11 +37,11 @@ final class Redis {
     }
 
     /**
-     * A client of one server, or of the primary a Sentinel URI names, reconnecting by itself, with
-     * the CA and client certificate of {@code tls}.
+     * A client of one server, or of the primary a majority of a Sentinel URI's sentinels name
+     * ({@link SentinelClient}), reconnecting by itself, with the CA and client certificate of {@code tls}.
      */
     static RedisClient client(RedisURI uri, TlsOptions tls) {
-        RedisClient client = RedisClient.create(uri);
+        RedisClient client = uri.getSentinelMasterId() != null ? new SentinelClient(uri) : RedisClient.create(uri);
         client.setOptions(tls.applyTo(ClientOptions.builder()).protocolVersion(ProtocolVersion.RESP2)
                 .autoReconnect(true).build());
         return client;

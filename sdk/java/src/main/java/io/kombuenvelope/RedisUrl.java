@@ -23,7 +23,7 @@ import java.util.Map;
  * {@code rediss});</li>
  * <li>{@code redis-sentinel://[[user]:password@]h1[:26379][,h2[:port]...][/db]#<master_name>}
  * with optional query {@code sentinel_username=} and {@code sentinel_password=}: the primary that
- * the sentinels name, found again after a failover ({@code rediss-sentinel}: TLS to the data nodes
+ * a majority of the listed sentinels name, asked again on every (re)connection ({@code rediss-sentinel}: TLS to the data nodes
  * and the sentinels);</li>
  * <li>{@code redis-cluster://[[user]:password@]h1[:6379][,h2[:port]...]}: a Redis Cluster from its
  * seed nodes ({@code rediss-cluster}: TLS).</li>
@@ -194,7 +194,9 @@ public final class RedisUrl {
         }
         RedisURI.Builder b = tls(RedisURI.builder().withSentinelMasterId(p.fragment()), tls, options);
         for (String[] h : p.hosts()) {
-            RedisURI.Builder s = tls(RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])), tls, options);
+            // The timeout of the primary lookups: a stalled sentinel must not hold one up for a minute.
+            RedisURI.Builder s = tls(RedisURI.Builder.redis(h[0], Integer.parseInt(h[1])), tls, options)
+                    .withTimeout(Link.COMMAND_TIMEOUT);
             if (sentinelPassword != null) {
                 credentials(s, sentinelUser == null ? "" : sentinelUser, sentinelPassword);
             }

@@ -61,11 +61,17 @@ final class RedisServer {
     /** The same sentinel, speaking only TLS (to its clients, its peers and the data nodes) when {@code tls}. */
     static RedisServer sentinel(Tls tls, String masterName, int masterPort, String dataPassword, String password)
             throws IOException, InterruptedException {
+        return sentinel(tls, masterName, masterPort, 2, dataPassword, password);
+    }
+
+    /** The same sentinel with {@code quorum} instead of 2. */
+    static RedisServer sentinel(Tls tls, String masterName, int masterPort, int quorum, String dataPassword,
+                                String password) throws IOException, InterruptedException {
         return new RedisServer(0, null, tls, (dir, port) -> {
             Path conf = dir.resolve("sentinel.conf");
             Files.writeString(conf, String.join("\n",
                     "requirepass " + password,
-                    "sentinel monitor " + masterName + " 127.0.0.1 " + masterPort + " 2",
+                    "sentinel monitor " + masterName + " 127.0.0.1 " + masterPort + " " + quorum,
                     "sentinel auth-pass " + masterName + " " + dataPassword,
                     "sentinel down-after-milliseconds " + masterName + " 1000",
                     "sentinel failover-timeout " + masterName + " 3000",

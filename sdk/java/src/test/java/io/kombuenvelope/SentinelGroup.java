@@ -73,14 +73,43 @@ final class SentinelGroup implements AutoCloseable {
     }
 
     /**
+     * Two primaries without replicas that the sentinels disagree about: the first sentinel monitors
+     * the first primary, the two others the second, each with quorum 1 (they need no peers).
+     */
+    static SentinelGroup split() throws IOException, InterruptedException {
+        SentinelGroup g = new SentinelGroup(null);
+        try {
+            for (int i = 0; i < 2; i++) {
+                g.data.add(RedisServer.startWith("--requirepass", DATA_PASSWORD));
+            }
+            for (int i = 0; i < 3; i++) {
+                g.sentinels.add(RedisServer.sentinel(null, MASTER, g.data.get(i == 0 ? 0 : 1).port, 1, DATA_PASSWORD,
+                        SENTINEL_PASSWORD));
+            }
+            for (RedisServer s : g.sentinels) {
+                await("sentinel " + s.port + " sees its primary up", () -> "master".equals(sentinelMaster(s.port).get("flags")));
+            }
+            return g;
+        } catch (IOException | InterruptedException | RuntimeException | Error e) {
+            g.close();
+            throw e;
+        }
+    }
+
+    /**
      * {@code redis-sentinel://:<data password>@<the three sentinels>?sentinel_password=...#envmaster};
      * with TLS {@code rediss-sentinel://...&ssl_ca_certs=<the CA>...}.
      */
     String url() {
+        return url(sentinels);
+    }
+
+    /** {@link #url()} listing only {@code listed}, in that order. */
+    String url(List<RedisServer> listed) {
         StringBuilder b = new StringBuilder(tls == null ? "redis-sentinel" : "rediss-sentinel")
                 .append("://:").append(DATA_PASSWORD).append("@");
-        for (int i = 0; i < sentinels.size(); i++) {
-            b.append(i == 0 ? "" : ",").append("127.0.0.1:").append(sentinels.get(i).port);
+        for (int i = 0; i < listed.size(); i++) {
+            b.append(i == 0 ? "" : ",").append("127.0.0.1:").append(listed.get(i).port);
         }
         b.append("?sentinel_password=").append(SENTINEL_PASSWORD);
         if (tls != null) {
