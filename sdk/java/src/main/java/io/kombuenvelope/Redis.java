@@ -92,7 +92,7 @@ final class Redis {
      * slot that moved), so a safe command may be repeated (docs/protocol.md section 5, failover).
      */
     static boolean isOutage(Throwable e) {
-        if (tlsFailure(e) != null) {
+        if (tlsFailure(e) != null || refusedPassword(e)) {
             return false;
         }
         for (Throwable t = e; t != null; t = t.getCause()) {
@@ -118,6 +118,27 @@ final class Redis {
             }
         }
         return false;
+    }
+
+    /**
+     * Whether a server refused the password ({@code NOAUTH}, {@code WRONGPASS}) among the causes and
+     * suppressed errors of {@code e}, also inside a connection error or a Sentinel lookup's error:
+     * a setting to fix, which retrying cannot cure (protocol section 5).
+     */
+    static boolean refusedPassword(Throwable e) {
+        if (e == null) {
+            return false;
+        }
+        String m = String.valueOf(e.getMessage());
+        if (m.contains("WRONGPASS") || m.contains("NOAUTH")) {
+            return true;
+        }
+        for (Throwable s : e.getSuppressed()) {
+            if (refusedPassword(s)) {
+                return true;
+            }
+        }
+        return e.getCause() != e && refusedPassword(e.getCause());
     }
 
     /**
