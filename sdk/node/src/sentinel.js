@@ -39,7 +39,8 @@ const address = ({ host = '127.0.0.1', port = 26379 }) => (host.includes(':') ? 
 
 /**
  * What one sentinel's `SENTINEL MASTER <name>` reply (field, value, ...) says:
- * `{ primary: { host, port } }` when it sees that primary up, else `{ problem }`.
+ * `{ primary: { host, port } }` unless it holds that primary down (s_down,
+ * o_down, as redis-py's check_master_state), else `{ problem }`.
  * @param {unknown} reply
  * @returns {{ primary?: { host: string, port: number }, problem?: string }}
  */
@@ -50,7 +51,7 @@ export function primaryOf(reply) {
   const flags = (state.flags ?? '').split(',');
   if (!flags.includes('master') || !state.ip || !state.port) return { problem: `names no primary (flags ${state.flags})` };
   const primary = { host: state.ip, port: Number(state.port) };
-  const down = flags.filter((f) => ['s_down', 'o_down', 'disconnected'].includes(f));
+  const down = flags.filter((f) => f === 's_down' || f === 'o_down');
   return down.length ? { problem: `names ${address(primary)} ${down.join(',')}` } : { primary };
 }
 
@@ -80,12 +81,18 @@ export function majorityOf(answers, needed) {
  */
 export class MajoritySentinelConnector extends SentinelConnector {
   /**
+   * Find the primary, again after `sentinelRetryStrategy(attempt)` ms while
+   * the sentinels do not agree (each failure emitted as the client's
+   * 'error'; without a delay the attempt fails with it), then let ioredis
+   * open the connection to it.
    * @param {(type: string, err: Error) => void} eventEmitter
    * @returns {Promise<any>}
    */
   async connect(eventEmitter) {
     if (this.options.role === 'slave') return super.connect(eventEmitter);
     this.connecting = true;
+    /** @type {{ host: string, port: number } | undefined} the primary of this connection */
+    this.primary = undefined;
     for (let attempt = 1; ; attempt += 1) {
       let failure;
       try {
@@ -103,7 +110,11 @@ export class MajoritySentinelConnector extends SentinelConnector {
     }
   }
 
-  /** The address found by connect() (ioredis asks here for the node to connect to). */
+  /**
+   * The address found by connect() (ioredis asks here for the node to connect to).
+   * @param {{ host?: string, port?: number }} endpoint the sentinel ioredis would have asked
+   * @returns {Promise<{ host: string, port: number }>}
+   */
   async resolve(endpoint) {
     if (this.options.role === 'slave') return super.resolve(endpoint);
     return { ...this.primary };
@@ -113,6 +124,7 @@ export class MajoritySentinelConnector extends SentinelConnector {
    * `{ host, port }` of the primary a majority of the listed sentinels name;
    * throws SentinelMajorityError when there is none. Resolves as soon as a
    * majority agrees, so a stalled minority does not hold the connection up.
+   * @returns {Promise<{ host: string, port: number }>}
    */
   findPrimary() {
     const { sentinels, name } = this.options;
@@ -132,7 +144,10 @@ export class MajoritySentinelConnector extends SentinelConnector {
     });
   }
 
-  /** What the sentinel at `endpoint` says of the primary; never rejects. */
+  /**
+   * What the sentinel at `endpoint` says of the primary (primaryOf); never rejects.
+   * @param {{ host?: string, port?: number }} endpoint
+   */
   async ask(endpoint) {
     const { sentinelCommandTimeout, connectTimeout } = this.options;
     const client = this.connectToSentinel(endpoint, { commandTimeout: sentinelCommandTimeout ?? connectTimeout });

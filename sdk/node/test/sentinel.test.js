@@ -9,11 +9,13 @@ import { isRedisAway } from '../src/outage.js';
 const reply = (fields) => Object.entries({ name: 'm', ip: '10.0.0.1', port: '6379', ...fields }).flat();
 
 describe('Sentinel majority', () => {
-  test('a sentinel votes only for a primary it sees up', () => {
+  test('a sentinel votes only for a primary it does not hold down', () => {
     assert.deepEqual(primaryOf(reply({ flags: 'master' })), { primary: { host: '10.0.0.1', port: 6379 } });
     assert.deepEqual(primaryOf(reply({ flags: 'master,s_down' })), { problem: 'names 10.0.0.1:6379 s_down' });
     assert.deepEqual(primaryOf(reply({ flags: 'master,s_down,o_down,disconnected' })),
-      { problem: 'names 10.0.0.1:6379 s_down,o_down,disconnected' });
+      { problem: 'names 10.0.0.1:6379 s_down,o_down' });
+    assert.deepEqual(primaryOf(reply({ flags: 'master,disconnected' })), { primary: { host: '10.0.0.1', port: 6379 } },
+      'a link being re-established is not a primary down');
     assert.deepEqual(primaryOf(reply({ flags: 'slave' })), { problem: 'names no primary (flags slave)' });
     assert.deepEqual(primaryOf(reply({ ip: '::1', flags: 'master,s_down' })), { problem: 'names [::1]:6379 s_down' });
     assert.deepEqual(primaryOf('OK'), { problem: 'answers "OK"' });
