@@ -417,11 +417,16 @@ func TestWaitingForMoreReplicasThanAnswerIsLoggedAndTheWritesStand(t *testing.T)
 	e.start(w)
 	p := NewProducer(e.client, e.prefix, e.scripts)
 	p.Durability, p.Log = d, slog.New(slog.NewJSONHandler(e.logs, nil))
-	if _, err := p.PublishTask(context.Background(), e.queue, "t", nil); err != nil {
+	if _, err := p.PublishTask(context.Background(), e.queue, "t", nil, WithIdempotencyKey("k")); err != nil {
 		t.Fatal(err)
 	}
 	e.waitFor("the task acknowledged", func() bool { return ran.Load() == 1 && e.drained() })
-	if n := strings.Count(e.logs.String(), "fewer replicas than asked"); n < 2 {
-		t.Fatalf("want the publish and the ack logged as short of replicas, got %d lines:\n%s", n, e.logs.String())
+	if n := strings.Count(e.logs.String(), "fewer replicas than asked"); n < 4 {
+		t.Fatalf("want the publish, the idempotency claim, its done marker and the ack logged as short of "+
+			"replicas, got %d lines:\n%s", n, e.logs.String())
+	}
+	idem := fmt.Sprintf(`"key":%q`, e.keys.Idempotency("t", "k"))
+	if n := strings.Count(e.logs.String(), idem); n != 2 {
+		t.Fatalf("want the claim and the done marker of %s waited for, got %d lines:\n%s", idem, n, e.logs.String())
 	}
 }
