@@ -268,8 +268,9 @@ func TestSentinelRoundTripsAndFailover(t *testing.T) {
 	g.settled(t)
 	kill, failedOver := g.killPrimary(t)
 	// Both replicas: the sentinels promote the one whose offset they last saw
-	// highest, which may be a second old.
-	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 2, Timeout: 500 * time.Millisecond}, kill,
+	// highest, which may be a second old. The new primary has one replica, so
+	// every WAIT after the failover takes its whole timeout: keep it short.
+	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 2, Timeout: 100 * time.Millisecond}, kill,
 		failedOver)
 	g.settled(t)
 	kill, failedOver = g.killPrimary(t)

@@ -40,6 +40,7 @@ type SentinelAnswer struct {
 	Reason            string // why Primary does not count, when it does not
 }
 
+// String is the answer as the error message quotes it.
 func (a SentinelAnswer) String() string {
 	switch {
 	case a.Err != nil:
@@ -50,6 +51,7 @@ func (a SentinelAnswer) String() string {
 	return a.Sentinel + " names " + a.Primary
 }
 
+// Error names the rule (how many of the listed sentinels must agree) and each answer.
 func (e *SentinelMajorityError) Error() string {
 	said := make([]string, len(e.Named))
 	for i, a := range e.Named {
@@ -114,6 +116,7 @@ func (m *majorityPrimary) DialHook(next redis.DialHook) redis.DialHook {
 	}
 }
 
+// ProcessHook and ProcessPipelineHook leave commands alone.
 func (m *majorityPrimary) ProcessHook(next redis.ProcessHook) redis.ProcessHook { return next }
 
 func (m *majorityPrimary) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
