@@ -368,7 +368,7 @@ func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {
 		}
 	}
 	kill, recovered := failoverOf(h.keys.Queue(queues[0]).Stream(Normal))
-	h.drill("cluster-wait", queues[:2], Durability{Replicas: 1, Timeout: 250 * time.Millisecond}, kill, recovered)
+	h.drill("cluster-wait", queues[:2], Durability{Replicas: 1, Timeout: 100 * time.Millisecond}, kill, recovered)
 	kill, recovered = failoverOf(h.keys.Queue(queues[2]).Stream(Normal))
 	h.drill("cluster", queues[1:], Durability{}, kill, recovered)
 	if got := h.effects([]string{later}); got[0] != 0 {
