@@ -92,8 +92,11 @@ func NewClient(rawURL string) (*redis.Client, error) {
 // The TLS schemes take the query parameters ssl_ca_certs, ssl_certfile,
 // ssl_keyfile and ssl_cert_reqs (see tlsParamNames); a Sentinel client uses
 // them with the sentinels and with the data nodes. The user and password are
-// the data nodes'. The clients use RESP2, as NewClient does. An invalid URL
-// fails at once with a *URLError naming the wrong part.
+// the data nodes'. A Sentinel client connects only to the primary more than
+// half of the listed sentinels name, asked again on every new connection
+// (else the connection fails with a *SentinelMajorityError). The clients use
+// RESP2, as NewClient does. An invalid URL fails at once with a *URLError
+// naming the wrong part.
 func NewUniversalClient(rawURL string) (redis.UniversalClient, error) {
 	scheme := schemeOf(rawURL)
 	switch scheme {
@@ -104,7 +107,9 @@ func NewUniversalClient(rawURL string) (redis.UniversalClient, error) {
 		if err != nil {
 			return nil, err
 		}
-		return redis.NewFailoverClient(u.failoverOptions()), nil
+		client := redis.NewFailoverClient(u.failoverOptions())
+		client.AddHook(newMajorityPrimary(u))
+		return client, nil
 	case "redis-cluster", "rediss-cluster":
 		u, err := parseMultiHost(rawURL, 6379)
 		if err != nil {

@@ -268,8 +268,9 @@ func TestSentinelRoundTripsAndFailover(t *testing.T) {
 	g.settled(t)
 	kill, failedOver := g.killPrimary(t)
 	// Both replicas: the sentinels promote the one whose offset they last saw
-	// highest, which may be a second old.
-	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 2, Timeout: 500 * time.Millisecond}, kill,
+	// highest, which may be a second old. The new primary has one replica, so
+	// every WAIT after the failover takes its whole timeout: keep it short.
+	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 2, Timeout: 100 * time.Millisecond}, kill,
 		failedOver)
 	g.settled(t)
 	kill, failedOver = g.killPrimary(t)
@@ -367,7 +368,7 @@ func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {
 		}
 	}
 	kill, recovered := failoverOf(h.keys.Queue(queues[0]).Stream(Normal))
-	h.drill("cluster-wait", queues[:2], Durability{Replicas: 1, Timeout: 250 * time.Millisecond}, kill, recovered)
+	h.drill("cluster-wait", queues[:2], Durability{Replicas: 1, Timeout: 100 * time.Millisecond}, kill, recovered)
 	kill, recovered = failoverOf(h.keys.Queue(queues[2]).Stream(Normal))
 	h.drill("cluster", queues[1:], Durability{}, kill, recovered)
 	if got := h.effects([]string{later}); got[0] != 0 {
@@ -417,11 +418,16 @@ func TestWaitingForMoreReplicasThanAnswerIsLoggedAndTheWritesStand(t *testing.T)
 	e.start(w)
 	p := NewProducer(e.client, e.prefix, e.scripts)
 	p.Durability, p.Log = d, slog.New(slog.NewJSONHandler(e.logs, nil))
-	if _, err := p.PublishTask(context.Background(), e.queue, "t", nil); err != nil {
+	if _, err := p.PublishTask(context.Background(), e.queue, "t", nil, WithIdempotencyKey("k")); err != nil {
 		t.Fatal(err)
 	}
 	e.waitFor("the task acknowledged", func() bool { return ran.Load() == 1 && e.drained() })
-	if n := strings.Count(e.logs.String(), "fewer replicas than asked"); n < 2 {
-		t.Fatalf("want the publish and the ack logged as short of replicas, got %d lines:\n%s", n, e.logs.String())
+	if n := strings.Count(e.logs.String(), "fewer replicas than asked"); n < 4 {
+		t.Fatalf("want the publish, the idempotency claim, its done marker and the ack logged as short of "+
+			"replicas, got %d lines:\n%s", n, e.logs.String())
+	}
+	idem := fmt.Sprintf(`"key":%q`, e.keys.Idempotency("t", "k"))
+	if n := strings.Count(e.logs.String(), idem); n != 2 {
+		t.Fatalf("want the claim and the done marker of %s waited for, got %d lines:\n%s", idem, n, e.logs.String())
 	}
 }

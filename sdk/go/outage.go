@@ -21,12 +21,18 @@ var outagePrefixes = []string{"READONLY", "MOVED", "ASK", "TRYAGAIN", "CLUSTERDO
 
 // IsOutage reports whether err means Redis is unreachable or failing over
 // (a reset or refused connection, READONLY, MOVED, ASK, TRYAGAIN, CLUSTERDOWN,
-// LOADING, MASTERDOWN, UNBLOCKED): the step may be retried, and it never
-// counts against a task. A TLS handshake that fails (see tlsRefused) is no
-// outage, even when every sentinel answered with it.
+// LOADING, MASTERDOWN, UNBLOCKED, sentinels that name no primary by a
+// majority): the step may be retried, and it never counts against a task. A
+// TLS handshake that fails (see tlsRefused) is no outage, even when every
+// sentinel answered with it.
 func IsOutage(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) ||
-		tlsRefused(err) || passwordRefused(err) {
+	if err == nil || tlsRefused(err) || passwordRefused(err) {
+		return false
+	}
+	if errors.As(err, new(*SentinelMajorityError)) { // whatever became of the sentinels it asked
+		return true
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	var netErr net.Error

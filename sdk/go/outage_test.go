@@ -26,6 +26,9 @@ func TestOutagesAreTheErrorsOfANodeThatIsAwayOrBetweenRoles(t *testing.T) {
 		fmt.Errorf("reading: %w", syscall.ECONNRESET),
 		syscall.ECONNREFUSED,
 		errors.New("redis: all sentinels specified in configuration are unreachable"),
+		// sentinels that disagree, one of them too slow to answer
+		&SentinelMajorityError{MasterName: "m", Needed: 2, Listed: 2, Named: []SentinelAnswer{
+			{Sentinel: "h1:26379", Primary: "h3:6379"}, {Sentinel: "h2:26379", Err: context.DeadlineExceeded}}},
 	}
 	for _, err := range outages {
 		if !IsOutage(err) {
@@ -48,6 +51,10 @@ func TestOutagesAreTheErrorsOfANodeThatIsAwayOrBetweenRoles(t *testing.T) {
 			errors.Join(&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, syscall.ECONNREFUSED)),
 		&net.OpError{Op: "remote error", Net: "tcp", Err: errors.New("tls: certificate required")},
 		tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"},
+		&SentinelMajorityError{MasterName: "m", Needed: 1, Listed: 1, Named: []SentinelAnswer{
+			{Sentinel: "h1:26379", Err: &tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}}}},
+		&SentinelMajorityError{MasterName: "m", Needed: 1, Listed: 1, Named: []SentinelAnswer{
+			{Sentinel: "h1:26379", Err: errors.New("NOAUTH Authentication required.")}}},
 	} {
 		if IsOutage(err) {
 			t.Errorf("%v is not an outage", err)

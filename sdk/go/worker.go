@@ -80,7 +80,7 @@ type Config struct {
 	IsTransient   func(error) bool // default DefaultIsTransient
 	Limits        Limits
 	GzipMin       int           // default GzipMinBytes
-	Durability    Durability    // replicas each settled entry (ack, retry, dead letter) waits for
+	Durability    Durability    // replicas each idempotency claim and settled entry (ack, retry, dead letter) waits for
 	ExitAfterIdle time.Duration // stop after this long without entries (0: never)
 
 	// Concurrency is how many tasks the Worker runs at once (1): it runs that
@@ -1343,8 +1343,15 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 	}
 	replace := ""
 	for round := 0; round < 2; round++ {
-		res, err := w.scripts.Get("idem_begin").Run(ctx, w.client, []string{key},
-			holder, claimFor.Milliseconds(), replace).StringSlice()
+		// With Durability the claim waits for replicas, like the settle steps: a
+		// failover that lost the claim and the delivery would run the task again.
+		var res []string
+		err := w.cfg.Durability.write(ctx, w.client, key, e.log, func(c redis.Cmdable) error {
+			var err error
+			res, err = w.scripts.Get("idem_begin").Run(ctx, c, []string{key},
+				holder, claimFor.Milliseconds(), replace).StringSlice()
+			return err
+		})
 		if err != nil || len(res) == 0 {
 			e.log.Warn("idempotency claim failed; deferring", "error", fmt.Sprint(err))
 			w.deferTask(ctx, e, w.cfg.DeferDelay)
@@ -1386,13 +1393,15 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
 	key := w.keys.Idempotency(e.env.TaskType, *e.env.IdempotencyKey)
 	w.settle(e, "idem_finish "+how, func() error {
-		n, err := w.scripts.Get("idem_finish").Run(ctx, w.client, []string{key},
-			holder, how, w.cfg.IdemDoneTTL.Milliseconds(), Now().String()).Int()
-		if err == nil && n == 0 {
-			e.log.Warn("the idempotency claim had been taken over: the task may have run twice",
-				"idempotency_key", *e.env.IdempotencyKey)
-		}
-		return err
+		return w.cfg.Durability.write(ctx, w.client, key, e.log, func(c redis.Cmdable) error {
+			n, err := w.scripts.Get("idem_finish").Run(ctx, c, []string{key},
+				holder, how, w.cfg.IdemDoneTTL.Milliseconds(), Now().String()).Int()
+			if err == nil && n == 0 {
+				e.log.Warn("the idempotency claim had been taken over: the task may have run twice",
+					"idempotency_key", *e.env.IdempotencyKey)
+			}
+			return err
+		})
 	})
 }
 
