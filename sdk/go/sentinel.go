@@ -19,6 +19,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -81,12 +82,22 @@ type majorityPrimary struct {
 	tlsConfig  *tls.Config // nil without TLS
 }
 
+// sentinelTimeout bounds asking one sentinel (dial, then its answer): a stalled
+// sentinel must not hold up finding the primary.
+const sentinelTimeout = 5 * time.Second
+
 func newMajorityPrimary(u *multiHostURL) *majorityPrimary {
 	m := &majorityPrimary{masterName: u.masterName, tlsConfig: u.tlsConfig}
+	seen := map[string]bool{}
 	for _, addr := range u.addrs {
+		if seen[addr] { // a sentinel listed twice votes once
+			continue
+		}
+		seen[addr] = true
 		m.sentinels = append(m.sentinels, &redis.Options{Addr: addr, Username: u.sentinelUsername,
 			Password: u.sentinelPassword, TLSConfig: u.tlsConfig, Protocol: 2, DisableIdentity: true,
-			MaxRetries: -1, DialerRetries: 1, PoolSize: 1})
+			MaxRetries: -1, DialerRetries: 1, PoolSize: 1, DialTimeout: sentinelTimeout,
+			ReadTimeout: sentinelTimeout, WriteTimeout: sentinelTimeout})
 	}
 	return m
 }

@@ -25,7 +25,8 @@ const AWAY_MESSAGE = new RegExp([
 /** True when `err` says Redis is unreachable or not ready, not that the command is wrong. */
 export function isRedisAway(err) {
   if (!err || typeof err !== 'object') return false;
-  if (['MaxRetriesPerRequestError', 'ClusterAllFailedError', 'SentinelMajorityError'].includes(err.name)) return true;
+  if (err.name === 'SentinelMajorityError') return !err.refused;
+  if (err.name === 'MaxRetriesPerRequestError' || err.name === 'ClusterAllFailedError') return true;
   if (isTransientError(err) || AWAY_MESSAGE.test(String(err.message))) return true;
   // EXECABORT: a command queued in the MULTI was refused (ioredis lists why in previousErrors).
   return /^EXECABORT\b/.test(String(err.message)) && Array.isArray(err.previousErrors) &&

@@ -8,9 +8,10 @@
 // writes sent there are lost. MajoritySentinelConnector, given to ioredis as its
 // `Connector`, asks every listed sentinel on each connection (so on every
 // reconnection too) and connects only to an address more than half of them
-// name; until they agree the connection attempt fails with
-// SentinelMajorityError, an outage (src/outage.js), and is tried again after
-// ioredis' `sentinelRetryStrategy` delay. Everything else (TLS to the sentinels,
+// name (a sentinel listed twice counts once); until they agree the connection
+// attempt fails with SentinelMajorityError, an outage (src/outage.js), and is
+// tried again after ioredis' `sentinelRetryStrategy` delay, unless a sentinel
+// refused the password: then the attempt fails for good. Everything else (TLS to the sentinels,
 // their credentials, the role check of the node reached, the optional
 // `failoverDetector`) is ioredis' own.
 
@@ -31,8 +32,16 @@ export class SentinelMajorityError extends Error {
     this.name = 'SentinelMajorityError';
     this.needed = needed;
     this.answers = answers;
+    /** A sentinel refused the password: a setting to fix, not an outage (section 5). */
+    this.refused = answers.some((a) => REFUSED.test(a.problem ?? ''));
   }
 }
+
+/** The replies of a refused password. */
+const REFUSED = /\b(WRONGPASS|NOAUTH)\b/;
+
+/** How long asking one sentinel may take (ms) unless `sentinelCommandTimeout` says. */
+export const SENTINEL_TIMEOUT_MS = 5_000;
 
 /** "host:port" ("[v6]:port") of `{ host, port }`, with ioredis' defaults for a sentinel's. */
 const address = ({ host = '127.0.0.1', port = 26379 }) => (host.includes(':') ? `[${host}]:${port}` : `${host}:${port}`);
@@ -102,6 +111,7 @@ export class MajoritySentinelConnector extends SentinelConnector {
       }
       if (!this.connecting) throw new Error('Connection is closed.');
       if (!failure) return super.connect(eventEmitter);
+      if (failure.refused) throw failure;
       const delay = this.options.sentinelRetryStrategy?.(attempt);
       if (typeof delay !== 'number') throw failure;
       eventEmitter('error', failure);
@@ -127,7 +137,8 @@ export class MajoritySentinelConnector extends SentinelConnector {
    * @returns {Promise<{ host: string, port: number }>}
    */
   findPrimary() {
-    const { sentinels, name } = this.options;
+    const { name } = this.options;
+    const sentinels = [...new Map(this.options.sentinels.map((e) => [address(e), e])).values()];
     const needed = Math.floor(sentinels.length / 2) + 1;
     const answers = []; // in the order of the list, for the error message
     let answered = 0;
@@ -149,8 +160,8 @@ export class MajoritySentinelConnector extends SentinelConnector {
    * @param {{ host?: string, port?: number }} endpoint
    */
   async ask(endpoint) {
-    const { sentinelCommandTimeout, connectTimeout } = this.options;
-    const client = this.connectToSentinel(endpoint, { commandTimeout: sentinelCommandTimeout ?? connectTimeout });
+    const { sentinelCommandTimeout = SENTINEL_TIMEOUT_MS } = this.options;
+    const client = this.connectToSentinel(endpoint, { commandTimeout: sentinelCommandTimeout });
     client.on('error', () => {}); // its failure is the answer
     try {
       return primaryOf(await client.sentinel('master', this.options.name));

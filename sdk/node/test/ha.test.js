@@ -300,7 +300,7 @@ describe('Sentinel majority', { concurrency: false }, () => {
   });
 
   test('with no majority (A and B: one vote each) connecting fails with an error naming the rule, and nothing is written', async () => {
-    const client = keep(createRedis(urlOf('A', 'B')));
+    const client = keep(createRedis(urlOf('A', 'B', 'B'))); // B listed twice still votes once
     const [err] = await once(client, 'error', { signal: AbortSignal.timeout(5000) });
     client.on('error', () => {}); // it keeps trying
     assert.equal(err.name, 'SentinelMajorityError');
@@ -318,6 +318,22 @@ describe('Sentinel majority', { concurrency: false }, () => {
     assert.deepEqual([await keysOn(x.port, prefix), await keysOn(y.port, prefix)], [[], []]);
     disconnectClient(producer.client); // its QUIT would wait behind the publish
     assert.match(await publish, /^Connection is closed/);
+  });
+
+  test('a sentinel refusing the password fails the publish at once, naming the refusal', async () => {
+    const guarded = await startSentinel(tmp.dir, x.port, { masterName, quorum: 1, sentinelPassword: 'right' });
+    try {
+      const url = `redis-sentinel://127.0.0.1:${guarded.port}/0?sentinel_password=wrong#${masterName}`;
+      const producer = keep(new Producer({ connection: url, prefix: prefixFor(), logger: sink().logger, outageToleranceMs: 20_000 }));
+      const started = Date.now();
+      const err = await producer.publish('ha.majority', { task_type: 'ha.echo', payload: {} }).then(() => null, (e) => e);
+      assert.equal(err?.name, 'SentinelMajorityError');
+      assert.match(err.message, /fails: WRONGPASS/);
+      assert.equal(isRedisAway(err), false, 'not an outage');
+      assert.ok(Date.now() - started < 5000, 'not retried for the outage tolerance');
+    } finally {
+      await guarded.stop('SIGKILL');
+    }
   });
 
   test('connects to the primary two of three sentinels name, not the first listed one\'s, and asks again on reconnection', async () => {

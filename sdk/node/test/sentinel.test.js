@@ -38,5 +38,14 @@ describe('Sentinel majority', () => {
     assert.equal(err.message, 'no primary for master_name "m": 2 of 3 sentinels must name the same primary; '
       + 's1:26379 names 10.0.0.1:1, s2:26379 fails: connect ECONNREFUSED, s3:26379 names 10.0.0.2:1');
     assert.equal(isRedisAway(err), true);
+    assert.equal(err.refused, false);
+  });
+
+  test('no majority because a sentinel refused the password is not an outage', () => {
+    const err = new SentinelMajorityError('m', 1, [
+      { sentinel: 's1:26379', problem: 'fails: WRONGPASS invalid username-password pair or user is disabled.' },
+    ]);
+    assert.equal(err.refused, true);
+    assert.equal(isRedisAway(err), false);
   });
 });
