@@ -421,7 +421,10 @@ func TestWaitingForMoreReplicasThanAnswerIsLoggedAndTheWritesStand(t *testing.T)
 	if _, err := p.PublishTask(context.Background(), e.queue, "t", nil, WithIdempotencyKey("k")); err != nil {
 		t.Fatal(err)
 	}
-	e.waitFor("the task acknowledged", func() bool { return ran.Load() == 1 && e.drained() })
+	// "task succeeded" is logged once the ack and its WAIT are done.
+	e.waitFor("the task acknowledged", func() bool {
+		return ran.Load() == 1 && e.drained() && strings.Contains(e.logs.String(), `"msg":"task succeeded"`)
+	})
 	if n := strings.Count(e.logs.String(), "fewer replicas than asked"); n < 4 {
 		t.Fatalf("want the publish, the idempotency claim, its done marker and the ack logged as short of "+
 			"replicas, got %d lines:\n%s", n, e.logs.String())
