@@ -100,6 +100,16 @@ NODE_TEST_TIMEOUT_MS = 120_000
 
 
 @pytest.mark.timeout(NODE_SUITE_TIMEOUT_S + 30)
+def failed_tests(tap: str, lines_each: int = 40) -> str:
+    """The ``not ok`` lines of a TAP report with what follows each (the failure), else its
+    end: the suite prints hundreds of passing tests around a failing one."""
+    lines = tap.splitlines()
+    failing = [index for index, line in enumerate(lines) if line.lstrip().startswith("not ok")]
+    if not failing:
+        return tap[-6000:]
+    return "\n".join("\n".join(lines[index:index + lines_each]) for index in failing)[-12000:]
+
+
 def test_node_suite_passes(redis_url: str) -> None:
     """``node --test`` in sdk/node: conformance vectors, time, codec, retries, the README
     example, the package's ESM, CommonJS and type entries, and the worker on Redis."""
@@ -109,7 +119,7 @@ def test_node_suite_passes(redis_url: str) -> None:
                           cwd=NODE_SDK_DIR, env=env, capture_output=True, text=True,
                           timeout=NODE_SUITE_TIMEOUT_S, check=False)
     summary = [line for line in done.stdout.splitlines() if line.startswith("# ")]
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert done.returncode == 0, failed_tests(done.stdout) + done.stderr[-2000:]
     assert "# fail 0" in summary, summary
     passed = [int(line.split()[2]) for line in summary if line.startswith("# pass ")]
     assert passed and passed[0] >= 250, summary
