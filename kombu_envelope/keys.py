@@ -135,6 +135,11 @@ class QueueKeys:
         """Dead-letter stream."""
         return f"{self.base}:dead"
 
+    def dead_once(self, token: str) -> str:
+        """STRING with expiry: the dead letter written for ``token`` (an outbox row), so
+        that a relay that died before deleting the row does not write it twice."""
+        return f"{self.base}:dead-once:{token}"
+
     @property
     def replayed(self) -> str:
         """Stream of records of replayed dead-letter entries."""

@@ -15,11 +15,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import Engine, delete, event, func, select
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -153,6 +155,36 @@ def test_a_row_that_breaks_a_schema_since_is_dead_lettered(
     dead = redis_client.xrange(settings.keys.queue(QUEUE).dead)
     assert [fields[b"task_id"].decode() for _, fields in dead] == [bad.task_id]
     assert dead[0][1][b"failure_class"] == b"invalid_payload"
+    assert waiting(engine) == 0
+
+
+def test_a_relay_dying_after_dead_lettering_a_row_leaves_one_dead_letter(
+        engine: Engine, relay: Relay, redis_client: redis.Redis, settings: Settings) -> None:
+    """Dead-lettered, then the row's DELETE fails (the relay dies before it commits): the
+    next batch deletes the row and writes no second dead letter, for a row that breaks a
+    schema and for one that is not an Envelope."""
+    bad = Envelope.new(task_type="order.placed", payload={"n": "x"})
+    write(engine, settings, [bad])
+    with engine.begin() as conn:
+        conn.execute(outbox_table.insert().values(queue=QUEUE, task_id="broken",
+                                                  envelope="{not json",
+                                                  created_at=datetime.now(timezone.utc)))
+    relay.publisher.schemas.register("order.placed", 1, {
+        "type": "object", "properties": {"n": {"type": "integer"}}})
+
+    def die_on_delete(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("DELETE"):
+            raise RuntimeError("the relay died before its commit")
+
+    event.listen(engine, "before_cursor_execute", die_on_delete)
+    with pytest.raises(RuntimeError, match="died"):
+        relay.relay_batch()
+    event.remove(engine, "before_cursor_execute", die_on_delete)
+    assert waiting(engine) == 2
+    assert relay.relay_batch() == 2
+    dead = redis_client.xrange(settings.keys.queue(QUEUE).dead)
+    assert sorted(fields[b"failure_class"].decode() for _, fields in dead) == [
+        "invalid_payload", "malformed_entry"]
     assert waiting(engine) == 0
 
 

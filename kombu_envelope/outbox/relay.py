@@ -48,8 +48,13 @@ from kombu_envelope.outbox.options import (
 )
 from kombu_envelope.outbox.table import outbox_table
 from kombu_envelope.settings import Settings
-from kombu_envelope.store.dead_letters import dead_letter_envelope
+from kombu_envelope.store.dead_letters import (
+    dead_record,
+    envelope_dead_fields,
+    write_dead_letter,
+)
 from kombu_envelope.store.publisher import Publisher
+from kombu_envelope.store.task_records import RecordWrite
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +157,10 @@ class Relay:
             for item, token in zip(items, tokens):
                 self._publish_or_dead_letter(item, token)
 
+    # A row's dead letter carries its publish token as a once-marker: a relay that died
+    # after writing it and before deleting the row leaves the row to the next relay,
+    # which then writes no second dead letter.
+
     def _publish_or_dead_letter(self, item: tuple[str, Envelope], token: str) -> None:
         queue, envelope = item
         try:
@@ -159,12 +168,14 @@ class Relay:
         except InvalidEnvelope as exc:
             logger.error("outbox relay: task %s cannot be published (%s): dead-lettered",
                          envelope.task_id, exc)
-            dead_letter_envelope(
-                self.publisher.client, self.settings, queue=queue, envelope=envelope,
-                consumer=self.name,
-                failure=Failure(FailureClass.INVALID_PAYLOAD, str(exc),
-                                exception_type=type(exc).__name__, task_id=envelope.task_id,
-                                task_type=envelope.task_type))
+            failure = Failure(FailureClass.INVALID_PAYLOAD, str(exc),
+                              exception_type=type(exc).__name__, task_id=envelope.task_id,
+                              task_type=envelope.task_type)
+            write_dead_letter(
+                self.publisher.client, self.settings, queue,
+                envelope_dead_fields(self.settings, envelope, failure, queue=queue,
+                                     consumer=self.name),
+                dead_record(self.settings, queue, envelope.task_id, failure), once=token)
 
     def _dead_letter_malformed(self, row: Any, exc: InvalidEnvelope) -> None:
         logger.error("outbox relay: row %s is not an Envelope (%s): dead-lettered", row.id, exc)
@@ -172,9 +183,8 @@ class Relay:
                           exception_type=type(exc).__name__)
         fields = {**failure_fields(failure, queue=row.queue, consumer=self.name),
                   "raw.body": row.envelope}
-        client = self.publisher.client
-        client.sadd(self.settings.keys.dead_queues, row.queue)  # first, on its own
-        client.xadd(self.settings.keys.queue(row.queue).dead, fields)
+        write_dead_letter(self.publisher.client, self.settings, row.queue, fields,
+                          RecordWrite(), once=publish_token(row.id))
 
     def _report_lag(self) -> None:
         now = time.monotonic()

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from kombu_envelope.codec import decode_entry, encode_body, encode_entry
 from kombu_envelope.envelope import Envelope, Limits, check_publishable, format_rfc3339, utcnow
@@ -30,6 +30,7 @@ from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.schemas import PayloadSchemas
 from kombu_envelope.store.scripts import script
 from kombu_envelope.store.task_records import (
+    RecordWrite,
     TaskState,
     entry_record,
     envelope_fields,
@@ -83,20 +84,51 @@ def dead_letter_envelope(
     The ``raw.*`` fields are those of a stream entry holding ``envelope``, so the
     entry can be replayed like any other. Returns the dead-letter entry id.
     """
+    fields = envelope_dead_fields(settings, envelope, failure, queue=queue, consumer=consumer)
+    # Without a once-marker the entry is always written: its id is a string.
+    return cast(str, write_dead_letter(client, settings, queue, fields,
+                                       dead_record(settings, queue, envelope.task_id, failure)))
+
+
+def dead_record(settings: Settings, queue: str, task_id: str, failure: Failure) -> RecordWrite:
+    """The task record of a dead letter of ``task_id`` written outside ``dead_letter.lua``."""
+    return record_write(settings, queue, task_id, TaskState.DEAD, _dead_record_fields(failure))
+
+
+def envelope_dead_fields(settings: Settings, envelope: Envelope, failure: Failure, *,
+                         queue: str, consumer: str) -> dict[str, Any]:
+    """The fields of a dead-letter entry for ``envelope``: the failure's, then the raw
+    fields of a stream entry holding it."""
     fields: dict[str, Any] = dict(failure_fields(failure, queue=queue, consumer=consumer))
     for name, value in encode_entry(envelope, settings.gzip_min_bytes,
                                     limits=settings.limits).items():
         fields["raw." + name] = value
+    return fields
+
+
+def write_dead_letter(client: Any, settings: Settings, queue: str, fields: dict[str, Any],
+                      record: RecordWrite, *, once: str | None = None) -> str | None:
+    """Add ``fields`` to ``queue``'s dead-letter stream, then ``record`` with its
+    ``dead_id``; return the entry id.
+
+    ``once`` (a token, e.g. an outbox row's) writes a marker in the same ``MULTI`` as the
+    entry, and a call that finds the marker writes nothing and returns None: that dead
+    letter exists already. Only one writer may hold a token at a time (an outbox row is
+    locked by the relay that dead-letters it).
+    """
     client.sadd(settings.keys.dead_queues, queue)  # first, on its own (section 2)
-    dead = settings.keys.queue(queue).dead
-    record = record_write(settings, queue, envelope.task_id, TaskState.DEAD,
-                          _dead_record_fields(failure))
-    if not settings.wait_replicas and record.key is None:
-        return as_text(client.xadd(dead, fields))
+    keys = settings.keys.queue(queue)
+    marker = None if once is None else keys.dead_once(once)
+    if marker is not None and client.exists(marker):
+        return None
+    if not settings.wait_replicas and record.key is None and marker is None:
+        return as_text(client.xadd(keys.dead, fields))
     # The entry id the record names is the XADD's reply: written right after it, in
     # the same round trip (a MULTI cannot use one command's reply in the next).
-    pipe = write_pipeline(client, settings, transaction=False, key=dead)
-    pipe.xadd(dead, fields)
+    pipe = write_pipeline(client, settings, transaction=marker is not None, key=keys.dead)
+    pipe.xadd(keys.dead, fields)
+    if marker is not None:
+        pipe.set(marker, "1", px=settings.publish_dedupe_ms)
     dead_id = as_text(execute(pipe, settings, "dead letter")[0])
     if record.key is not None:
         pipe = client.pipeline(transaction=True)
