@@ -99,7 +99,6 @@ NODE_SUITE_TIMEOUT_S = 600
 NODE_TEST_TIMEOUT_MS = 120_000
 
 
-@pytest.mark.timeout(NODE_SUITE_TIMEOUT_S + 30)
 def failed_tests(tap: str, lines_each: int = 40) -> str:
     """The ``not ok`` lines of a TAP report with what follows each (the failure), else its
     end: the suite prints hundreds of passing tests around a failing one."""
@@ -110,6 +109,7 @@ def failed_tests(tap: str, lines_each: int = 40) -> str:
     return "\n".join("\n".join(lines[index:index + lines_each]) for index in failing)[-12000:]
 
 
+@pytest.mark.timeout(NODE_SUITE_TIMEOUT_S + 30)
 def test_node_suite_passes(redis_url: str) -> None:
     """``node --test`` in sdk/node: conformance vectors, time, codec, retries, the README
     example, the package's ESM, CommonJS and type entries, and the worker on Redis."""
