@@ -10,7 +10,6 @@ export { Worker, WORKER_DEFAULTS } from './worker.js';
 export { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from './url.js';
 export { isRedisClient, reconnectOnFailover } from './connection.js';
 export { RedisTlsError } from './tls.js';
-export { MajoritySentinelConnector, SentinelMajorityError } from './sentinel.js';
 export { ReplicaWait } from './replicas.js';
 export { Promoter, redisNowMs } from './promoter.js';
 export { DeadLetters, jsonMergePatch, readDeadLetter } from './deadletters.js';

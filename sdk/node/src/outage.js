@@ -2,8 +2,7 @@
 // loading, for a bounded time (docs/protocol.md section 5, outages). Behind
 // Sentinel and on a Cluster the errors of a failover are outages too: a node
 // that stopped being the primary or is cut off from its replicas (READONLY,
-// MASTERDOWN, NOREPLICAS, UNBLOCKED), sentinels that do not agree on the primary
-// (src/sentinel.js) or cannot be reached, a slot between nodes (MOVED, ASK,
+// MASTERDOWN, NOREPLICAS, UNBLOCKED), a slot between nodes (MOVED, ASK,
 // TRYAGAIN, CLUSTERDOWN and the ioredis errors of a slot map being refreshed),
 // reset connections, and a MULTI that Redis discarded (EXECABORT) because one
 // of its commands got such a reply.
@@ -25,7 +24,6 @@ const AWAY_MESSAGE = new RegExp([
 /** True when `err` says Redis is unreachable or not ready, not that the command is wrong. */
 export function isRedisAway(err) {
   if (!err || typeof err !== 'object') return false;
-  if (err.name === 'SentinelMajorityError') return !err.refused;
   if (err.name === 'MaxRetriesPerRequestError' || err.name === 'ClusterAllFailedError') return true;
   if (isTransientError(err) || AWAY_MESSAGE.test(String(err.message))) return true;
   // EXECABORT: a command queued in the MULTI was refused (ioredis lists why in previousErrors).

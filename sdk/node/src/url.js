@@ -13,7 +13,6 @@
 // Every malformed part fails at once with an error naming it.
 
 import Redis, { Cluster } from 'ioredis';
-import { withMajorityDiscovery } from './sentinel.js';
 import { TLS_QUERY, tlsOptionsOf } from './tls.js';
 
 const SCHEMES = {
@@ -129,8 +128,7 @@ function auth({ username, password }) {
 
 /**
  * ioredis options from a redis://, rediss://, redis-sentinel:// or
- * rediss-sentinel:// URL (a Sentinel URL gives `sentinels`, `name` and
- * `Connector`: the primary a majority of the sentinels name, src/sentinel.js).
+ * rediss-sentinel:// URL (a Sentinel URL gives `sentinels` and `name`).
  * Cluster URLs have no single-client options: use createRedis().
  * @param {string} url
  */
@@ -148,14 +146,12 @@ export function parseRedisUrl(url) {
   if (loc.sentinelUsername !== undefined) options.sentinelUsername = loc.sentinelUsername;
   if (loc.sentinelPassword !== undefined) options.sentinelPassword = loc.sentinelPassword;
   if (loc.tls) Object.assign(options, { tls: loc.tlsOptions, sentinelTLS: loc.tlsOptions, enableTLSForSentinelMode: true });
-  return withMajorityDiscovery(options);
+  return options;
 }
 
 /**
  * A new ioredis client from a URL of any form above, or from ioredis options
- * (a `Redis`; with `sentinels` and `name` a Sentinel-managed one, which
- * connects to the primary a majority of the sentinels name unless the options
- * give a `Connector` of their own or `role: 'slave'`). A Cluster
+ * (a `Redis`; with `sentinels` and `name` a Sentinel-managed one). A Cluster
  * URL gives a `Cluster` seeded with its hosts. `extra` are ioredis options
  * added to each connection (for a Cluster: to every node's).
  * @param {string | object} urlOrOptions
@@ -163,7 +159,7 @@ export function parseRedisUrl(url) {
  * @returns {import('ioredis').Redis | import('ioredis').Cluster}
  */
 export function createRedis(urlOrOptions, extra = {}) {
-  if (typeof urlOrOptions !== 'string') return new Redis(withMajorityDiscovery({ ...(urlOrOptions ?? {}), ...extra }));
+  if (typeof urlOrOptions !== 'string') return new Redis({ ...(urlOrOptions ?? {}), ...extra });
   const loc = parseRedisLocation(urlOrOptions);
   if (loc.kind !== 'cluster') return new Redis({ ...parseRedisUrl(urlOrOptions), ...extra });
   return new Cluster(loc.hosts, {

@@ -112,8 +112,7 @@ export const WORKER_DEFAULTS = Object.freeze({
   resultBackend: null,
   // How long a settling step (or a result write) is retried while Redis is away or failing over.
   outageToleranceMs: OUTAGE_TOLERANCE_MS,
-  // WAIT for this many replicas after each idempotency claim and settling step (0: no wait),
-  // at most waitTimeoutMs.
+  // WAIT for this many replicas after each settling step (0: no wait), at most waitTimeoutMs.
   waitReplicas: 0,
   waitTimeoutMs: 1_000,
   // task_record_retention: how long the record of a finished task is kept (0: no records).
@@ -985,10 +984,8 @@ export class Worker extends EventEmitter {
     const holder = `${this.consumer} ${env.task_id}`;
     // A safety net only: timeout_ms + leaseMs, or an hour without timeout_ms.
     const claimMs = env.timeout_ms !== null ? env.timeout_ms + this.opts.leaseMs : this.opts.idemClaimMs;
-    // idem_begin.lua is re-entrant for its holder: safe to repeat. With waitReplicas the
-    // claim waits for replicas like the settling steps: a failover that lost the claim
-    // and the delivery together would run the task again (section 5, failover).
-    const begin = (replacing) => this.settle('idempotency claim', key, log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
+    // idem_begin.lua is re-entrant for its holder: safe to repeat.
+    const begin = (replacing) => this.retrying('idempotency claim', log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
     let [state, value] = await begin('');
     if (state === 'busy' && (await this.holderIsDead(value, log))) {
       log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });

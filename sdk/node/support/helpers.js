@@ -226,33 +226,9 @@ function caQuery(tls, separator) {
 }
 
 /** A fresh temporary directory, removed by the returned cleanup. */
-export function tempDir(name) {
+function tempDir(name) {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), `envelope-${name}-`));
   return { dir, remove: () => fs.rmSync(dir, { recursive: true, force: true }) };
-}
-
-/**
- * One sentinel monitoring the primary on `primaryPort` as `masterName` with
- * `quorum` (down-after-milliseconds 1000, failover-timeout 3000,
- * `parallelSyncs` replicas resynced at once), its config file in `dir`; it
- * requires `sentinelPassword` and gives the data nodes `password` when set,
- * and speaks TLS only with `tls` certificates. Returns startRedisServer's server.
- */
-export async function startSentinel(dir, primaryPort, {
-  masterName, quorum, password, sentinelPassword, tls, parallelSyncs = 1,
-}) {
-  const conf = path.join(dir, `sentinel-${crypto.randomBytes(4).toString('hex')}.conf`);
-  fs.writeFileSync(conf, [
-    `dir ${dir}`,
-    ...(sentinelPassword === undefined ? [] : [`requirepass ${sentinelPassword}`, `sentinel sentinel-pass ${sentinelPassword}`]),
-    `sentinel monitor ${masterName} 127.0.0.1 ${primaryPort} ${quorum}`,
-    ...(password === undefined ? [] : [`sentinel auth-pass ${masterName} ${password}`]),
-    `sentinel down-after-milliseconds ${masterName} 1000`,
-    `sentinel failover-timeout ${masterName} 3000`,
-    `sentinel parallel-syncs ${masterName} ${parallelSyncs}`,
-    '',
-  ].join('\n'));
-  return startRedisServer(null, [conf, '--sentinel'], { password: sentinelPassword, tls });
 }
 
 /**
@@ -284,9 +260,19 @@ export async function startSentinelGroup({
     for (let i = 0; i < replicas; i += 1) nodes.push(await dataNode(['--replicaof', '127.0.0.1', String(nodes[0].port)]));
     for (const replica of nodes.slice(1)) await replicaInSync(replica.port);
     for (let i = 0; i < 3; i += 1) {
-      sentinels.push(await startSentinel(tmp.dir, nodes[0].port, {
-        masterName, quorum: 2, password, sentinelPassword, tls, parallelSyncs: 2,
-      }));
+      const conf = path.join(tmp.dir, `sentinel-${i}.conf`);
+      fs.writeFileSync(conf, [
+        `dir ${tmp.dir}`,
+        `requirepass ${sentinelPassword}`,
+        `sentinel sentinel-pass ${sentinelPassword}`,
+        `sentinel monitor ${masterName} 127.0.0.1 ${nodes[0].port} 2`,
+        `sentinel auth-pass ${masterName} ${password}`,
+        `sentinel down-after-milliseconds ${masterName} 1000`,
+        `sentinel failover-timeout ${masterName} 3000`,
+        `sentinel parallel-syncs ${masterName} 2`,
+        '',
+      ].join('\n'));
+      sentinels.push(await startRedisServer(null, [conf, '--sentinel'], { password: sentinelPassword, tls }));
     }
     await waitFor(async () => {
       for (const s of sentinels) {

@@ -5,8 +5,6 @@
 // dead letter and a cancel; and a failover drill: the primary (or one Cluster
 // primary) is SIGKILLed while a worker runs and a producer publishes idempotent
 // tasks whose handler records its effect in a separate Redis (the ledger).
-// Behind Sentinel, the primary is the one a majority of the listed sentinels
-// name: two lone primaries, one sentinel naming the first, two the second.
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
@@ -17,9 +15,8 @@ import { after, afterEach, before, describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
 import { DeadLetters, KeySpace, Producer, Promoter, Worker, createLogger, createRedis } from '../src/index.js';
 import { closeClient, disconnectClient } from '../src/connection.js';
-import { isRedisAway } from '../src/outage.js';
 import {
-  clusterNodes, moveSlot, onNode, startCluster, startRedisServer, startSentinel, startSentinelGroup, tempDir, waitFor,
+  clusterNodes, moveSlot, onNode, startCluster, startRedisServer, startSentinelGroup, waitFor,
 } from '../support/helpers.js';
 
 const FAST = { leaseMs: 3000, blockMs: 200, promoterMaxIdleMs: 200 };
@@ -265,93 +262,6 @@ describe('Sentinel', { concurrency: false }, () => {
     for (const role of ['cmd', 'reader']) assert.match(names, new RegExp(`name=envelope-node-${role} `));
     await producer.close();
     await worker.close({ graceMs: 1000 });
-  });
-});
-
-describe('Sentinel majority', { concurrency: false }, () => {
-  const masterName = 'm';
-  let x;
-  let y;
-  let tmp;
-  const sentinels = {}; // A names X; B and C name Y
-
-  const urlOf = (...names) => `redis-sentinel://${names.map((n) => `127.0.0.1:${sentinels[n].port}`).join(',')}/0#${masterName}`;
-  /** Wait until the sentinel `name` sees the primary on `port` up (no s_down, no disconnected link). */
-  const seesUp = (name, port) => waitFor(async () => {
-    const state = await onNode(sentinels[name].port, (c) => c.call('SENTINEL', 'MASTER', masterName));
-    return state[state.indexOf('flags') + 1] === 'master' && Number(state[state.indexOf('port') + 1]) === port;
-  }, { intervalMs: 50, message: `sentinel ${name} does not see its primary on ${port}` });
-  /** Keys under `prefix` on the server on `port`. */
-  const keysOn = (port, prefix) => onNode(port, (c) => c.keys(`${prefix}*`));
-
-  before(async () => {
-    tmp = tempDir('majority');
-    [x, y] = await Promise.all([startRedisServer(), startRedisServer()]);
-    const start = (server) => startSentinel(tmp.dir, server.port, { masterName, quorum: 1 });
-    [sentinels.A, sentinels.B, sentinels.C] = await Promise.all([start(x), start(y), start(y)]);
-    await Promise.all([seesUp('A', x.port), seesUp('B', y.port), seesUp('C', y.port)]);
-  });
-
-  afterEach(closeOpened);
-
-  after(async () => {
-    for (const server of [...Object.values(sentinels), x, y]) await server?.stop('SIGKILL');
-    tmp?.remove();
-  });
-
-  test('with no majority (A and B: one vote each) connecting fails with an error naming the rule, and nothing is written', async () => {
-    const client = keep(createRedis(urlOf('A', 'B', 'B'))); // B listed twice still votes once
-    const [err] = await once(client, 'error', { signal: AbortSignal.timeout(5000) });
-    client.on('error', () => {}); // it keeps trying
-    assert.equal(err.name, 'SentinelMajorityError');
-    assert.equal(err.message, `no primary for master_name "m": 2 of 2 sentinels must name the same primary; `
-      + `127.0.0.1:${sentinels.A.port} names 127.0.0.1:${x.port}, 127.0.0.1:${sentinels.B.port} names 127.0.0.1:${y.port}`);
-    assert.equal(isRedisAway(err), true, 'an outage, retried');
-    const prefix = prefixFor();
-    const { lines, logger } = sink();
-    // Its publish waits for a connection (an outage) and gives up once closed, past its tolerance.
-    const producer = keep(new Producer({ connection: urlOf('A', 'B'), prefix, logger, outageToleranceMs: 1000 }));
-    const publish = producer.publish('ha.majority', { task_type: 'ha.echo', payload: {} }).then(() => 'published', (e) => e.message);
-    assert.equal(await Promise.race([publish, sleep(1500).then(() => 'waiting')]), 'waiting');
-    assert.equal(client.status, 'connecting', 'still trying');
-    assert.match(lines.find((l) => l.msg === 'redis connection error')?.error ?? '', /2 of 2 sentinels must name the same primary/);
-    assert.deepEqual([await keysOn(x.port, prefix), await keysOn(y.port, prefix)], [[], []]);
-    disconnectClient(producer.client); // its QUIT would wait behind the publish
-    assert.match(await publish, /^Connection is closed/);
-  });
-
-  test('a sentinel refusing the password fails the publish at once, naming the refusal', async () => {
-    const guarded = await startSentinel(tmp.dir, x.port, { masterName, quorum: 1, sentinelPassword: 'right' });
-    try {
-      const url = `redis-sentinel://127.0.0.1:${guarded.port}/0?sentinel_password=wrong#${masterName}`;
-      const producer = keep(new Producer({ connection: url, prefix: prefixFor(), logger: sink().logger, outageToleranceMs: 20_000 }));
-      const started = Date.now();
-      const err = await producer.publish('ha.majority', { task_type: 'ha.echo', payload: {} }).then(() => null, (e) => e);
-      assert.equal(err?.name, 'SentinelMajorityError');
-      assert.match(err.message, /fails: WRONGPASS/);
-      assert.equal(isRedisAway(err), false, 'not an outage');
-      assert.ok(Date.now() - started < 5000, 'not retried for the outage tolerance');
-    } finally {
-      await guarded.stop('SIGKILL');
-    }
-  });
-
-  test('connects to the primary two of three sentinels name, not the first listed one\'s, and asks again on reconnection', async () => {
-    const prefix = prefixFor();
-    const producer = keep(new Producer({ connection: urlOf('A', 'B', 'C'), prefix, logger: sink().logger }));
-    await producer.publish('ha.majority', { task_type: 'ha.echo', payload: {} });
-    const stream = new KeySpace(prefix).queue('ha.majority').stream('normal');
-    assert.equal(await onNode(y.port, (c) => c.xlen(stream)), 1);
-    assert.deepEqual(await keysOn(x.port, prefix), []);
-    // B turns to X: A and B name X now. The next connection (after a kill) goes there.
-    await onNode(sentinels.B.port, async (c) => {
-      await c.call('SENTINEL', 'REMOVE', masterName);
-      await c.call('SENTINEL', 'MONITOR', masterName, '127.0.0.1', String(x.port), '1');
-    });
-    await seesUp('B', x.port);
-    await onNode(y.port, (c) => c.call('CLIENT', 'KILL', 'TYPE', 'normal'));
-    await producer.publish('ha.majority', { task_type: 'ha.echo', payload: {} });
-    assert.deepEqual(await Promise.all([x.port, y.port].map((port) => onNode(port, (c) => c.xlen(stream)))), [1, 1]);
   });
 });
 

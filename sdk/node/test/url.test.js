@@ -6,7 +6,6 @@ import os from 'node:os';
 import path from 'node:path';
 import { describe, test } from 'node:test';
 import Redis, { Cluster } from 'ioredis';
-import { MajoritySentinelConnector } from '../src/sentinel.js';
 import { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from '../src/url.js';
 
 describe('Redis URLs', () => {
@@ -24,11 +23,10 @@ describe('Redis URLs', () => {
       {
         username: 'app', password: 'pw', db: 3, name: 'mymaster',
         sentinels: [{ host: 's1', port: 26379 }, { host: 's2', port: 26380 }, { host: '::1', port: 26381 }],
-        sentinelUsername: 'sen', sentinelPassword: 's pw', Connector: MajoritySentinelConnector,
+        sentinelUsername: 'sen', sentinelPassword: 's pw',
       });
     assert.deepEqual(parseRedisUrl('rediss-sentinel://s1#m'), {
       db: 0, name: 'm', sentinels: [{ host: 's1', port: 26379 }], tls: {}, sentinelTLS: {}, enableTLSForSentinelMode: true,
-      Connector: MajoritySentinelConnector,
     });
   });
 
@@ -73,27 +71,20 @@ describe('Redis URLs', () => {
     }
   });
 
-  test('createRedis builds a Redis, a Sentinel-managed Redis (finding the primary by majority) or a Cluster', () => {
+  test('createRedis builds a Redis, a Sentinel-managed Redis or a Cluster', () => {
     const plain = createRedis('redis://127.0.0.1:1/0', { lazyConnect: true });
     const sentinel = createRedis('redis-sentinel://127.0.0.1:1#m', { lazyConnect: true });
     const cluster = createRedis('redis-cluster://:pw@127.0.0.1:1', { lazyConnect: true });
-    const sentinels = [{ host: '127.0.0.1', port: 1 }];
-    const fromOptions = createRedis({ sentinels, name: 'm', lazyConnect: true });
-    const replica = createRedis({ sentinels, name: 'm', role: 'slave', lazyConnect: true });
     try {
       assert.ok(plain instanceof Redis && !plain.options.sentinels);
       assert.ok(sentinel instanceof Redis);
-      assert.deepEqual(sentinel.options.sentinels, sentinels);
+      assert.deepEqual(sentinel.options.sentinels, [{ host: '127.0.0.1', port: 1 }]);
       assert.equal(sentinel.options.name, 'm');
-      assert.ok(sentinel.connector instanceof MajoritySentinelConnector);
-      assert.ok(fromOptions.connector instanceof MajoritySentinelConnector);
-      assert.ok(sentinel.duplicate({ lazyConnect: true }).connector instanceof MajoritySentinelConnector, 'a duplicate keeps it');
-      assert.ok(!(replica.connector instanceof MajoritySentinelConnector), 'a replica is found as ioredis finds it');
       assert.ok(cluster instanceof Cluster);
       assert.equal(cluster.options.redisOptions.password, 'pw');
       assert.equal(cluster.options.redisOptions.lazyConnect, true);
     } finally {
-      for (const c of [plain, sentinel, cluster, fromOptions, replica]) c.disconnect();
+      for (const c of [plain, sentinel, cluster]) c.disconnect();
     }
   });
 

@@ -51,19 +51,6 @@ describe('worker', { skip, concurrency: false }, () => {
   };
   const effects = (prefix, order) => redis.get(`${prefix}:effects:order.close_timeout:${order}`);
 
-  test('with waitReplicas the idempotency claim and its done marker wait for replicas, like the ack', async () => {
-    const prefix = prefixFor();
-    const { worker, lines } = await startWorker(prefix, { waitReplicas: 1, waitTimeoutMs: 50 });
-    const producer = new Producer(redis, { prefix });
-    await producer.publish(QUEUE, { task_type: 'order.close_timeout', payload: { order_id: 'W1' }, idempotency_key: 'W1' });
-    await waitFor(() => lines.some((l) => l.msg === 'task succeeded'));
-    await worker.stop();
-    const idem = new KeySpace(prefix).idempotency('order.close_timeout', 'W1');
-    const short = lines.filter((l) => l.msg.startsWith('fewer replicas than asked'));
-    assert.deepEqual(short.filter((l) => l.key === idem).map((l) => l.step), ['idempotency claim', 'idempotency done']);
-    assert.ok(short.some((l) => l.key !== idem), 'the ack waited too');
-  });
-
   test('every log line carries trace_id and task_id', async () => {
     const prefix = prefixFor();
     const { worker, lines } = await startWorker(prefix);
