@@ -1,25 +1,211 @@
--- read.lua: take up to COUNT new entries of one consumer group, most urgent stream first.
+-- read.lua: take up to COUNT new entries of one consumer group, most urgent stream first,
+-- within the task types' limits (docs/protocol.md, section 19).
 --
--- KEYS[1..n]  the streams of the queues being consumed, in the order they are served
---             (for each queue: high, normal, low, then the non-task "kombu" stream)
+-- KEYS[1..n]  the streams of one queue, in the order they are served
+--             (high, normal, low, then Python's non-task "kombu" stream)
 -- ARGV[1]     consumer group
 -- ARGV[2]     consumer name
 -- ARGV[3]     the most entries to take in all
+-- ARGV[4]     optional: lease_ms, how long a slot taken now is held without renewal
+-- ARGV[5]     optional: the most entries of limited task types to take (what the caller
+--             can start now); ARGV[3] when absent
 --
 -- Equivalent to XREADGROUP ... STREAMS <key> > on each key in turn, stopping
 -- when COUNT entries were taken, so a prefetch limit is never exceeded and a
 -- lower bucket is read only when the higher ones are empty. Never blocks.
--- Returns the XREADGROUP reply shape: {{key, {{id, {field, value, ...}}, ...}}, ...}.
+-- Without ARGV[4] it reads as before limits existed and returns the XREADGROUP
+-- reply shape {{key, {{id, {field, value, ...}}, ...}}, ...}.
+--
+-- With ARGV[4], an entry whose task type has limits in <prefix>:{<queue>}:limits is
+-- taken only when the type may start one more attempt now: a free concurrency slot
+-- (ZSET <prefix>:{<queue>}:running:<task_type>, member "<stream> <entry id>", score
+-- the slot's deadline in ms) and a rate token (GCRA, <prefix>:{<queue>}:rate:<task_type>).
+-- Other entries are parked in the same call: claimed by the consumer "parked" and
+-- listed in <prefix>:{<queue>}:parked:<task_type>, in order, behind which later entries
+-- of that type wait. Parked entries are handed out first, as soon as their type may
+-- start. Returns {reply, wait_ms, limited}: reply in the shape above; wait_ms the
+-- longest the caller may wait before reading again while entries are parked (-1:
+-- none are); limited 1 when the queue has limits (then never take entries with a
+-- blocking XREADGROUP: wait with XREAD BLOCK and read with this script).
 
+local PARKED = 'parked'
+local POLL_MS = 20
+local SCAN_MORE = 1000
+
+local function read_plain()
+    local left = tonumber(ARGV[3])
+    local reply = {}
+    for _, key in ipairs(KEYS) do
+        if left <= 0 then break end
+        local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', key, '>')
+        if got and got[1] then
+            left = left - #got[1][2]
+            reply[#reply + 1] = {key, got[1][2]}
+        end
+    end
+    return reply
+end
+
+if not ARGV[4] then return read_plain() end
+
+local base = string.match(KEYS[1], '^(.*):[^:]+$')
+local configured = redis.call('HGETALL', base .. ':limits')
+if #configured == 0 then return {read_plain(), -1, 0} end
+
+local lease_ms = tonumber(ARGV[4])
 local left = tonumber(ARGV[3])
-local reply = {}
-for _, key in ipairs(KEYS) do
-    if left <= 0 then break end
-    local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', key, '>')
-    if got and got[1] then
-        local entries = got[1][2]
-        left = left - #entries
-        reply[#reply + 1] = {key, entries}
+local limited_left = tonumber(ARGV[5] or ARGV[3])
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + tonumber(time[2]) / 1000
+
+-- limits[t] = {concurrency = n or nil, interval = ms or nil, tolerance = ms}
+local limits, names = {}, {}
+for i = 1, #configured, 2 do
+    local ok, spec = pcall(cjson.decode, configured[i + 1])
+    if ok and type(spec) == 'table' then
+        local limit = {concurrency = tonumber(spec.concurrency)}
+        local rate = tonumber(spec.rate)
+        if rate and rate > 0 then
+            limit.interval = 1000 / rate
+            local burst = spec.smooth == true and 1 or (tonumber(spec.burst) or 1)
+            limit.tolerance = (math.max(burst, 1) - 1) * limit.interval
+        end
+        limits[configured[i]] = limit
+        names[#names + 1] = configured[i]
     end
 end
-return reply
+
+-- The task type of an entry: field "t", else the body's task_type when it is plain
+-- JSON (a json+gzip body without "t" cannot be read here and is never limited).
+local function task_type(fields)
+    local enc, body
+    for i = 1, #fields, 2 do
+        local name = fields[i]
+        if name == 't' then return fields[i + 1] end
+        if name == 'enc' then enc = fields[i + 1] elseif name == 'body' then body = fields[i + 1] end
+    end
+    if enc ~= 'json' or not body then return nil end
+    local quoted = false
+    for _, name in ipairs(names) do
+        if string.find(body, '"' .. name .. '"', 1, true) then quoted = true break end
+    end
+    if not quoted then return nil end
+    local ok, envelope = pcall(cjson.decode, body)
+    if ok and type(envelope) == 'table' and type(envelope.task_type) == 'string' then
+        return envelope.task_type
+    end
+    return nil
+end
+
+local running, tat, parked_len = {}, {}, {}
+
+local function running_key(t) return base .. ':running:' .. t end
+local function rate_key(t) return base .. ':rate:' .. t end
+local function parked_key(t) return base .. ':parked:' .. t end
+
+-- 0 when an attempt of type t may start now, else how long until it may (ms).
+local function wait_for(t)
+    local limit = limits[t]
+    if limit.concurrency then
+        if not running[t] then
+            redis.call('ZREMRANGEBYSCORE', running_key(t), '-inf', now)
+            running[t] = redis.call('ZCARD', running_key(t))
+        end
+        if running[t] >= limit.concurrency then return POLL_MS end
+    end
+    if limit.interval then
+        if not tat[t] then tat[t] = tonumber(redis.call('GET', rate_key(t))) or now end
+        local ahead = math.max(tat[t], now) - limit.tolerance - now
+        if ahead > 0 then return math.max(1, math.ceil(ahead)) end
+    end
+    return 0
+end
+
+local function take(t, stream, id)
+    local limit = limits[t]
+    if limit.concurrency then
+        redis.call('ZADD', running_key(t), now + lease_ms, stream .. ' ' .. id)
+        running[t] = running[t] + 1
+    end
+    if limit.interval then
+        tat[t] = math.max(tat[t], now) + limit.interval
+        redis.call('SET', rate_key(t), tostring(tat[t]), 'PX', math.ceil(tat[t] - now) + 1000)
+    end
+    limited_left = limited_left - 1
+end
+
+local function parked_count(t)
+    if not parked_len[t] then parked_len[t] = redis.call('LLEN', parked_key(t)) end
+    return parked_len[t]
+end
+
+local order, taken = {}, {}
+local function deliver(stream, entry)
+    if not taken[stream] then
+        taken[stream] = {}
+        order[#order + 1] = stream
+    end
+    local list = taken[stream]
+    list[#list + 1] = entry
+    left = left - 1
+end
+
+-- Parked entries first, in order, while their type may start.
+local parked_types = redis.call('SMEMBERS', base .. ':parked-types')
+for _, t in ipairs(parked_types) do
+    while left > 0 and limited_left > 0 and limits[t] and wait_for(t) == 0 do
+        local item = redis.call('LPOP', parked_key(t))
+        if not item then break end
+        local stream, id = string.match(item, '^(.*) (%S+)$')
+        local claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id)
+        if claimed[1] and claimed[1][2] then
+            take(t, stream, id)
+            deliver(stream, claimed[1])
+        end
+    end
+    if not limits[t] then  -- the limit was removed: hand them all out as credit allows
+        while left > 0 do
+            local item = redis.call('LPOP', parked_key(t))
+            if not item then break end
+            local stream, id = string.match(item, '^(.*) (%S+)$')
+            local claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id)
+            if claimed[1] and claimed[1][2] then deliver(stream, claimed[1]) end
+        end
+    end
+    if redis.call('LLEN', parked_key(t)) == 0 then redis.call('SREM', base .. ':parked-types', t) end
+end
+
+-- Then new entries, most urgent stream first; a parked entry does not count.
+local scan_left = tonumber(ARGV[3]) + SCAN_MORE
+for _, key in ipairs(KEYS) do
+    while left > 0 and scan_left > 0 do
+        local got = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left, 'STREAMS', key, '>')
+        if not got or not got[1] or #got[1][2] == 0 then break end
+        for _, entry in ipairs(got[1][2]) do
+            scan_left = scan_left - 1
+            local t = task_type(entry[2])
+            if not t or not limits[t] then
+                deliver(key, entry)
+            elseif parked_count(t) == 0 and limited_left > 0 and wait_for(t) == 0 then
+                take(t, key, entry[1])
+                deliver(key, entry)
+            else
+                redis.call('XCLAIM', key, ARGV[1], PARKED, 0, entry[1], 'JUSTID')
+                redis.call('RPUSH', parked_key(t), key .. ' ' .. entry[1])
+                redis.call('SADD', base .. ':parked-types', t)
+                parked_len[t] = parked_count(t) + 1
+            end
+        end
+    end
+end
+
+local wait_ms = -1
+for _, t in ipairs(redis.call('SMEMBERS', base .. ':parked-types')) do
+    local wait = limits[t] and wait_for(t) or 0
+    if wait == 0 then wait = POLL_MS end
+    if wait_ms < 0 or wait < wait_ms then wait_ms = wait end
+end
+
+local reply = {}
+for _, stream in ipairs(order) do reply[#reply + 1] = {stream, taken[stream]} end
+return {reply, wait_ms, 1}

@@ -22,7 +22,8 @@
 -- its next consumer sees it as redelivered, as AMQP and kombu's redis
 -- transport do; a taken-over copy counts in "n".
 -- The entry is copied, acknowledged and deleted in one step, so two callers
--- racing over the same entry requeue it once.
+-- racing over the same entry requeue it once. A concurrency slot the entry held
+-- is freed (the copy takes a new one when it is read again).
 -- Returns the new entry id, "dead:<id>" when it was dead-lettered, or false
 -- when the entry was no longer pending (with the required owner and idle time).
 
@@ -41,6 +42,26 @@ local function write_record(key, spec, extra, ttl_name)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
 end
 
+-- Frees the concurrency slot the entry held (docs/protocol.md, section 19): its task
+-- type is field "t", else the task_type of a plain JSON body.
+local function free_slot(stream, id, fields)
+    local t, enc, body
+    for i = 1, #fields, 2 do
+        local name = fields[i]
+        if name == 't' then t = fields[i + 1] elseif name == 'enc' then enc = fields[i + 1]
+        elseif name == 'body' then body = fields[i + 1] end
+    end
+    if not t and enc == 'json' and body then
+        local ok, envelope = pcall(cjson.decode, body)
+        if ok and type(envelope) == 'table' and type(envelope.task_type) == 'string' then
+            t = envelope.task_type
+        end
+    end
+    if t then
+        redis.call('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
+    end
+end
+
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', tonumber(ARGV[4]), ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
 if ARGV[3] ~= '' and pending[1][2] ~= ARGV[3] then return false end
@@ -50,6 +71,7 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 if #found == 0 then return false end
 
 local fields = found[1][2]
+free_slot(KEYS[1], ARGV[2], fields)
 local copy = {}
 local redeliveries = 0
 local requeues = 0

@@ -12,7 +12,7 @@
 -- The dead-letter entry gets the failure fields followed by every field of
 -- the original entry, byte for byte, under the name "raw.<field>". The entry
 -- is then acknowledged and deleted. Runs atomically, so an entry is
--- dead-lettered at most once.
+-- dead-lettered at most once. A concurrency slot the entry held is freed.
 -- Returns the dead-letter entry id, or false when the entry was not pending.
 
 -- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
@@ -30,6 +30,26 @@ local function write_record(key, spec, extra, ttl_name)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
 end
 
+-- Frees the concurrency slot the entry held (docs/protocol.md, section 19): its task
+-- type is field "t", else the task_type of a plain JSON body.
+local function free_slot(stream, id, fields)
+    local t, enc, body
+    for i = 1, #fields, 2 do
+        local name = fields[i]
+        if name == 't' then t = fields[i + 1] elseif name == 'enc' then enc = fields[i + 1]
+        elseif name == 'body' then body = fields[i + 1] end
+    end
+    if not t and enc == 'json' and body then
+        local ok, envelope = pcall(cjson.decode, body)
+        if ok and type(envelope) == 'table' and type(envelope.task_type) == 'string' then
+            t = envelope.task_type
+        end
+    end
+    if t then
+        redis.call('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
+    end
+end
+
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
 local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
@@ -42,6 +62,7 @@ if found[1] then
         dead[#dead + 1] = 'raw.' .. fields[i]
         dead[#dead + 1] = fields[i + 1]
     end
+    free_slot(KEYS[1], ARGV[2], fields)
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(dead))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])

@@ -17,7 +17,8 @@
 --          caller sets its state (retrying, or scheduled for a deferral); queued when due now
 --
 -- The next attempt is stored and the failed one acknowledged and deleted in
--- one step, so a crash never loses the task nor runs it twice. The caller
+-- one step, so a crash never loses the task nor runs it twice. A concurrency
+-- slot the failed attempt held is freed. The caller
 -- adds the queue to <prefix>:queues when the attempt is delayed.
 -- Returns 1, or false when the entry was no longer pending.
 
@@ -36,8 +37,30 @@ local function write_record(key, spec, extra, ttl_name)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
 end
 
+-- Frees the concurrency slot the entry held (docs/protocol.md, section 19): its task
+-- type is field "t", else the task_type of a plain JSON body.
+local function free_slot(stream, id, fields)
+    local t, enc, body
+    for i = 1, #fields, 2 do
+        local name = fields[i]
+        if name == 't' then t = fields[i + 1] elseif name == 'enc' then enc = fields[i + 1]
+        elseif name == 'body' then body = fields[i + 1] end
+    end
+    if not t and enc == 'json' and body then
+        local ok, envelope = pcall(cjson.decode, body)
+        if ok and type(envelope) == 'table' and type(envelope.task_type) == 'string' then
+            t = envelope.task_type
+        end
+    end
+    if t then
+        redis.call('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
+    end
+end
+
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
+local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if found[1] then free_slot(KEYS[1], ARGV[2], found[1][2]) end
 local due = tonumber(ARGV[4])
 local now = redis.call('TIME')
 local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
