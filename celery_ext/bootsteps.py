@@ -38,9 +38,9 @@ from typing import Any
 
 from celery import bootsteps
 
-from celery_ext.broker import broker_redis, broker_settings
+from celery_ext.broker import broker_redis, broker_settings, uses_envelope_broker
 from celery_ext.periodic import periodic_scheduler
-from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
+from celery_ext.task_limits import TaskLimitsStep
 from kombu_envelope.store.client import AnyRedis, close_client
 from kombu_envelope.store.promoter import Promoter
 
@@ -49,19 +49,13 @@ __all__ = [
     "DelayedTaskPromoter",
     "add_worker_steps",
     "install_worker_steps",
-    "uses_envelope_broker",
+    "uses_envelope_broker",  # re-exported: it lives in celery_ext.broker
 ]
 
 logger = logging.getLogger(__name__)
 
 #: Celery setting that keeps the promoter out of the worker when False (default True).
 ENABLED_SETTING = "envelope_promoter_enabled"
-
-
-def uses_envelope_broker(app: Any) -> bool:
-    """True when the app's broker transport is kombu-envelope's (or a subclass)."""
-    with app.connection_for_write() as conn:
-        return isinstance(conn.transport, EnvelopeTransport)
 
 
 class DelayedTaskPromoter(bootsteps.StartStopStep):
@@ -111,8 +105,10 @@ class DelayedTaskPromoter(bootsteps.StartStopStep):
 
 
 def add_worker_steps(app: Any) -> None:
-    """Add :class:`DelayedTaskPromoter` to the app's worker blueprint (idempotent)."""
+    """Add :class:`DelayedTaskPromoter` and the task limits step
+    (:mod:`celery_ext.task_limits`) to the app's worker blueprint (idempotent)."""
     app.steps["worker"].add(DelayedTaskPromoter)
+    app.steps["worker"].add(TaskLimitsStep)
 
 
 def install_worker_steps(sender: Any = None, **_: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kombu_envelope.kombu.transport import Transport as EnvelopeTransport
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.client import AnyRedis, RedisEndpoint, new_client
 
@@ -18,3 +19,9 @@ def broker_redis(app: Any, settings: Settings | None = None) -> AnyRedis:
     settings = settings or broker_settings(app)
     with app.connection_for_write() as conn:
         return new_client(RedisEndpoint.from_conninfo(conn), settings)
+
+
+def uses_envelope_broker(app: Any) -> bool:
+    """True when the app's broker transport is kombu-envelope's (or a subclass)."""
+    with app.connection_for_write() as conn:
+        return isinstance(conn.transport, EnvelopeTransport)

@@ -1,5 +1,5 @@
-"""``celery envelope ...``: operate the scheduler, the outbox relay, delayed tasks, dead
-letters and schemas.
+"""``celery envelope ...``: operate the scheduler, the outbox relay, task limits, delayed
+tasks, dead letters and schemas.
 
 Registered through the ``celery.commands`` entry point, so every command runs
 as ``celery -A proj envelope <command>`` against the app's broker. Output is a
@@ -22,7 +22,7 @@ from celery_ext.outbox import DB_SETTING
 from celery_ext.periodic import periodic_scheduler
 from kombu_envelope.cli_output import echo_table
 from kombu_envelope.envelope import format_rfc3339, parse_rfc3339
-from kombu_envelope.errors import EnvelopeError
+from kombu_envelope.errors import EnvelopeError, InvalidTaskLimit
 from kombu_envelope.outbox.options import DB_URL_ENV, DEFAULT_BATCH, DEFAULT_IDLE_S
 from kombu_envelope.schemas_cli import schema_commands
 from kombu_envelope.store.dead_letters import DeadLetterFilter, DeadLetters, ReplayEdit
@@ -30,6 +30,7 @@ from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTas
 from kombu_envelope.store.promoter import Promoter
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.schemas import PayloadSchemas
+from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
 
 
 def _app(ctx: click.Context) -> Any:
@@ -149,6 +150,61 @@ def outbox_relay(ctx: click.Context, db: str | None, batch: int, idle: float) ->
 
 
 # ------------------------------------------------------------------ delayed
+
+
+@envelope.group()
+def limits() -> None:
+    """Show and change the limits of task types (protocol section 19), at run time."""
+
+
+def _limits(ctx: click.Context) -> TaskLimits:
+    app = _app(ctx)
+    settings = broker_settings(app)
+    return TaskLimits(broker_redis(app, settings), settings)
+
+
+@limits.command("set")
+@click.argument("task_type")
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.option("--concurrency", type=int, default=None, help="Attempts running at once.")
+@click.option("--rate", type=float, default=None, help="Starts per second.")
+@click.option("--burst", type=int, default=None, help="Starts allowed back to back.")
+@click.option("--smooth", is_flag=True, default=None, help="Space every start evenly.")
+@click.pass_context
+def limits_set(ctx: click.Context, task_type: str, queue: str, concurrency: int | None,
+               rate: float | None, burst: int | None, smooth: bool | None) -> None:
+    """Give TASK_TYPE on a queue these limits, replacing the ones it had."""
+    try:
+        limit = TaskLimit(concurrency=concurrency, rate=rate, burst=burst, smooth=smooth or None)
+        _limits(ctx).set(queue, task_type, limit)
+    except InvalidTaskLimit as exc:
+        raise click.BadParameter(str(exc)) from exc
+    click.echo(f"limits of {task_type} on {queue}: {limit.describe()}")
+
+
+@limits.command("show")
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def limits_show(ctx: click.Context, queue: str, as_json: bool) -> None:
+    """List the limited task types of a queue."""
+    shown = _limits(ctx).all(queue)
+    if as_json:
+        _echo_json({name: limit.as_json() for name, limit in shown.items()})
+    else:
+        echo_table(["task_type", "limits"], [(name, limit.describe())
+                                             for name, limit in shown.items()])
+
+
+@limits.command("remove")
+@click.argument("task_type")
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.pass_context
+def limits_remove(ctx: click.Context, task_type: str, queue: str) -> None:
+    """Lift the limits of TASK_TYPE on a queue."""
+    if not _limits(ctx).remove(queue, task_type):
+        raise click.ClickException(f"{task_type} has no limits on {queue}")
+    click.echo(f"limits of {task_type} on {queue} removed")
 
 
 @envelope.group()

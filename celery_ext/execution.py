@@ -77,8 +77,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_ext import metrics
-from celery_ext.bootsteps import uses_envelope_broker
-from celery_ext.broker import broker_redis, broker_settings
+from celery_ext.broker import broker_redis, broker_settings, uses_envelope_broker
 from celery_ext.failures import Delivery, classify, dead_letter_task, describe
 from celery_ext.headers import timeout_ms_of
 from celery_ext.idempotency import KEY_HEADER, derive_idempotency_key
@@ -253,6 +252,7 @@ class ExecutionShell:
                 return self._claimed(attempt, run, args, kwargs)
         finally:
             _current.reset(token)
+            self._free_slot(attempt)
             pending = attempt.pending
             if attempt.retried and not (pending is not None and not pending.publish_if_gone
                                         and pending.outcome is Replaced.NOT_PENDING):
@@ -351,6 +351,19 @@ class ExecutionShell:
                 delivery.consumer, delivery.stream, delivery.entry_id, success)):
             self._record(attempt, success)  # no ack of this run waits here (section 14)
         return result
+
+    def _free_slot(self, attempt: Attempt) -> None:
+        """Free the concurrency slot the attempt held (docs/protocol.md, section 19), now
+        that its run ended, whether its entry is acknowledged yet or not. On a Redis error
+        the slot is freed by its deadline, ``lease_ms`` after its last renewal."""
+        delivery = attempt.delivery
+        if delivery.slot is None:
+            return
+        try:
+            self.client.zrem(delivery.slot, f"{delivery.stream} {delivery.entry_id}")
+        except BROKER_ERRORS as exc:
+            logger.warning("task %s: freeing its concurrency slot failed (it expires on its "
+                           "own): %r", _name(attempt), exc)
 
     def _stats(self) -> StatsBuffer:
         return attempt_buffer(self.settings, lambda: self.client)
@@ -580,6 +593,11 @@ def _is_solo(pool_cls: Any) -> bool:
     return isinstance(found, type) and issubclass(found, SoloPool)
 
 
+def shell_enabled(app: Any) -> bool:
+    """Whether ``app``'s workers run tasks in the shell (``envelope_execution_enabled``)."""
+    return bool(app.conf.get(ENABLED_SETTING, True))
+
+
 def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | None:
     """``worker_init`` receiver: run every task of the worker's app through the shell.
 
@@ -589,7 +607,7 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
     starts the worker anyway, without the shell.
     """
     app = getattr(sender, "app", None)
-    if app is None or not app.conf.get(ENABLED_SETTING, True) or not uses_envelope_broker(app):
+    if app is None or not shell_enabled(app) or not uses_envelope_broker(app):
         return None
     shell = ExecutionShell(app, solo=_is_solo(getattr(sender, "pool_cls", None)))
     tasks = list(app.tasks.values())

@@ -37,6 +37,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_DUE_MS,
     INFO_ENTRY_ID,
     INFO_QUEUE,
+    INFO_SLOT,
     INFO_STREAM,
 )
 from kombu_envelope.retrying import ErrorKind, RetryPolicy
@@ -83,6 +84,7 @@ class Delivery:
     stream: str | None = None
     entry_id: str | None = None
     due_ms: int | None = None  # when its task was due (ms since the Unix epoch)
+    slot: str | None = None  # running key of the concurrency slot it holds (section 19)
 
     @classmethod
     def of(cls, request: Any, fallback_consumer: str) -> Delivery:
@@ -92,7 +94,7 @@ class Delivery:
         queue = info.get(INFO_QUEUE) or info.get("routing_key") or "celery"
         return cls(queue=queue, consumer=info.get(INFO_CONSUMER) or fallback_consumer,
                    stream=info.get(INFO_STREAM), entry_id=info.get(INFO_ENTRY_ID),
-                   due_ms=info.get(INFO_DUE_MS))
+                   due_ms=info.get(INFO_DUE_MS), slot=info.get(INFO_SLOT))
 
 
 def envelope_of_request(task: Any, request: Any, settings: Settings) -> Envelope:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery_ext.bootsteps import uses_envelope_broker
+from celery_ext.broker import uses_envelope_broker
 from celery_ext.protocol import payload_versions
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,7 @@ from typing import Any
 from celery import current_app
 from celery.worker import state
 
+from celery_ext.execution import shell_enabled
 from celery_ext.outbox import outbox_sink
 from celery_ext.protocol import CeleryAdapter
 from celery_ext.readiness import announced_concurrency, announced_tasks
@@ -40,6 +41,16 @@ class Transport(EnvelopeTransport):
     def concurrency(self) -> int | None:
         """The worker's pool concurrency."""
         return announced_concurrency()
+
+    def start_capacity(self) -> int | None:
+        """The pool's free processes: its concurrency less the requests the worker holds
+        (running, or waiting for a process)."""
+        concurrency = announced_concurrency()
+        return None if concurrency is None else max(0, concurrency - len(state.reserved_requests))
+
+    def runner_frees_slots(self) -> bool:
+        """True: the execution shell frees a task's slot when its run ends."""
+        return shell_enabled(current_app)
 
     def outbox_sink(self) -> OutboxSink | None:
         """An explicit ``divert_to``'s sink, else the outbox of the current app's

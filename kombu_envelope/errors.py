@@ -105,3 +105,11 @@ CELERY_FIX = ("add `import celery_ext` to the module that creates the Celery app
 class CeleryExtensionMissing(EnvelopeError, RuntimeError):
     """Celery uses envelope:// without ``celery_ext``: its tasks would not become Envelopes,
     so no other language would read them."""
+
+
+class InvalidTaskLimit(EnvelopeError, ValueError):
+    """Limits of a task type that break a rule (docs/protocol.md, section 19)."""
+
+    def __init__(self, field: str, rule: str, message: str) -> None:
+        self.field, self.rule = field, rule
+        super().__init__(f"{field or 'limits'}: {message} ({rule})")

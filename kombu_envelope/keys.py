@@ -160,6 +160,20 @@ class QueueKeys:
         """HASH of the counts workers keep of runs, outcomes and waits (section 17)."""
         return f"{self.base}:stats"
 
+    @property
+    def limits(self) -> str:
+        """HASH of task type to its limits on this queue, JSON (section 19)."""
+        return f"{self.base}:limits"
+
+    def running(self, task_type: str) -> str:
+        """ZSET of the concurrency slots of ``task_type`` held now, ``"<stream> <entry id>"``
+        scored by deadline in ms (section 19)."""
+        return f"{self.base}:running:{task_type}"
+
+    def parked(self, task_type: str) -> str:
+        """LIST of ``"<stream> <entry id>"`` of entries waiting for their type's limits."""
+        return f"{self.base}:parked:{task_type}"
+
 
 @dataclass(frozen=True)
 class KeySpace:

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jsonschema import Draft202012Validator
 
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import Envelope, check_publishable, format_rfc3339, utcnow
-from kombu_envelope.errors import InvalidEnvelope, MalformedEntry
+from kombu_envelope.errors import InvalidEnvelope, InvalidTaskLimit, MalformedEntry
 from kombu_envelope.store.schemas import SCHEMA_RULE, compile_schema, payload_violations
+from kombu_envelope.store.task_limits import parse_limit
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 MANIFEST = json.loads((ROOT / "manifest.json").read_text(encoding="utf-8"))
@@ -85,7 +87,9 @@ def test_the_manifest_lists_every_vector_file() -> None:
         "envelopes": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("envelopes/*.json")),
         "entries": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("entries/*.json")),
         "schemas": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("schemas/*.json")),
+        "limits": sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("limits/*.json")),
     }
+    assert MANIFEST["limits"] == on_disk["limits"]
     assert MANIFEST["envelopes"] == on_disk["envelopes"]
     assert MANIFEST["entries"] == on_disk["entries"]
     assert MANIFEST["schemas"] == on_disk["schemas"]
@@ -231,3 +235,30 @@ def test_schema_vectors_cover_the_keywords_paths_and_the_format_decision() -> No
 def test_schema_vector(relative: str) -> None:
     case = load(relative)
     assert schema_vector_verdict(case) == case["violations"]
+
+
+LIMITS_SCHEMA = json.loads((ROOT.parent / "kombu_envelope" / "schemas" / "limits.schema.json")
+                           .read_text(encoding="utf-8"))
+LIMIT_KEYS = {"name", "description", "input", "valid", "field", "rule"}
+
+
+@pytest.mark.parametrize("relative", MANIFEST["limits"])
+def test_limit_vector(relative: str) -> None:
+    case = load(relative)
+    assert set(case) <= LIMIT_KEYS and case["name"] == Path(relative).stem
+    schema_says = Draft202012Validator(LIMITS_SCHEMA).is_valid(case["input"])
+    assert schema_says == case["valid"]  # the schema and the vectors agree
+    if case["valid"]:
+        assert parse_limit(case["input"]).as_json() == case["input"]
+        return
+    with pytest.raises(InvalidTaskLimit) as refused:
+        parse_limit(case["input"])
+    assert (refused.value.field, refused.value.rule) == (case["field"], case["rule"])
+    assert case["field"] in str(refused.value)
+
+
+def test_limit_vectors_cover_every_member_and_rule() -> None:
+    cases = [load(name) for name in MANIFEST["limits"]]
+    refused = [case for case in cases if not case["valid"]]
+    assert {case["rule"] for case in refused} == {"type", "minimum", "required", "unknown_field"}
+    assert {"concurrency", "rate", "burst", "smooth"} <= {case["field"] for case in refused}

@@ -29,6 +29,7 @@ import socket
 import uuid
 from collections import deque
 from dataclasses import replace
+from time import monotonic
 from typing import Any
 
 from kombu.transport import virtual
@@ -44,6 +45,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_FAILURE_CLASS,
     INFO_FAILURE_REASON,
     INFO_QUEUE,
+    INFO_SLOT,
     INFO_STREAM,
 )
 from kombu_envelope.kombu.inbox import F_KOMBU, Inbox
@@ -164,6 +166,11 @@ class Channel(virtual.Channel):
         self._buffer: deque[tuple[str, dict[str, Any]]] = deque()
         #: Queues whose last read took all it asked for: they may hold more right now.
         self._may_hold_more: set[str] = set()
+        #: Queues with limits (docs/protocol.md, section 19), as their last read said:
+        #: their entries are taken only by read.lua, never by a blocking XREADGROUP.
+        self._limited: set[str] = set()
+        #: Per queue with parked entries: read it again by then (monotonic seconds).
+        self._read_again_at: dict[str, float] = {}
         self._registered_liveness = False
         self._started_at = utcnow()
         self.queues = Queues(self.client, self.settings)
@@ -171,7 +178,9 @@ class Channel(virtual.Channel):
         self.settler = Settler(self.client, self.settings, self.consumer_name,
                                transport.queue_of_stream, self._holds)
         self.inbox = Inbox(self.client, self.settings, self.adapter, self.consumer_name,
-                           transport.queue_of_stream, self.settler)
+                           transport.queue_of_stream, self.settler, self._limited)
+        self.start_capacity = transport.start_capacity
+        self.settler.runner_frees_slots = transport.runner_frees_slots()
         transport.poller.add(self)
 
     def _holds(self, delivery_tag: str) -> bool:
@@ -307,7 +316,8 @@ class Channel(virtual.Channel):
                     self.consumer_name, announced, transport.served_tasks(),
                     transport.concurrency()),
                 started_at=self._started_at) if announced else None
-            self.lease_keeper.register(self.consumer_name, self._active_queues, announcement)
+            self.lease_keeper.register(self.consumer_name, self._active_queues, announcement,
+                                       slots=self._held_slots)
             self._registered_liveness = True
 
     @property
@@ -340,7 +350,8 @@ class Channel(virtual.Channel):
 
     def _register_liveness_for_get(self) -> None:
         if not self._registered_liveness:
-            self.lease_keeper.register(self.consumer_name, self._active_queues)
+            self.lease_keeper.register(self.consumer_name, self._active_queues,
+                                       slots=self._held_slots)
             self._registered_liveness = True
 
     def _read_queues(self, credit: int) -> list[tuple[str, dict[str, Any]]]:
@@ -359,19 +370,55 @@ class Channel(virtual.Channel):
         """Non-blocking read of up to ``count`` entries of ``queue``, most urgent first."""
         streams = list(self.keys.queue(queue).all_streams)
         read = script(self.client, "read")
-        args: list[str | int] = [self.settings.consumer_group, self.consumer_name, count]
+        args: list[str | int] = [self.settings.consumer_group, self.consumer_name, count,
+                                 self.settings.lease_ms, self._limited_credit(count)]
         retried = retries_seen()
         try:
-            reply: list[Any] = read(keys=streams, args=args)
+            answer: list[Any] = read(keys=streams, args=args)
         except ResponseError as exc:
             if not str(exc).startswith("NOGROUP"):
                 raise
             self._recreate_groups()
-            reply = read(keys=streams, args=args)
+            answer = read(keys=streams, args=args)
+        reply = self._note_limits(queue, answer)
         self._note_fill(queue, sum(len(entries) for _stream, entries in reply) >= count)
         if retries_seen() != retried:
             reply = reply + self._unseen_own_entries(streams, reply)
         return self._without_held(reply)
+
+    def _limited_credit(self, count: int) -> int:
+        """How many entries of limited task types a read may take: what the process can
+        start now (its pool's free capacity, when known), less what waits read already."""
+        capacity = self.start_capacity()
+        return count if capacity is None else max(0, min(count, capacity - len(self._buffer)))
+
+    def _note_limits(self, queue: str, answer: list[Any]) -> list[Any]:
+        """The entries of a read.lua answer, remembering whether ``queue`` has limits and
+        when its parked entries want it read again (docs/protocol.md, section 19)."""
+        reply, wait_ms, limited = answer
+        if limited:
+            self._limited.add(queue)
+        else:
+            self._limited.discard(queue)
+        if wait_ms >= 0:
+            self._read_again_at[queue] = monotonic() + wait_ms / 1000
+        else:
+            self._read_again_at.pop(queue, None)
+        return reply
+
+    def _held_slots(self) -> list[tuple[str, str]]:
+        """(running key, member) of every concurrency slot this channel may hold: its
+        delivered, unsettled messages of limited queues (the lease keeper renews them)."""
+        for _ in range(3):  # the event loop may change the dict meanwhile: look again
+            try:
+                infos = [message.delivery_info for message in list(self.qos._delivered.values())]
+                break
+            except RuntimeError:
+                continue
+        else:
+            return []
+        return [(info[INFO_SLOT], f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}")
+                for info in infos if INFO_SLOT in info]
 
     def _note_fill(self, queue: str, filled: bool) -> None:
         """Remember whether the last read of ``queue`` took all it asked for."""
@@ -497,9 +544,9 @@ class Channel(virtual.Channel):
             reader = self._readers[queue] = QueueReader(queue, streams)
         count = share // len(streams)
         try:
-            if count < 1:
+            if count < 1 or queue in self._limited:
                 command: tuple[Any, ...] = (
-                    "XREAD", "COUNT", 1, "BLOCK", self.settings.block_ms,
+                    "XREAD", "COUNT", 1, "BLOCK", self._block_ms(queue),
                     "STREAMS", *streams, *self._last_delivered_ids(list(streams)))
                 reserved, wait_only = 0, True
             else:
@@ -512,6 +559,14 @@ class Channel(virtual.Channel):
             if not self._on_cluster or not (is_outage(exc) or isinstance(exc, CLUSTER_REDIRECTS)):
                 raise
             self._lost_slot_owner(reader, exc)
+
+    def _block_ms(self, queue: str) -> int:
+        """How long a wait on ``queue`` may block: ``block_ms``, or until its parked
+        entries want it read again."""
+        again = self._read_again_at.get(queue)
+        if again is None:
+            return self.settings.block_ms
+        return max(1, min(self.settings.block_ms, int((again - monotonic()) * 1000)))
 
     def _send_blocking_read(self, reader: QueueReader, command: tuple[Any, ...],
                             reserved: int, wait_only: bool) -> None:

@@ -18,3 +18,6 @@ INFO_SKIPPED = "envelope_skipped"
 #: When the entry's task was due, ms since the Unix epoch: its Envelope's ``schedule_time``
 #: when set, else its ``created_at`` (an attempt's wait to start counts from it).
 INFO_DUE_MS = "envelope_due_ms"
+#: The running key of the concurrency slot the entry holds, on a queue with limits
+#: (docs/protocol.md, section 19); the slot's member is the delivery tag.
+INFO_SLOT = "envelope_slot"

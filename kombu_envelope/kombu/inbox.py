@@ -31,6 +31,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_ENTRY_ID,
     INFO_QUEUE,
     INFO_SKIPPED,
+    INFO_SLOT,
     INFO_STREAM,
     INFO_TASK_ID,
     INFO_TASK_TYPE,
@@ -58,7 +59,8 @@ class Inbox:
 
     def __init__(self, client: Any, settings: Settings, adapter: MessageAdapter,
                  consumer_name: str, queue_of_stream: Callable[[str], str],
-                 settler: Settler) -> None:
+                 settler: Settler, limited: set[str] | None = None) -> None:
+        """``limited``: the queues with limits (section 19), kept by the channel."""
         self.client = client
         self.settings = settings
         self.keys = settings.keys
@@ -66,6 +68,7 @@ class Inbox:
         self.consumer_name = consumer_name
         self.queue_of_stream = queue_of_stream
         self.settler = settler
+        self.limited = limited if limited is not None else set()
         self.schemas = PayloadSchemas(client, settings)
         #: Time until which ``<prefix>:cancelled`` is known not to exist.
         self._no_cancel_marks_until = 0.0
@@ -210,6 +213,8 @@ class Inbox:
         if envelope is not None:
             info[INFO_TASK_ID] = envelope.task_id
             info[INFO_TASK_TYPE] = envelope.task_type
+            if queue in self.limited:
+                info[INFO_SLOT] = self.keys.queue(queue).running(envelope.task_type)
             due = envelope.schedule_time or envelope.created_at
             info[INFO_DUE_MS] = int(due.timestamp() * 1000)
         return message
@@ -230,7 +235,9 @@ class Inbox:
                          fields.get(F_BODY.encode(), fields.get(F_BODY)),
                          token=f"entry:{entry_id}")
         batch.execute()
-        self.settler.ack_now(stream, [entry_id])
+        slots = ([(keys.running(envelope.task_type), f"{stream} {entry_id}")]
+                 if queue in self.limited else [])
+        self.settler.ack_now(stream, [entry_id], slots=slots)
 
 
 def _kombu_message(fields: dict[Any, Any]) -> dict[str, Any]:

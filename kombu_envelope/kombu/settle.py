@@ -30,6 +30,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_FAILURE_CLASS,
     INFO_FAILURE_REASON,
     INFO_SKIPPED,
+    INFO_SLOT,
     INFO_STREAM,
     INFO_TASK_ID,
     INFO_TASK_TYPE,
@@ -82,9 +83,14 @@ class Settler:
         self.queue_of_stream = queue_of_stream
         #: Whether acks wait for flush_acks (an event loop calls it on its turns).
         self.defer_acks = False
+        #: Whether the runner of a task frees its concurrency slot (section 19) when the
+        #: run ends, so that only acks of entries not run free it here.
+        self.runner_frees_slots = False
         self._pending_acks: list[tuple[str, str, RecordWrite]] = []
         #: When the oldest ack in ``_pending_acks`` was made (monotonic seconds).
         self._pending_since = 0.0
+        #: (running key, member) of the slots the acks waiting free (section 19).
+        self._slots_freed: list[tuple[str, str]] = []
         #: Records to write with acks not made yet, by (stream, entry id).
         self._records_for_ack: dict[tuple[str, str], RecordWrite] = {}
         self._lock = threading.Lock()  # a thread pool's task may attach a record
@@ -103,11 +109,18 @@ class Settler:
         entry_id = delivery_info[INFO_ENTRY_ID]
         record = (skip_write(self.settings, self.queue_of_stream(stream), task_id, skipped)
                   if skipped and task_id else RecordWrite())
+        slot = delivery_info.get(INFO_SLOT)
+        if slot is not None and (skipped or not self.runner_frees_slots):
+            slot_freed = (slot, f"{stream} {entry_id}")
+        else:
+            slot_freed = None
         with self._lock:
             record = self._records_for_ack.pop((stream, entry_id), record)
             if not self._pending_acks:
                 self._pending_since = monotonic()
             self._pending_acks.append((stream, entry_id, record))
+            if slot_freed is not None:
+                self._slots_freed.append(slot_freed)
         if not self.defer_acks:
             self.flush_acks()
 
@@ -141,6 +154,7 @@ class Settler:
         """
         with self._lock:
             pending, self._pending_acks = self._pending_acks, []
+            slots, self._slots_freed = self._slots_freed, []
         if not pending:
             return
         by_queue: dict[str, tuple[dict[str, list[str]], list[RecordWrite]]] = {}
@@ -150,17 +164,23 @@ class Settler:
             if record.key is not None:
                 records.append(record)
         for by_stream, records in by_queue.values():
-            self._ack_in_one_slot(by_stream, records)
+            first = next(iter(by_stream))
+            self._ack_in_one_slot(by_stream, records, [
+                (key, member) for key, member in slots
+                if self.queue_of_stream(member.split(" ", 1)[0]) == self.queue_of_stream(first)])
 
-    def ack_now(self, stream: str, ids: list[str], records: list[RecordWrite] | None = None
-                ) -> None:
-        """XACK and XDEL entries of one stream at once, in one MULTI with ``records``."""
-        self._ack_in_one_slot({stream: ids}, records or [])
+    def ack_now(self, stream: str, ids: list[str], records: list[RecordWrite] | None = None,
+                slots: list[tuple[str, str]] | None = None) -> None:
+        """XACK and XDEL entries of one stream at once, in one MULTI with ``records`` and
+        the slots they free."""
+        self._ack_in_one_slot({stream: ids}, records or [], slots)
 
     def _ack_in_one_slot(self, by_stream: dict[str, list[str]],
-                         records: list[RecordWrite]) -> None:
+                         records: list[RecordWrite],
+                         slots: list[tuple[str, str]] | None = None) -> None:
         """One MULTI on the streams of one queue (and the records its acks carry, with
-        the statistics counted so far on the queue when there are any), then ``WAIT``
+        the statistics counted so far on the queue when there are any, and the
+        concurrency slots they free: ``slots``, (running key, member)), then ``WAIT``
         with ``wait_replicas`` on the connection that ran it (on a Cluster, to the node
         of the queue's slot)."""
         first = next(iter(by_stream))
@@ -170,6 +190,8 @@ class Settler:
             pipe.xdel(stream, *ids)
         for record in records:
             record.add_to(pipe)
+        for key, member in slots or ():
+            pipe.zrem(key, member)
         stats, queue = process_buffer(self.settings), self.queue_of_stream(first)
         counted = stats.add_to(pipe, queue) if records else {}
         try:

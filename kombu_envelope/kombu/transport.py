@@ -278,6 +278,18 @@ class Transport(virtual.Transport):
         """How many tasks this process runs at once, when known (None here)."""
         return None
 
+    def start_capacity(self) -> int | None:
+        """How many more tasks this process could start now, when known (None here: as
+        many as the prefetch credit). Entries of limited task types are read only up to
+        it, so that none holds a slot while it waits (docs/protocol.md, section 19)."""
+        return None
+
+    def runner_frees_slots(self) -> bool:
+        """Whether whoever runs a task frees its concurrency slot when the run ends (an
+        execution shell does; it may run after an early acknowledgement), rather than
+        the acknowledgement (False here: a plain kombu consumer acks when done)."""
+        return False
+
     def outbox_sink(self) -> OutboxSink | None:
         """Where a task published now goes instead of Redis: the enclosing
         :func:`~kombu_envelope.outbox.context.divert_to`'s sink, if any (Celery's

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -35,6 +36,8 @@ from kombu_envelope.store.worker_stats import UNDECODED, process_buffer
 
 logger = logging.getLogger(__name__)
 
+#: The reserved consumer holding parked entries (section 19): never taken over.
+PARKED_CONSUMER = "parked"
 #: How many pending entries one takeover step examines per stream.
 RECLAIM_BATCH = 100
 #: A dead consumer holding nothing is removed from its group once idle this long (ms).
@@ -44,14 +47,20 @@ FORGET_CHECK_S = 60.0
 
 
 def renew(client: Any, settings: Settings, consumers: Iterable[str],
-          announcements: Iterable[WorkerAnnouncement] = ()) -> None:
+          announcements: Iterable[WorkerAnnouncement] = (),
+          slots: Iterable[tuple[str, str]] = ()) -> None:
     """Mark ``consumers`` alive for another ``lease_ms``, and write ``announcements``
-    (their registry first, docs/protocol.md section 15) in the same round trip."""
+    (their registry first, docs/protocol.md section 15) in the same round trip, with
+    the deadlines of the concurrency ``slots`` they hold, (running key, member)
+    (section 19: ``ZADD XX``, so a slot freed meanwhile is not taken again)."""
     value = f"{socket.gethostname()} {os.getpid()} python"
 
     def liveness(pipe: Any) -> None:
         for consumer in consumers:
             pipe.set(settings.keys.consumer(consumer), value, px=settings.lease_ms)
+        deadline = int(time.time() * 1000) + settings.lease_ms
+        for key, member in slots:
+            pipe.zadd(key, {member: deadline}, xx=True)
 
     Announcements(client, settings).announce(*announcements, also=liveness)
 
@@ -75,7 +84,8 @@ def reclaim_dead_consumers(client: Any, settings: Settings, queue: str) -> int:
             if is_outage(error):
                 raise
             continue
-        owners = [as_text(c["name"]) for c in summary.get("consumers") or []]
+        owners = [name for c in summary.get("consumers") or []
+                  if (name := as_text(c["name"])) != PARKED_CONSUMER]
         if not owners:
             continue
         pipe = client.pipeline(transaction=False)
@@ -200,6 +210,7 @@ class LeaseKeeper:
         self.settings = settings
         self._consumers: dict[str, frozenset[str]] = {}
         self._announcements: dict[str, WorkerAnnouncement] = {}
+        self._slots: dict[str, Callable[[], list[tuple[str, str]]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,15 +224,19 @@ class LeaseKeeper:
         return self._client
 
     def register(self, consumer: str, queues: Iterable[str],
-                 announcement: WorkerAnnouncement | None = None) -> None:
+                 announcement: WorkerAnnouncement | None = None,
+                 slots: Callable[[], list[tuple[str, str]]] | None = None) -> None:
         """Keep ``consumer`` alive (renewing now, synchronously) and watch ``queues``;
-        ``announcement`` is written with every renewal (docs/protocol.md, section 15)."""
+        ``announcement`` is written with every renewal (docs/protocol.md, section 15),
+        and so are the deadlines of the concurrency slots ``slots()`` names (section 19)."""
         with self._lock:
             self._consumers[consumer] = frozenset(queues)
             if announcement is not None:
                 self._announcements[consumer] = announcement
+            if slots is not None:
+                self._slots[consumer] = slots
             announced = [a for a in [self._announcements.get(consumer)] if a is not None]
-        renew(self.client, self.settings, [consumer], announced)
+        renew(self.client, self.settings, [consumer], announced, self._held_slots([consumer]))
         self._ensure_started()
 
     def unregister(self, consumer: str) -> None:
@@ -230,6 +245,7 @@ class LeaseKeeper:
         with self._lock:
             known = self._consumers.pop(consumer, None)
             announcement = self._announcements.pop(consumer, None)
+            self._slots.pop(consumer, None)
         if known is None:
             return
         try:
@@ -276,6 +292,11 @@ class LeaseKeeper:
         with self._lock:
             return [self._announcements[c] for c in consumers if c in self._announcements]
 
+    def _held_slots(self, consumers: Iterable[str]) -> list[tuple[str, str]]:
+        with self._lock:
+            sources = [self._slots[c] for c in consumers if c in self._slots]
+        return [slot for source in sources for slot in source()]
+
     def _run(self) -> None:
         interval_s = self.settings.lease_ms / 3000
         forget_every = max(1, int(FORGET_CHECK_S / interval_s))
@@ -290,7 +311,8 @@ class LeaseKeeper:
             rounds += 1
             watch = AnsweredAtOnce(interval_s)
             try:
-                renew(self.client, self.settings, consumers, self._announced(consumers))
+                renew(self.client, self.settings, consumers, self._announced(consumers),
+                      self._held_slots(consumers))
             except RedisError:
                 renewed_in_a_row = 0
                 wait_s = interval_s / 10  # promptly: the key must be back soon after Redis

@@ -7,8 +7,10 @@
 -- ARGV[2]     consumer name
 -- ARGV[3]     the most entries to take in all
 -- ARGV[4]     optional: lease_ms, how long a slot taken now is held without renewal
--- ARGV[5]     optional: the most entries of limited task types to take (what the caller
---             can start now); ARGV[3] when absent
+-- ARGV[5]     optional: what the caller can start now; an entry of a limited type is
+--             taken only while fewer entries than that were handed out before it in this
+--             call (whatever their types), so none waits behind others holding a slot;
+--             ARGV[3] when absent
 --
 -- Equivalent to XREADGROUP ... STREAMS <key> > on each key in turn, stopping
 -- when COUNT entries were taken, so a prefetch limit is never exceeded and a
@@ -50,7 +52,11 @@ if not ARGV[4] then return read_plain() end
 
 local base = string.match(KEYS[1], '^(.*):[^:]+$')
 local configured = redis.call('HGETALL', base .. ':limits')
-if #configured == 0 then return {read_plain(), -1, 0} end
+-- Without limits, and with nothing parked (entries parked before the last limit was
+-- removed are handed out below), a plain read.
+if #configured == 0 and redis.call('EXISTS', base .. ':parked-types') == 0 then
+    return {read_plain(), -1, 0}
+end
 
 local lease_ms = tonumber(ARGV[4])
 local left = tonumber(ARGV[3])
@@ -131,7 +137,6 @@ local function take(t, stream, id)
         tat[t] = math.max(tat[t], now) + limit.interval
         redis.call('SET', rate_key(t), tostring(tat[t]), 'PX', math.ceil(tat[t] - now) + 1000)
     end
-    limited_left = limited_left - 1
 end
 
 local function parked_count(t)
@@ -148,6 +153,7 @@ local function deliver(stream, entry)
     local list = taken[stream]
     list[#list + 1] = entry
     left = left - 1
+    limited_left = limited_left - 1  -- whatever its type, it is started before later ones
 end
 
 -- Parked entries first, in order, while their type may start.

@@ -1,0 +1,252 @@
+"""Limits per task type in read.lua and the scripts that settle (docs/protocol.md, section 19).
+
+These call the scripts as every SDK does, on the session's real Redis; the Celery worker
+and the other languages are in test_task_limits_celery.py and test_task_limits_matrix.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from kombu_envelope.errors import InvalidTaskLimit
+from kombu_envelope.keys import Bucket
+from kombu_envelope.settings import Settings
+from kombu_envelope.store.lease import reclaim_dead_consumers, renew
+from kombu_envelope.store.scripts import script
+from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
+
+QUEUE = "limited"
+GROUP = "workers"
+LEASE_MS = 30_000
+
+
+@pytest.fixture
+def settings(key_prefix: str) -> Settings:
+    return Settings(key_prefix=key_prefix, lease_ms=LEASE_MS)
+
+
+@pytest.fixture
+def streams(client: redis.Redis, settings: Settings) -> list[str]:
+    keys = settings.keys.queue(QUEUE)
+    for stream in keys.task_streams:
+        client.xgroup_create(stream, GROUP, "0", mkstream=True)
+    return list(keys.task_streams)
+
+
+def add(client: redis.Redis, settings: Settings, task_type: str, *,
+        bucket: Bucket = Bucket.NORMAL, gzipped: bool = False, t_field: bool = False) -> str:
+    body = json.dumps({"task_id": uuid.uuid4().hex, "task_type": task_type}).encode()
+    fields: dict[str, Any] = {"v": "1", "enc": "json+gzip" if gzipped else "json",
+                              "body": gzip.compress(body) if gzipped else body}
+    if t_field:
+        fields["t"] = task_type
+    return client.xadd(settings.keys.queue(QUEUE).stream(bucket), fields).decode()
+
+
+def read(client: redis.Redis, streams: list[str], consumer: str, count: int = 10,
+         capacity: int | None = None, lease_ms: int = LEASE_MS) -> tuple[list[str], int, int]:
+    """(ids handed out, wait_ms, limited) of one read.lua call with the extra ARGV."""
+    args: list[Any] = [GROUP, consumer, count, lease_ms]
+    if capacity is not None:
+        args.append(capacity)
+    reply, wait_ms, limited = script(client, "read")(keys=streams, args=args)
+    return [entry_id.decode() for _s, entries in reply for entry_id, _f in entries], wait_ms, limited
+
+
+def ack(client: redis.Redis, settings: Settings, stream: str, entry_id: str,
+        task_type: str) -> None:
+    """A success's acknowledgement, with the ZREM of its slot in the same MULTI."""
+    pipe = client.pipeline(transaction=True)
+    pipe.xack(stream, GROUP, entry_id).xdel(stream, entry_id)
+    pipe.zrem(settings.keys.queue(QUEUE).running(task_type), f"{stream} {entry_id}")
+    pipe.execute()
+
+
+def test_without_the_extra_argv_read_lua_answers_as_before(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    ids = [add(client, settings, "slow") for _ in range(3)]
+    reply = script(client, "read")(keys=streams, args=[GROUP, "old", 10])
+    assert [e[0].decode() for _s, entries in reply for e in entries] == ids  # no limits
+
+
+def test_a_queue_without_limits_says_so(client, settings, streams) -> None:
+    ids = [add(client, settings, "slow") for _ in range(3)]
+    assert read(client, streams, "c1") == (ids, -1, 0)
+
+
+def test_concurrency_parks_the_rest_and_other_types_flow_past(client, settings,
+                                                              streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=2))
+    slow = [add(client, settings, "slow") for _ in range(5)]
+    fast = [add(client, settings, "fast") for _ in range(3)]
+    taken, wait_ms, limited = read(client, streams, "c1")
+    assert taken == slow[:2] + fast and limited == 1 and 0 < wait_ms <= 50
+    keys = settings.keys.queue(QUEUE)
+    stream = keys.stream(Bucket.NORMAL)
+    assert client.lrange(keys.parked("slow"), 0, -1) == [f"{stream} {i}".encode()
+                                                         for i in slow[2:]]
+    pending = {c["name"]: c["pending"] for c in client.xpending(stream, GROUP)["consumers"]}
+    assert pending == {b"c1": 5, b"parked": 3}  # parked entries stay in their stream
+    assert read(client, streams, "c2")[0] == []  # both slots are held
+
+    ack(client, settings, stream, slow[0], "slow")
+    assert read(client, streams, "c2")[0] == [slow[2]]  # the oldest parked one, at once
+    later = add(client, settings, "slow")
+    ack(client, settings, stream, slow[1], "slow")
+    assert read(client, streams, "c2")[0] == [slow[3]]  # behind the parked: publish order
+    for entry_id in (slow[2], slow[3]):
+        ack(client, settings, stream, entry_id, "slow")
+    assert read(client, streams, "c3")[0] == [slow[4], later]
+    assert read(client, streams, "c3")[1:] == (-1, 1)  # nothing parked any more
+    assert not client.exists(keys.parked("slow"), f"{keys.base}:parked-types")
+
+
+def test_a_slot_comes_back_after_its_deadline_unless_renewed(client, settings,
+                                                             streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    first, second, third = (add(client, settings, "slow") for _ in range(3))
+    assert read(client, streams, "gone", lease_ms=300)[0] == [first]  # then never renews
+    assert read(client, streams, "live", lease_ms=300)[0] == []
+    time.sleep(0.4)
+    assert read(client, streams, "live", lease_ms=600)[0] == [second]
+    stream = settings.keys.queue(QUEUE).stream(Bucket.NORMAL)
+    running = settings.keys.queue(QUEUE).running("slow")
+    for _ in range(3):  # the holder renews: its slot outlives the first deadline
+        time.sleep(0.3)
+        renew(client, Settings(key_prefix=settings.key_prefix, lease_ms=600), ["live"],
+              slots=[(running, f"{stream} {second}")])
+        assert read(client, streams, "other")[0] == []
+    client.zrem(running, f"{stream} {second}")
+    renew(client, settings, ["live"], slots=[(running, f"{stream} {second}")])
+    assert not client.zscore(running, f"{stream} {second}")  # XX: a freed slot stays freed
+    assert read(client, streams, "other")[0] == [third]
+
+
+def test_the_settle_scripts_free_the_slot(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    keys = settings.keys.queue(QUEUE)
+    stream, running = keys.stream(Bucket.NORMAL), keys.running("slow")
+    for _ in range(4):
+        add(client, settings, "slow")
+
+    def held() -> str:
+        (entry_id,) = read(client, streams, "c1")[0]
+        assert client.zcard(running) == 1
+        return entry_id
+
+    entry_id = held()
+    script(client, "dead_letter")(keys=[stream, keys.dead], args=[GROUP, entry_id, "reason", "x"])
+    assert client.zcard(running) == 0
+    entry_id = held()
+    script(client, "requeue")(keys=[stream, stream, keys.dead],
+                              args=[GROUP, entry_id, "", 0, 0, 0, "2026-01-01T00:00:00Z"])
+    assert client.zcard(running) == 0
+    entry_id = held()
+    body = json.dumps({"task_id": "t", "task_type": "slow"})
+    script(client, "retry")(keys=[stream, stream, keys.delayed, keys.delayed_data],
+                            args=[GROUP, entry_id, "t", 0, "normal", "json", body,
+                                  settings.keys.wakeup_channel])
+    assert client.zcard(running) == 0
+
+
+def test_a_rate_spaces_starts_and_a_burst_lets_some_through_at_once(client, settings,
+                                                                    streams) -> None:
+    limits = TaskLimits(client, settings)
+    limits.set(QUEUE, "paced", TaskLimit(rate=20))
+    limits.set(QUEUE, "bursty", TaskLimit(rate=1, burst=3))
+    for _ in range(5):
+        add(client, settings, "bursty")
+    assert len(read(client, streams, "c1")[0]) == 3  # the burst, then one a second
+    for _ in range(10):
+        add(client, settings, "paced")
+    started, began = [], time.monotonic()
+    while len(started) < 10 and time.monotonic() - began < 5:
+        taken, wait_ms, _ = read(client, streams, "c1")
+        started += [time.monotonic()] * len([i for i in taken])
+        time.sleep(max(wait_ms, 1) / 1000)
+    assert len(started) >= 10
+    span = started[9] - started[0]
+    assert 0.40 <= span <= 0.75, span  # 9 intervals of 50 ms
+
+
+def test_smooth_ignores_the_burst(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "paced", TaskLimit(rate=1, burst=5, smooth=True))
+    for _ in range(3):
+        add(client, settings, "paced")
+    taken, wait_ms, _ = read(client, streams, "c1")
+    assert len(taken) == 1 and 900 <= wait_ms <= 1000
+
+
+def test_no_capacity_parks_limited_entries_only(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=5))
+    slow, fast = add(client, settings, "slow"), add(client, settings, "fast")
+    taken, wait_ms, _ = read(client, streams, "busy", capacity=0)
+    assert taken == [fast] and wait_ms >= 0
+    assert not client.zcard(settings.keys.queue(QUEUE).running("slow"))  # no slot held
+    assert read(client, streams, "free", capacity=1)[0] == [slow]
+    ahead, behind = add(client, settings, "fast"), add(client, settings, "slow")
+    assert read(client, streams, "one-free", capacity=1)[0] == [ahead]  # it starts first
+    assert read(client, streams, "one-free", capacity=1)[0] == [behind]
+
+
+def test_a_limit_removed_or_changed_takes_effect_at_the_next_read(client, settings,
+                                                                  streams) -> None:
+    limits = TaskLimits(client, settings)
+    limits.set(QUEUE, "slow", TaskLimit(concurrency=1))
+    ids = [add(client, settings, "slow") for _ in range(6)]
+    assert read(client, streams, "c1")[0] == ids[:1]
+    limits.set(QUEUE, "slow", TaskLimit(concurrency=3))
+    assert read(client, streams, "c1")[0] == ids[1:3]
+    limits.remove(QUEUE, "slow")
+    assert read(client, streams, "c1")[0] == ids[3:]
+
+
+def test_the_type_comes_from_field_t_else_from_a_plain_body(client, settings,
+                                                            streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    first = add(client, settings, "slow", gzipped=True, t_field=True)
+    unreadable = add(client, settings, "slow", gzipped=True)
+    counted = add(client, settings, "slow", gzipped=True, t_field=True)
+    urgent = add(client, settings, "slow", bucket=Bucket.HIGH)
+    taken, _, _ = read(client, streams, "c1")
+    assert taken == [urgent, unreadable]  # high first; a gzip body without t is not limited
+    stream = settings.keys.queue(QUEUE).stream(Bucket.NORMAL)
+    assert client.lrange(settings.keys.queue(QUEUE).parked("slow"), 0, -1) == [
+        f"{stream} {first}".encode(), f"{stream} {counted}".encode()]  # the high one holds it
+
+
+def test_a_takeover_leaves_parked_entries_alone(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    ids = [add(client, settings, "slow") for _ in range(3)]
+    quick = Settings(key_prefix=settings.key_prefix, lease_ms=60)
+    assert read(client, streams, "dead-one")[0] == ids[:1]  # no liveness key: dead
+    time.sleep(0.1)
+    assert reclaim_dead_consumers(client, quick, QUEUE) == 1  # its entry, not the parked
+    stream = settings.keys.queue(QUEUE).stream(Bucket.NORMAL)
+    pending = {c["name"]: c["pending"] for c in client.xpending(stream, GROUP)["consumers"]}
+    assert pending == {b"parked": 2}
+    assert client.xlen(stream) == 3  # the taken-over copy is back at the end
+    assert read(client, streams, "c2")[0] == ids[1:2]  # the parked keep their turn
+
+
+def test_task_limits_round_trip_and_refusals(client, settings) -> None:
+    limits = TaskLimits(client, settings)
+    limits.set(QUEUE, "emails.send", TaskLimit(rate=10, burst=20))
+    limits.set(QUEUE, "billing.charge", TaskLimit(concurrency=50))
+    assert limits.get(QUEUE, "emails.send") == TaskLimit(rate=10.0, burst=20)
+    assert list(limits.all(QUEUE)) == ["billing.charge", "emails.send"]
+    assert client.hget(settings.keys.queue(QUEUE).limits, "billing.charge") == \
+        b'{"concurrency":50}'
+    assert limits.remove(QUEUE, "emails.send") and not limits.remove(QUEUE, "emails.send")
+    assert limits.get(QUEUE, "emails.send") is None
+    with pytest.raises(InvalidTaskLimit, match="burst"):
+        TaskLimit(rate=1, burst=0)
+    with pytest.raises(InvalidTaskLimit, match="task_type"):
+        limits.set(QUEUE, "not a type", TaskLimit(concurrency=1))
