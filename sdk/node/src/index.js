@@ -7,6 +7,7 @@ export { parseOffset, formatOffset, parseRfc3339 } from './time.js';
 export { Scripts, loadScripts, keyCount, LUA_DIR, SCRIPT_NAMES } from './scripts.js';
 export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
 export { Worker, WORKER_DEFAULTS } from './worker.js';
+export { InvalidLimits, PARKED_CONSUMER, TaskLimits, limitsToJson, validateLimits } from './limits.js';
 export { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from './url.js';
 export { isRedisClient, reconnectOnFailover } from './connection.js';
 export { RedisTlsError } from './tls.js';
@@ -43,3 +44,4 @@ export { MESSAGING_SYSTEM, TRACEPARENT_HEADER, TRACESTATE_HEADER, parseTracepare
 /** @typedef {import('./tasks.js').TaskInfo} TaskInfo */
 /** @typedef {import('./announce.js').Announcement} Announcement */
 /** @typedef {import('./schemas.js').SchemaViolation} SchemaViolation */
+/** @typedef {import('./limits.js').Limits} Limits */

@@ -22,6 +22,11 @@
 //   <prefix>:worker:<consumer>               a worker's announcement (section 15), with expiry
 //   <prefix>:schemas                         HASH <task_type>@<payload_version> -> payload schema (section 16)
 //   <prefix>:{<queue>}:stats                 HASH "<task_type> <language> <name>" -> count (section 17)
+//   <prefix>:{<queue>}:limits                HASH task_type -> limits JSON (section 19)
+//   <prefix>:{<queue>}:running:<task_type>   ZSET "<stream> <entry id>" -> slot deadline (ms)
+//   <prefix>:{<queue>}:rate:<task_type>      GCRA theoretical arrival time (ms), read.lua's
+//   <prefix>:{<queue>}:parked:<task_type>    LIST "<stream> <entry id>" parked, read.lua's
+//   <prefix>:{<queue>}:parked-types          SET of task types with parked entries, read.lua's
 
 export const DEFAULT_PREFIX = 'envelope';
 export const DEFAULT_GROUP = 'workers';
@@ -60,6 +65,8 @@ export class QueueKeys {
     this.replayed = `${this.base}:replayed`;
     /** The worker statistics hash (section 17). */
     this.stats = `${this.base}:stats`;
+    /** The limits per task type (section 19). */
+    this.limits = `${this.base}:limits`;
     Object.freeze(this);
   }
 
@@ -71,6 +78,11 @@ export class QueueKeys {
   /** The task record of `taskId` (section 14). */
   task(taskId) {
     return `${this.base}:task:${taskId}`;
+  }
+
+  /** The concurrency slots of `taskType` (section 19). */
+  running(taskType) {
+    return `${this.base}:running:${taskType}`;
   }
 
   stream(bucket) {

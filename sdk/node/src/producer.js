@@ -10,6 +10,7 @@
 // and, with requireServed, against what the queue's workers announce
 // (src/announce.js). Each publish writes its task record (src/records.js) and
 // carries the current trace context in headers.traceparent (src/tracing.js).
+// taskLimits sets and reads the limits per task type of section 19 (src/limits.js).
 
 import crypto from 'node:crypto';
 import { notServed, readAnnouncements } from './announce.js';
@@ -18,6 +19,7 @@ import { encodeBody, DEFAULT_GZIP_MIN_BYTES } from './codec.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isDue, newEnvelope } from './envelope.js';
 import { closeClient, isRedisClient, openConnection } from './connection.js';
 import { KeySpace, bucketFor } from './keys.js';
+import { TaskLimits } from './limits.js';
 import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, retryWhileAway } from './outage.js';
 import { TaskRecords, publishedFields, recordTime, withRecord } from './records.js';
@@ -92,6 +94,8 @@ export class Producer {
     this.records = new TaskRecords(taskRecordRetentionMs);
     this.schemas = new PayloadSchemas({ client, keys: this.keys, cacheMs: schemaCacheMs, log: this.log });
     this.requireServed = requireServed === true;
+    /** The limits per task type of each queue (section 19): set, get, list, remove. */
+    this.taskLimits = new TaskLimits(client, { prefix });
   }
 
   /**

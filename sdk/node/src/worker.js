@@ -8,6 +8,11 @@
 //     most urgent stream first, never blocking); when nothing is there it
 //     waits with XREAD BLOCK from the group's last-delivered ids, one wait per
 //     queue on a connection of its own, which takes nothing;
+//   - limits per task type (section 19): read.lua gets the lease and the free
+//     run capacity, hands out limited entries within their limits and parks the
+//     others; while entries are parked the queue is read again within the
+//     wait_ms it answered; the slots of the entries held are renewed with each
+//     liveness renewal and freed in the MULTI of their acknowledgement;
 //   - per read (section 5.1): decodes and validates every entry, a malformed
 //     one goes to the dead-letter stream with its raw bytes (never dropped,
 //     never left pending); moves entries that are not due yet to the delayed
@@ -59,6 +64,7 @@ import { readDeadLetter } from './deadletters.js';
 import { DEFAULT_LIMITS, Timestamp, dueMs, isExpired } from './envelope.js';
 import { DEFAULT_GROUP, DEFAULT_PREFIX, KeySpace, bucketFor } from './keys.js';
 /** @typedef {import('./keys.js').QueueKeys} QueueKeys */
+import { PARKED_CONSUMER } from './limits.js';
 import { createLogger } from './log.js';
 import { OUTAGE_TOLERANCE_MS, isRedisAway, retryWhileAway } from './outage.js';
 import { PUBLISH_DEDUPE_MS } from './producer.js';
@@ -269,6 +275,7 @@ export class Worker extends EventEmitter {
     // No spaces: the idempotency holder is "<consumer> <task_id>".
     this.consumer = o.consumer ?? `${this.host.replace(/\s/g, '_')}-${process.pid}-${crypto.randomBytes(4).toString('hex')}`;
     if (/\s/.test(this.consumer)) throw new Error(`consumer name ${JSON.stringify(this.consumer)} must not contain spaces`);
+    if (this.consumer === PARKED_CONSUMER) throw new Error(`consumer name ${JSON.stringify(PARKED_CONSUMER)} is reserved for parked entries (protocol section 19)`);
     this.log = (o.logger ?? createLogger()).child({ consumer: this.consumer, queues: o.queues });
     this.queueLogs = new Map(this.queues.map((qk) => [qk, this.log.child({ queue: qk.queue })]));
     this.replicas = new ReplicaWait({ replicas: o.waitReplicas, timeoutMs: o.waitTimeoutMs, log: this.log });
@@ -278,6 +285,9 @@ export class Worker extends EventEmitter {
     this.waiting = []; // read, not started (most urgent first)
     this.held = new Set(); // "<stream> <id>" of waiting and running entries
     this.waits = new Map(); // QueueKeys -> its blocking wait in flight
+    // QueueKeys -> what its last read.lua answered: limited (the queue has limits), and
+    // readAgainAt (ms; null when nothing is parked), when entries parked may start.
+    this.readState = new Map();
     this.claiming = new Set(); // idempotency keys claimed by attempts running here
     this.abandoned = new AbandonedClaims({
       renew: async (claim) => (await this.scripts.run('idem_begin', [claim.key], [claim.holder, claim.claimMs, '']))[0],
@@ -407,8 +417,31 @@ export class Worker extends EventEmitter {
     const counted = await this.renewals.renew(this.leaseClient,
       () => this.leaseClient.set(this.keys.consumer(this.consumer), `${this.host} ${process.pid} ${LANGUAGE}`, 'PX', this.opts.leaseMs));
     if (!counted) this.log.info('a liveness renewal waited for Redis; takeovers wait for two renewals answered at once');
+    await this.renewSlots().catch((err) => this.log.warn('could not renew the concurrency slots; they are renewed with the next renewal', { err }));
     await this.announceSelf().catch((err) => this.log.warn('could not write the worker announcement', { err }));
     this.statistics.flush(this.leaseClient); // never throws; a write that waits never holds the renewal up
+  }
+
+  /**
+   * The deadline of the concurrency slot (section 19) of every entry held from a
+   * limited queue, one MULTI per queue of ZADD <running key> XX <now + lease> <member>:
+   * XX, so a slot freed meanwhile (or a type without a concurrency limit) is not taken.
+   */
+  async renewSlots() {
+    const byQueue = new Map();
+    const entries = [...this.waiting, ...[...this.inflight.values()].map((task) => task.entry)];
+    for (const entry of entries) {
+      if (!entry.slotType) continue;
+      const qk = this.queueOf(entry.stream);
+      if (!byQueue.has(qk)) byQueue.set(qk, []);
+      byQueue.get(qk).push(entry);
+    }
+    for (const [qk, held] of byQueue) {
+      const multi = this.leaseClient.multi();
+      const deadline = Date.now() + this.opts.leaseMs;
+      for (const entry of held) multi.zadd(qk.running(entry.slotType), 'XX', deadline, `${entry.stream} ${entry.id}`);
+      for (const [err] of await multi.exec()) if (err) throw err;
+    }
   }
 
   /**
@@ -509,14 +542,20 @@ export class Worker extends EventEmitter {
   /**
    * Exactly up to `credit` new entries without blocking: read.lua queue by queue
    * in their order with the credit left (one call never spans two queues),
-   * most urgent stream first within a queue.
+   * most urgent stream first within a queue. Entries of limited types are taken
+   * only up to the free run capacity (the concurrency less every entry held,
+   * read ahead ones included), so no slot waits in the prefetch.
    */
   async readNow(credit) {
     const entries = [];
     for (const qk of this.queues) {
       if (entries.length >= credit) break;
-      const reply = await this.scripts.runBuffer('read', qk.taskStreams, [this.opts.group, this.consumer, credit - entries.length]);
-      entries.push(...Worker.entriesOf(reply));
+      const capacity = Math.max(0, this.opts.concurrency - this.held.size - entries.length);
+      const [reply, waitMs, limited] = await this.scripts.runBuffer('read', qk.taskStreams,
+        [this.opts.group, this.consumer, credit - entries.length, this.opts.leaseMs, capacity]);
+      const state = { limited: Number(limited) === 1, readAgainAt: Number(waitMs) >= 0 ? Date.now() + Number(waitMs) : null };
+      this.readState.set(qk, state);
+      for (const entry of Worker.entriesOf(reply)) entries.push({ ...entry, limited: state.limited });
     }
     return entries;
   }
@@ -534,7 +573,23 @@ export class Worker extends EventEmitter {
       wait.catch(() => {}); // settled after the worker stopped waiting (shutdown): nothing to report
       this.waits.set(qk, wait);
     }
-    await Promise.race(this.waits.values());
+    const wakes = [...this.waits.values()];
+    let timer = null;
+    const readAgainAt = Math.min(...[...this.readState.values()].map((s) => s.readAgainAt ?? Infinity));
+    if (Number.isFinite(readAgainAt)) {
+      // Parked entries may start by then (section 19): read again even if nothing new comes;
+      // with no run capacity left, only once an attempt here ends.
+      if (this.held.size < this.opts.concurrency) {
+        wakes.push(new Promise((resolve) => { timer = setTimeout(resolve, Math.max(0, readAgainAt - Date.now())); }));
+      } else {
+        wakes.push(...[...this.inflight.values()].map((t) => t.promise));
+      }
+    }
+    try {
+      await Promise.race(wakes);
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
   /**
@@ -563,7 +618,8 @@ export class Worker extends EventEmitter {
       const streams = qk.taskStreams;
       const reply = await this.cmd.xreadgroupBuffer(
         'GROUP', this.opts.group, this.consumer, 'COUNT', 1000, 'STREAMS', ...streams, ...streams.map(() => '0'));
-      const entries = Worker.entriesOf(reply).filter((e) => !this.held.has(`${e.stream} ${e.id}`));
+      const limited = this.readState.get(qk)?.limited ?? false;
+      const entries = Worker.entriesOf(reply).filter((e) => !this.held.has(`${e.stream} ${e.id}`)).map((e) => ({ ...e, limited }));
       if (entries.length) this.queueLogs.get(qk).warn('handling again entries left pending by an error', { count: entries.length });
       await this.admit(entries);
     }
@@ -641,6 +697,8 @@ export class Worker extends EventEmitter {
     entry.env = env;
     entry.taskId = env.task_id;
     entry.traceId = env.trace_id;
+    // The type whose concurrency slot it may hold (section 19): field t, else the Envelope's.
+    if (entry.limited) entry.slotType = fields.get('t')?.toString('utf8') ?? env.task_type;
     entry.log = this.queueLogs.get(this.queueOf(entry.stream)).child({ task_id: env.task_id, trace_id: env.trace_id, task_type: env.task_type, stream: entry.stream, entry_id: entry.id });
     const nowMs = Date.now();
     if (dueMs(env, nowMs) > nowMs) {
@@ -1065,13 +1123,16 @@ export class Worker extends EventEmitter {
   /**
    * XACK + XDEL in one MULTI (the keys of one queue's slot), with the task
    * record of the final `state` (and `reason`) the acknowledgement writes
-   * (state null: no record, the step that moved the task wrote it).
+   * (state null: no record, the step that moved the task wrote it), and the
+   * ZREM that frees the entry's concurrency slot when it came from a limited queue.
    * @param {{ state: string | null, reason?: string }} ending
    */
   async ack(entry, log, { state, reason }) {
-    const record = state ? this.records.final(this.queueOf(entry.stream), entry.env.task_id, reason ? { reason } : {}) : null;
+    const qk = this.queueOf(entry.stream);
+    const record = state ? this.records.final(qk, entry.env.task_id, reason ? { reason } : {}) : null;
     const replies = await this.settle('ack', entry.stream, log, async () => {
       const multi = this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id);
+      if (entry.slotType) multi.zrem(qk.running(entry.slotType), `${entry.stream} ${entry.id}`);
       const r = await (record ? record.hset(multi, state) : multi).exec();
       for (const [err] of r) if (err) throw err;
       return r;
@@ -1293,6 +1354,7 @@ export class Worker extends EventEmitter {
       return; // no stream or group yet
     }
     for (const [owner, count] of summary?.[3] ?? []) {
+      if (owner === PARKED_CONSUMER) continue; // waiting for a limit (section 19), not abandoned
       if (owner === this.consumer) {
         this.checkOwnPending(stream, Number(count));
         continue;

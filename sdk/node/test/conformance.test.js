@@ -7,6 +7,7 @@ import { describe, test } from 'node:test';
 import { decodeEntry, MalformedEntry } from '../src/codec.js';
 import { envelopeToJson, validateEnvelope } from '../src/envelope.js';
 import { stringifyJson } from '../src/json.js';
+import { InvalidLimits, limitsToJson, validateLimits } from '../src/limits.js';
 import { compileSchema, payloadViolations, schemaDeadLetterReason } from '../src/schemas.js';
 import { Timestamp } from '../src/time.js';
 import { CONFORMANCE, manifest, readVector } from '../support/helpers.js';
@@ -63,7 +64,7 @@ function entryFieldsOf(vector) {
 
 describe('manifest', () => {
   test('lists every vector file on disk, and only those', () => {
-    for (const kind of ['envelopes', 'entries', 'schemas']) {
+    for (const kind of ['envelopes', 'entries', 'schemas', 'limits']) {
       const onDisk = fs.readdirSync(path.join(CONFORMANCE, kind)).filter((f) => f.endsWith('.json')).map((f) => `${kind}/${f}`).sort();
       assert.deepEqual([...MANIFEST[kind]].sort(), onDisk);
     }
@@ -157,4 +158,27 @@ describe('payload schema vectors', () => {
     assert.throws(() => compileSchema('{"$ref": "https://example.com/other.json"}'));
     assert.throws(() => compileSchema('{"$ref": "#/$defs/missing"}'));
   });
+});
+
+describe('limit vectors', () => {
+  for (const relative of MANIFEST.limits) {
+    test(relative, () => {
+      const vector = readVector(relative);
+      let written;
+      try {
+        written = limitsToJson(vector.input);
+      } catch (err) {
+        if (!(err instanceof InvalidLimits)) throw err;
+        assert.equal(vector.valid, false, `refused: ${err.message}`);
+        assert.deepEqual([err.field, err.rule], [vector.field, vector.rule], err.message);
+        assert.ok(err.message.includes(vector.rule), err.message);
+        return;
+      }
+      assert.equal(vector.valid, true, `accepted, expected ${vector.field}: ${vector.rule}`);
+      // Only the members given, each unchanged, in name order.
+      assert.deepEqual(JSON.parse(written), vector.input);
+      assert.deepEqual(Object.keys(JSON.parse(written)), Object.keys(vector.input).sort());
+      assert.deepEqual(validateLimits(JSON.parse(written)), JSON.parse(written));
+    });
+  }
 });

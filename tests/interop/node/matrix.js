@@ -2,9 +2,11 @@
 // The Node.js process of the cross-language matrix (tests/test_matrix.py), over the SDK
 // as any service uses it:
 //
-//   node matrix.js --redis URL --prefix P [--work Q1,Q2,...] [--results URL]
+//   node matrix.js --redis URL --prefix P [--work Q1,Q2,...] [--results URL] [--concurrency N]
 //
-// It works the queues of --work with the matrix handler (matrix-handler.js) and answers
+// It works the queues of --work with the matrix handlers (matrix.task: matrix-handler.js;
+// limits.task: limits-handler.js), each worker running up to --concurrency tasks at once
+// (default 1), and answers
 // JSON-line commands on stdin with one JSON line each on stdout:
 //
 //   {"id": 1, "op": "publish", "queue": Q, "tasks": [TASK, ...]}      -> {"id": 1, "ok": true, "task_ids": [...]}
@@ -23,6 +25,7 @@ import Redis from 'ioredis';
 import {
   DeadLetters, Producer, RETRY_POLICY_HEADER, Worker, createLogger, parseRedisUrl,
 } from 'kombu-envelope';
+import { registerLimitsHandler } from './limits-handler.js';
 import { registerMatrixHandler } from './matrix-handler.js';
 
 function parseArgs(argv) {
@@ -32,7 +35,9 @@ function parseArgs(argv) {
     args[argv[i].slice(2)] = argv[i + 1];
   }
   if (!args.redis || !args.prefix) throw new Error('--redis and --prefix are required');
-  return args;
+  const concurrency = Number(args.concurrency ?? 1);
+  if (!Number.isSafeInteger(concurrency) || concurrency < 1) throw new Error(`--concurrency must be an integer >= 1, not ${args.concurrency}`);
+  return { ...args, concurrency };
 }
 
 /** The Envelope fields a TASK of a publish command describes. */
@@ -61,11 +66,12 @@ class MatrixPeer {
   /** Start a worker on `queue`; the first one also runs this process's promoter. */
   async consume(queue) {
     const worker = new Worker({
-      redis: this.args.redis, prefix: this.args.prefix, queue, leaseMs: 3000, blockMs: 200,
+      redis: this.args.redis, prefix: this.args.prefix, queue, leaseMs: 3000, blockMs: 200, concurrency: this.args.concurrency,
       backoffMs: 200, maxBackoffMs: 1000, deferMs: 300, promoter: this.workers.length === 0,
       resultBackend: this.args.results ?? this.args.redis, logger: this.log,
     });
     registerMatrixHandler(worker, this.producer);
+    registerLimitsHandler(worker);
     this.workers.push(worker);
     worker.start().catch((err) => this.log.error('worker stopped', { queue, err }));
   }
