@@ -48,6 +48,12 @@ class Transport(EnvelopeTransport):
         concurrency = announced_concurrency()
         return None if concurrency is None else max(0, concurrency - len(state.reserved_requests))
 
+    def running_deliveries(self) -> list[dict[str, Any]]:
+        """The delivery_info of the requests the worker holds (running, or waiting for a
+        pool process), acknowledged early or not."""
+        return [getattr(request.message, "delivery_info", None) or {}
+                for request in list(state.reserved_requests)]
+
     def runner_frees_slots(self) -> bool:
         """True: the execution shell frees a task's slot when its run ends."""
         return shell_enabled(current_app)

@@ -57,7 +57,8 @@ def read(client: redis.Redis, streams: list[str], consumer: str, count: int = 10
     if capacity is not None:
         args.append(capacity)
     reply, wait_ms, limited = script(client, "read")(keys=streams, args=args)
-    return [entry_id.decode() for _s, entries in reply for entry_id, _f in entries], wait_ms, limited
+    ids = [entry_id.decode() for _s, entries in reply for entry_id, _f in entries]
+    return ids, wait_ms, limited
 
 
 def ack(client: redis.Redis, settings: Settings, stream: str, entry_id: str,

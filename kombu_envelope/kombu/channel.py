@@ -169,6 +169,9 @@ class Channel(virtual.Channel):
         #: Queues with limits (docs/protocol.md, section 19), as their last read said:
         #: their entries are taken only by read.lua, never by a blocking XREADGROUP.
         self._limited: set[str] = set()
+        #: Queues a read.lua answer told about limits yet; until then they are waited on
+        #: as limited queues (an XREAD that takes nothing).
+        self._limits_known: set[str] = set()
         #: Per queue with parked entries: read it again by then (monotonic seconds).
         self._read_again_at: dict[str, float] = {}
         self._registered_liveness = False
@@ -396,6 +399,7 @@ class Channel(virtual.Channel):
         """The entries of a read.lua answer, remembering whether ``queue`` has limits and
         when its parked entries want it read again (docs/protocol.md, section 19)."""
         reply, wait_ms, limited = answer
+        self._limits_known.add(queue)
         if limited:
             self._limited.add(queue)
         else:
@@ -408,7 +412,8 @@ class Channel(virtual.Channel):
 
     def _held_slots(self) -> list[tuple[str, str]]:
         """(running key, member) of every concurrency slot this channel may hold: its
-        delivered, unsettled messages of limited queues (the lease keeper renews them)."""
+        delivered, unsettled messages of limited queues and the tasks the process still
+        runs after acknowledging them (the lease keeper renews them)."""
         for _ in range(3):  # the event loop may change the dict meanwhile: look again
             try:
                 infos = [message.delivery_info for message in list(self.qos._delivered.values())]
@@ -416,9 +421,12 @@ class Channel(virtual.Channel):
             except RuntimeError:
                 continue
         else:
-            return []
-        return [(info[INFO_SLOT], f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}")
-                for info in infos if INFO_SLOT in info]
+            infos = []
+        infos += self.connection.running_deliveries()
+        return list(dict.fromkeys(
+            (info[INFO_SLOT], f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}")
+            for info in infos
+            if INFO_SLOT in info and info.get(INFO_CONSUMER) == self.consumer_name))
 
     def _note_fill(self, queue: str, filled: bool) -> None:
         """Remember whether the last read of ``queue`` took all it asked for."""
@@ -544,7 +552,7 @@ class Channel(virtual.Channel):
             reader = self._readers[queue] = QueueReader(queue, streams)
         count = share // len(streams)
         try:
-            if count < 1 or queue in self._limited:
+            if count < 1 or queue in self._limited or queue not in self._limits_known:
                 command: tuple[Any, ...] = (
                     "XREAD", "COUNT", 1, "BLOCK", self._block_ms(queue),
                     "STREAMS", *streams, *self._last_delivered_ids(list(streams)))

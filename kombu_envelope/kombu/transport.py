@@ -284,6 +284,12 @@ class Transport(virtual.Transport):
         it, so that none holds a slot while it waits (docs/protocol.md, section 19)."""
         return None
 
+    def running_deliveries(self) -> list[dict[str, Any]]:
+        """The delivery_info of every task this process runs or holds for running, also
+        those acknowledged already (none here: a plain kombu consumer acks when done), so
+        that their concurrency slots are renewed until the run ends."""
+        return []
+
     def runner_frees_slots(self) -> bool:
         """Whether whoever runs a task frees its concurrency slot when the run ends (an
         execution shell does; it may run after an early acknowledgement), rather than

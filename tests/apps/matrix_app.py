@@ -10,7 +10,7 @@ attempts; otherwise it records its effect in ``<prefix>:mx:effect:<task_id>``
 (``py:<unix ms>``), publishes each task of ``then`` (``{"queue", "task_id", "then"}``) as a
 ``matrix.task`` whose payload's ``then`` is the nested one, with the app's ``send_task`` from
 inside the task (so it continues the running task's trace), and returns
-``{"language": "py"}``.
+``{"language": "py"}``. ``limits.task`` is the limits' handler (:mod:`apps.limits_app`).
 
 Configured from the environment when loaded by a worker: ``TEST_BROKER_URL``
 (``envelope://...``), ``TEST_RESULT_BACKEND`` (``redis://...``, whose Redis also holds the
@@ -32,6 +32,7 @@ import redis
 from celery import Celery, Task
 
 import celery_ext  # noqa: F401  (envelope:// URLs, trace ids, the execution shell)
+from apps.limits_tasks import add_limits_tasks
 from celery_ext.failures import InvalidPayload
 from kombu_envelope.trace_context import TRACE_HEADERS
 
@@ -104,6 +105,7 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
                           queue=task["queue"], task_id=task["task_id"])
         return {"language": "py"}
 
+    add_limits_tasks(app, records, prefix)
     return app
 
 

@@ -1,0 +1,29 @@
+"""The tasks of the limits tests, ``limits.task`` and ``limits.fast`` (:mod:`apps.limits_app`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import redis
+from celery import Celery, Task
+
+
+def add_limits_tasks(app: Celery, records: Callable[[], redis.Redis], prefix: str) -> None:
+    """Register ``limits.task`` and ``limits.fast`` on ``app``."""
+
+    def run(task: Task, sleep_ms: int) -> None:
+        start_ms = time.time() * 1000
+        time.sleep(sleep_ms / 1000)
+        records().rpush(f"{prefix}:mx:spans", json.dumps({
+            "language": "py", "task_id": task.request.id, "start_ms": start_ms,
+            "end_ms": time.time() * 1000}))
+
+    @app.task(name="limits.task", shared=False, bind=True)
+    def limits_task(self: Task, sleep_ms: int = 0) -> None:
+        run(self, sleep_ms)
+
+    @app.task(name="limits.fast", shared=False, bind=True)
+    def limits_fast(self: Task, sleep_ms: int = 0) -> None:
+        run(self, sleep_ms)
