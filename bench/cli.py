@@ -21,6 +21,7 @@ from bench.core import Context, Scenario, ScenarioResult
 from bench.delayed import run_delayed
 from bench.dispatcher import run_dispatcher
 from bench.kombu_level import run_consume, run_latency, run_publish
+from bench.limits import run_limits
 from bench.paced import run_paced
 from bench.report import write_json, write_markdown
 from bench.sysinfo import amqp_server_version, load_average, machine_info
@@ -75,6 +76,11 @@ SCENARIOS = (
              "Time from SIGKILL of a worker holding unacknowledged tasks to those tasks "
              "running on another worker.",
              run_recovery, {"held": 20, "lease_ms": 2_000}, {"held": 5, "lease_ms": 2_000}),
+    Scenario("limits", "Limits per task type (envelope only)",
+             "Consume + ack of N Envelope tasks without limits and with a concurrency cap "
+             "that never binds; then the time from a slot freed by another worker to the "
+             "delivery of the task parked behind it.",
+             run_limits, {"n": 5_000, "rounds": 20}, {"n": 200, "rounds": 3}),
     Scenario("dispatcher", "Dispatcher HTTP API against the Python SDK",
              "Single POST /tasks at a fixed rate (p50/p99) and POST /tasks:batch of 1,000 "
              "(tasks/s), next to Publisher.publish at the same rate and publish_many of 1,000.",

@@ -152,7 +152,7 @@ def run_publish(ctx: Context, result: ScenarioResult) -> None:
 # ------------------------------------------------------------------ 2. consume
 
 
-def _prepublish(ctx: Context, conn: Connection, queue: Queue, variant: Variant, n: int) -> None:
+def prepublish(ctx: Context, conn: Connection, queue: Queue, variant: Variant, n: int) -> None:
     """Put ``n`` messages in ``queue`` quickly, byte for byte as kombu would publish them."""
     client = ctx.client()
     try:
@@ -217,7 +217,7 @@ def run_consume(ctx: Context, result: ScenarioResult) -> None:
     for rep in range(ctx.repeat):
         for variant in chosen:
             with bench_queue(ctx, variant.transport, "bench.consume") as (conn, queue):
-                _prepublish(ctx, conn, queue, variant, n)
+                prepublish(ctx, conn, queue, variant, n)
                 rate = n / drain(conn, queue, n)
             measures[variant].add(rate)
             ctx.log(f"consume rep {rep + 1}: {variant.label}: {rate:,.0f} msgs/s")
