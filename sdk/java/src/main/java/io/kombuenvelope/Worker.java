@@ -80,8 +80,11 @@ public final class Worker implements AutoCloseable {
     private final Link link;
     /** MULTI/EXEC only, one at a time. */
     private final Link txLink;
-    /** The statistics writes only (section 17): a write that waits for Redis holds up no ack. */
-    private final Link statsLink;
+    /**
+     * The writes of the lease thread beside the liveness key: statistics (section 17) and slot
+     * renewals (section 19), never waiting for replicas; a write that waits for Redis holds up no ack.
+     */
+    private final Link leaseLink;
     /** The blocking reads only: one per queue, each waiting on that queue's streams. */
     private final Map<String, Link> blockLinks = new LinkedHashMap<>();
     /** The blocking reads under way, per queue. */
@@ -127,7 +130,7 @@ public final class Worker implements AutoCloseable {
                 () -> starting("connecting", () -> Link.open(client, b.durability)));
         this.txLink = Redis.closingOnFailure(client, ownsClient,
                 () -> starting("connecting", () -> Link.open(client, b.durability)));
-        this.statsLink = Redis.closingOnFailure(client, ownsClient,
+        this.leaseLink = Redis.closingOnFailure(client, ownsClient,
                 () -> starting("connecting", () -> Link.open(client, Link.Durability.NONE)));
         this.queues = List.copyOf(b.queues);
         this.name = String.join(",", queues);
@@ -265,7 +268,7 @@ public final class Worker implements AutoCloseable {
             boolean counted = liveness.renew();
             renewSlots();
             announce(false);
-            stats.flush(statsLink);
+            stats.flush(leaseLink);
             if (!counted) {
                 LOG.info("the liveness key was renewed late; no takeover until two renewals in a row "
                         + "are answered at once");
@@ -290,9 +293,9 @@ public final class Worker implements AutoCloseable {
     /** Renews the concurrency slots held (section 19); a failure is logged, the next tick tries again. */
     private void renewSlots() {
         try {
-            slots.renew(txLink);
+            slots.renew(leaseLink);
         } catch (RuntimeException e) {
-            txLink.recover(e);
+            leaseLink.recover(e);
             LOG.warn("renewing the concurrency slots failed: {}", e.toString());
         }
     }
@@ -1468,7 +1471,7 @@ public final class Worker implements AutoCloseable {
     }
 
     private void finishClose() {
-        stats.close(statsLink);
+        stats.close(leaseLink);
         lease.shutdownNow();
         handlerThreads.shutdownNow();
         announce(true);
@@ -1481,7 +1484,7 @@ public final class Worker implements AutoCloseable {
         results.close();
         waiters.shutdownNow();
         blockLinks.values().forEach(Link::close);
-        statsLink.close();
+        leaseLink.close();
         txLink.close();
         link.close();
         if (ownsClient) {

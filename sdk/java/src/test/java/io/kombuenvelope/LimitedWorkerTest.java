@@ -156,6 +156,20 @@ class LimitedWorkerTest extends RedisFixture {
     }
 
     @Test
+    void aTaskLongerThanTheLeaseKeepsItsSlot() throws Exception {
+        Runs runs = new Runs();
+        try (TaskLimits l = limits(); Producer p = producer()) {
+            l.set(QUEUE, SLOW, TaskLimit.builder().concurrency(1).build());
+            publish(p, SLOW, 2);
+            try (Worker w = worker(runs, 1000).lease(Duration.ofMillis(600)).build().start()) {
+                await("2 attempts", () -> runs.done.size() >= 2);
+            }
+            List<Run> slow = runs.of(SLOW);
+            assertTrue(slow.get(1).start() >= slow.get(0).end(), "the slot of a running task expired: " + slow);
+        }
+    }
+
+    @Test
     void aLimitChangedAtRunTimeTakesEffectWithoutARestart() throws Exception {
         Runs runs = new Runs();
         try (TaskLimits l = limits(); Producer p = producer()) {
