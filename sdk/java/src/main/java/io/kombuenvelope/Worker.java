@@ -681,14 +681,16 @@ public final class Worker implements AutoCloseable {
 
     /**
      * Notes the concurrency slot entry {@code e} may hold when its queue has limits: its task type
-     * is field {@code t}, else the Envelope's (section 19); an entry with neither holds none.
+     * is field {@code t}, else the Envelope's when {@code enc} is {@code json} (section 19); an
+     * entry with neither holds none.
      */
     private void holdSlot(Entry e, Envelope env) {
         if (!readState(e.queue()).limited()) {
             return;
         }
         byte[] t = e.fields().get("t");
-        String type = t != null ? Redis.s(t) : env != null ? env.taskType() : null;
+        String type = t != null ? Redis.s(t)
+                : env != null && "json".equals(Redis.s(e.fields().get("enc"))) ? env.taskType() : null;
         if (type != null) {
             slots.hold(e.queue(), e.stream(), e.id(), type);
         }
