@@ -6,6 +6,8 @@ import java.util.List;
 public final class Keys {
     public static final String DEFAULT_PREFIX = "envelope";
     public static final String DEFAULT_GROUP = "workers";
+    /** The reserved consumer that holds parked entries (section 19); never taken over. */
+    public static final String PARKED_CONSUMER = "parked";
     public static final List<String> BUCKETS = List.of("high", "normal", "low");
 
     private final String prefix;
@@ -49,6 +51,10 @@ public final class Keys {
     public String stats(String queue) { return base(queue) + ":stats"; }
     /** The task record of {@code taskId} in {@code queue} (section 14). */
     public String task(String queue, String taskId) { return base(queue) + ":task:" + taskId; }
+    /** The limits per task type of {@code queue}, field {@code <task_type>} (section 19). */
+    public String limits(String queue) { return base(queue) + ":limits"; }
+    /** The concurrency slots of {@code taskType} in {@code queue}, scored by their deadlines (section 19). */
+    public String running(String queue, String taskType) { return base(queue) + ":running:" + taskType; }
     public String queues() { return prefix + ":queues"; }
     public String deadQueues() { return prefix + ":dead-queues"; }
     public String periodicQueues() { return prefix + ":periodic-queues"; }

@@ -61,6 +61,9 @@ import org.slf4j.MDC;
  * dead-letters malformed entries, unknown task types and final failures. Cancelled and expired
  * tasks are acknowledged without running (sections 5.1, 10); given a result backend, it writes
  * the results Celery callers ask for (section 12). Runs a promoter unless told not to.
+ * On a queue with limits per task type (section 19) it passes its free run capacity to read.lua,
+ * re-reads within the wait read.lua asks for while entries are parked, renews the concurrency
+ * slots of the entries it holds with its liveness key and frees them with their acknowledgement.
  * Runs on one server, behind Sentinel and on Redis Cluster: every step touches its queue's slot
  * only (registries on their own, first), and failover errors are waited out, never fatal.
  * {@link #start()} it, {@link #close()} it.
@@ -77,8 +80,11 @@ public final class Worker implements AutoCloseable {
     private final Link link;
     /** MULTI/EXEC only, one at a time. */
     private final Link txLink;
-    /** The statistics writes only (section 17): a write that waits for Redis holds up no ack. */
-    private final Link statsLink;
+    /**
+     * The writes of the lease thread beside the liveness key: statistics (section 17) and slot
+     * renewals (section 19), never waiting for replicas; a write that waits for Redis holds up no ack.
+     */
+    private final Link leaseLink;
     /** The blocking reads only: one per queue, each waiting on that queue's streams. */
     private final Map<String, Link> blockLinks = new LinkedHashMap<>();
     /** The blocking reads under way, per queue. */
@@ -102,6 +108,10 @@ public final class Worker implements AutoCloseable {
     private volatile long lastForget;
     private volatile boolean recoverPending = true;
     private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
+    /** The concurrency slots of the entries held from queues with limits (section 19). */
+    private final Slots slots;
+    /** What the last read.lua call of each queue said about its limits. */
+    private final Map<String, ReadState> readStates = new java.util.concurrent.ConcurrentHashMap<>();
     private volatile Promoter promoter;
     private final CeleryResults results;
     private final AbandonedClaims abandoned;
@@ -120,7 +130,7 @@ public final class Worker implements AutoCloseable {
                 () -> starting("connecting", () -> Link.open(client, b.durability)));
         this.txLink = Redis.closingOnFailure(client, ownsClient,
                 () -> starting("connecting", () -> Link.open(client, b.durability)));
-        this.statsLink = Redis.closingOnFailure(client, ownsClient,
+        this.leaseLink = Redis.closingOnFailure(client, ownsClient,
                 () -> starting("connecting", () -> Link.open(client, Link.Durability.NONE)));
         this.queues = List.copyOf(b.queues);
         this.name = String.join(",", queues);
@@ -137,6 +147,7 @@ public final class Worker implements AutoCloseable {
                 : host.replace(' ', '_') + "-" + pid + "-" + UUID.randomUUID().toString().substring(0, 8);
         this.liveness = new Liveness(client, link, keys, consumer, Redis.b(host + " " + pid + " " + LANGUAGE),
                 b.leaseMs);
+        this.slots = new Slots(keys, b.leaseMs);
         this.credit = new Semaphore(b.concurrency);
         this.pool = Executors.newFixedThreadPool(b.concurrency, named("envelope-worker-" + name));
         this.handlerThreads = Executors.newCachedThreadPool(named("envelope-task-" + name));
@@ -255,8 +266,9 @@ public final class Worker implements AutoCloseable {
     private void leaseTick() {
         try {
             boolean counted = liveness.renew();
+            renewSlots();
             announce(false);
-            stats.flush(statsLink);
+            stats.flush(leaseLink);
             if (!counted) {
                 LOG.info("the liveness key was renewed late; no takeover until two renewals in a row "
                         + "are answered at once");
@@ -275,6 +287,16 @@ public final class Worker implements AutoCloseable {
         } catch (RuntimeException e) {
             link.recover(e);
             LOG.warn("renewing the liveness key or taking over failed: {}", e.toString());
+        }
+    }
+
+    /** Renews the concurrency slots held (section 19); a failure is logged, the next tick tries again. */
+    private void renewSlots() {
+        try {
+            slots.renew(leaseLink);
+        } catch (RuntimeException e) {
+            leaseLink.recover(e);
+            LOG.warn("renewing the concurrency slots failed: {}", e.toString());
         }
     }
 
@@ -321,7 +343,8 @@ public final class Worker implements AutoCloseable {
                 continue;
             }
             for (String owner : summary.getConsumerMessageCount().keySet()) {
-                if (owner.equals(consumer) || liveness.alive(owner)) {
+                // The entries of "parked" wait for their task type's limits; they are not abandoned.
+                if (owner.equals(consumer) || owner.equals(Keys.PARKED_CONSUMER) || liveness.alive(owner)) {
                     continue;
                 }
                 List<PendingMessage> idle = liveness.prompt("reading the entries of " + owner, () -> redis().xpending(
@@ -507,6 +530,15 @@ public final class Worker implements AutoCloseable {
     /** An entry read from a stream of {@code queue}. */
     private record Entry(String queue, String stream, String id, Map<String, byte[]> fields) {}
 
+    /** What read.lua last said of a queue: how soon to read it again (-1: no hurry), whether it has limits. */
+    private record ReadState(long waitMs, boolean limited) {
+        static final ReadState UNKNOWN = new ReadState(-1, false);
+    }
+
+    private ReadState readState(String queue) {
+        return readStates.getOrDefault(queue, ReadState.UNKNOWN);
+    }
+
     /** At most {@code n} new entries: read.lua queue by queue, in order, with the credit left (one slot per call). */
     private List<Entry> read(int n) {
         List<Entry> out = new ArrayList<>();
@@ -519,29 +551,16 @@ public final class Worker implements AutoCloseable {
         return out;
     }
 
-    @SuppressWarnings("unchecked")
+    /**
+     * Up to {@code n} new entries of {@code queue} with read.lua; {@code n} is also the free run
+     * capacity it may fill with entries of limited task types (no entry waits in a prefetch here).
+     */
     private void read(String queue, int n, List<Entry> out) {
-        List<Object> reply = Scripts.run(redis(), "read", ScriptOutputType.MULTI, keys.taskStreams(queue), cfg.group,
-                consumer, n);
-        if (reply == null) {
-            return;
-        }
-        for (Object s : reply) {
-            List<Object> streamReply = (List<Object>) s;
-            String stream = Redis.s(streamReply.get(0));
-            for (Object m : (List<Object>) streamReply.get(1)) {
-                List<Object> msg = (List<Object>) m;
-                String id = Redis.s(msg.get(0));
-                Map<String, byte[]> fields = new LinkedHashMap<>();
-                Object fv = msg.get(1);
-                if (fv instanceof List) {
-                    List<Object> flat = (List<Object>) fv;
-                    for (int i = 0; i + 1 < flat.size(); i += 2) {
-                        fields.put(Redis.s(flat.get(i)), (byte[]) flat.get(i + 1));
-                    }
-                }
-                out.add(new Entry(queue, stream, id, fields));
-            }
+        ReadReply reply = ReadReply.parse(Scripts.run(redis(), "read", ScriptOutputType.MULTI, keys.taskStreams(queue),
+                cfg.group, consumer, n, cfg.leaseMs, n));
+        readStates.put(queue, new ReadState(reply.waitMs(), reply.limited()));
+        for (ReadReply.StreamEntry m : reply.entries()) {
+            out.add(new Entry(queue, m.stream(), m.id(), m.fields()));
         }
     }
 
@@ -566,21 +585,30 @@ public final class Worker implements AutoCloseable {
     /**
      * Waits until a queue may have entries: one XREAD BLOCK per queue, on its own connection, from
      * the group's last-delivered ids (then read.lua takes exactly the credit). A wait still under
-     * way from the last round goes on; an error of one ends the round with that error.
+     * way from the last round goes on; an error of one ends the round with that error. While a
+     * queue has parked entries the round ends within the wait read.lua asked for (section 19):
+     * a slot freed or a rate token due wakes no XREAD.
      */
     private void waitForEntries() throws InterruptedException {
         List<CompletableFuture<Void>> all = new ArrayList<>();
+        long soonest = -1;
         for (String queue : queues) {
+            long waitMs = readState(queue).waitMs();
+            if (waitMs >= 0) {
+                soonest = soonest < 0 ? waitMs : Math.min(soonest, waitMs);
+            }
             CompletableFuture<Void> w = waits.get(queue);
             if (w == null || w.isDone()) {
-                w = CompletableFuture.runAsync(() -> waitOn(queue), waiters);
+                Duration block = waitMs >= 0 ? Duration.ofMillis(Math.max(1, Math.min(waitMs, cfg.block.toMillis())))
+                        : cfg.block;
+                w = CompletableFuture.runAsync(() -> waitOn(queue, block), waiters);
                 waits.put(queue, w);
             }
             all.add(w);
         }
         try {
             CompletableFuture.anyOf(all.toArray(new CompletableFuture[0]))
-                    .get(cfg.block.toMillis() + 4000, TimeUnit.MILLISECONDS);
+                    .get(soonest >= 0 ? Math.max(1, soonest) : cfg.block.toMillis() + 4000, TimeUnit.MILLISECONDS);
         } catch (ExecutionException e) {
             throw e.getCause() instanceof RuntimeException r ? r : new IllegalStateException(e.getCause());
         } catch (TimeoutException e) {
@@ -588,9 +616,9 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** One blocking XREAD on the streams of {@code queue} (one slot), on that queue's connection. */
+    /** One XREAD BLOCK of at most {@code block} on the streams of {@code queue} (one slot), on that queue's connection. */
     @SuppressWarnings("unchecked")
-    private void waitOn(String queue) {
+    private void waitOn(String queue, Duration block) {
         List<XReadArgs.StreamOffset<String>> offsets = new ArrayList<>();
         for (String stream : keys.taskStreams(queue)) {
             String last = "0-0";
@@ -607,7 +635,7 @@ public final class Worker implements AutoCloseable {
             offsets.add(XReadArgs.StreamOffset.from(stream, last));
         }
         List<StreamMessage<String, byte[]>> ignored = blockLinks.get(queue).sync().xread(
-                XReadArgs.Builder.block(cfg.block).count(1), offsets.toArray(new XReadArgs.StreamOffset[0]));
+                XReadArgs.Builder.block(block).count(1), offsets.toArray(new XReadArgs.StreamOffset[0]));
     }
 
     private void dispatch(List<Entry> batch) throws InterruptedException {
@@ -634,6 +662,7 @@ public final class Worker implements AutoCloseable {
             inFlight.incrementAndGet();
             String key = e.stream() + " " + e.id();
             inFlightIds.add(key);
+            holdSlot(e, env);
             pool.execute(() -> {
                 try {
                     process(e, env, err, env != null && cancelled.contains(env.taskId()));
@@ -641,11 +670,29 @@ public final class Worker implements AutoCloseable {
                     LOG.error("handling entry {} failed; it stays pending", e.id(), ex);
                 } finally {
                     MDC.clear();
+                    slots.release(e.stream(), e.id());
                     inFlightIds.remove(key);
                     inFlight.decrementAndGet();
                     credit.release();
                 }
             });
+        }
+    }
+
+    /**
+     * Notes the concurrency slot entry {@code e} may hold when its queue has limits: its task type
+     * is field {@code t}, else the Envelope's when {@code enc} is {@code json} (section 19); an
+     * entry with neither holds none.
+     */
+    private void holdSlot(Entry e, Envelope env) {
+        if (!readState(e.queue()).limited()) {
+            return;
+        }
+        byte[] t = e.fields().get("t");
+        String type = t != null ? Redis.s(t)
+                : env != null && "json".equals(Redis.s(e.fields().get("enc"))) ? env.taskType() : null;
+        if (type != null) {
+            slots.hold(e.queue(), e.stream(), e.id(), type);
         }
     }
 
@@ -1202,6 +1249,7 @@ public final class Worker implements AutoCloseable {
                             env.taskId()))).toArray(new String[0]), argv);
             tx.xack(e.stream(), cfg.group, e.id());
             tx.xdel(e.stream(), e.id());
+            freeSlot(e, tx);
         }));
         LOG.info("task not due yet; moved to the delayed set (outcome=scheduled schedule_time={})", env.scheduleTime());
     }
@@ -1221,6 +1269,7 @@ public final class Worker implements AutoCloseable {
             TransactionResult r = txLink.transaction(e.stream(), tx -> {
                 tx.xack(e.stream(), cfg.group, e.id());
                 tx.xdel(e.stream(), e.id());
+                freeSlot(e, tx);
                 record.write(tx, state, false);
             });
             Object acked = r.isEmpty() ? null : r.get(0);
@@ -1229,6 +1278,14 @@ public final class Worker implements AutoCloseable {
             }
             return r;
         });
+    }
+
+    /** Adds the ZREM that frees the concurrency slot of {@code e}, if it may hold one, to its acknowledgement's MULTI. */
+    private void freeSlot(Entry e, io.lettuce.core.api.sync.RedisCommands<String, byte[]> tx) {
+        Slots.Slot slot = slots.of(e.stream(), e.id());
+        if (slot != null) {
+            slot.free(tx);
+        }
     }
 
     private void deadLetter(Entry e, Envelope env, Failure f) {
@@ -1416,7 +1473,7 @@ public final class Worker implements AutoCloseable {
     }
 
     private void finishClose() {
-        stats.close(statsLink);
+        stats.close(leaseLink);
         lease.shutdownNow();
         handlerThreads.shutdownNow();
         announce(true);
@@ -1429,7 +1486,7 @@ public final class Worker implements AutoCloseable {
         results.close();
         waiters.shutdownNow();
         blockLinks.values().forEach(Link::close);
-        statsLink.close();
+        leaseLink.close();
         txLink.close();
         link.close();
         if (ownsClient) {
@@ -1538,6 +1595,9 @@ public final class Worker implements AutoCloseable {
         public Builder consumer(String v) {
             if (v != null && (v.isEmpty() || v.contains(" "))) {
                 throw new IllegalArgumentException("consumer name must be non-empty and without spaces");
+            }
+            if (Keys.PARKED_CONSUMER.equals(v)) {
+                throw new IllegalArgumentException("consumer name \"parked\" is reserved for parked entries");
             }
             consumer = v;
             return this;

@@ -58,6 +58,29 @@ class ConformanceTest {
         assertTrue(files("envelopes").size() > 50);
         assertTrue(files("entries").size() > 10);
         assertTrue(files("schemas").size() > 10);
+        assertTrue(files("limits").size() > 10);
+    }
+
+    /** Each limits vector (protocol section 19): accepted or refused, naming the field and the rule. */
+    @TestFactory
+    Stream<DynamicTest> limits() throws IOException {
+        Path dir = conformanceDir();
+        return files("limits").stream().map(f -> DynamicTest.dynamicTest(f, () -> {
+            JsonNode c = Json.MAPPER.readTree(dir.resolve(f).toFile());
+            try {
+                TaskLimit limit = TaskLimit.fromJson(c.get("input"));
+                if (!c.get("valid").asBoolean()) {
+                    fail("accepted, expected " + c.get("field").asText() + " [" + c.get("rule").asText() + "]");
+                }
+                assertEquals(reread(c.get("input")), Json.parse(limit.toJson()), "the canonical JSON changed a member");
+            } catch (InvalidLimitException ex) {
+                if (c.get("valid").asBoolean()) {
+                    fail("refused valid limits: " + ex.getMessage());
+                }
+                assertEquals(c.get("field").asText() + " " + c.get("rule").asText(), ex.field() + " " + ex.rule(),
+                        ex.getMessage());
+            }
+        }));
     }
 
     /** Each payload schema vector: the violations' fields, rules and keywords, in order (messages differ). */

@@ -36,9 +36,12 @@ import java.util.List;
  * unlimited), retry_policy, idempotency_key, headers (string values, e.g. traceparent and
  * tracestate)}. A failed command answers {"id": N, "ok": false, "error": "..."}. The process ends
  * when stdin closes. Workers write the results Celery callers ask for to the Redis of
- * {@code --results} (default {@code --redis}).
+ * {@code --results} (default {@code --redis}). Each worker runs up to {@code --concurrency} tasks at
+ * once (default 1), {@code matrix.task} ({@link MatrixHandler}) and {@code limits.task}
+ * ({@link LimitsHandler}).
  *
- * <pre>java -cp ... io.kombuenvelope.matrix.MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]</pre>
+ * <pre>java -cp ... io.kombuenvelope.matrix.MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]
+ *     [--concurrency N]</pre>
  */
 public final class MatrixPeer implements AutoCloseable {
     private static final ObjectMapper JSON = new ObjectMapper();
@@ -50,9 +53,11 @@ public final class MatrixPeer implements AutoCloseable {
     private final Producer producer;
     private final DeadLetters dead;
     private final List<Worker> workers = new ArrayList<>();
+    private final int concurrency;
 
-    private MatrixPeer(String redisUri, String prefix, String resultsUri) {
+    private MatrixPeer(String redisUri, String prefix, String resultsUri, int concurrency) {
         this.prefix = prefix;
+        this.concurrency = concurrency;
         this.client = RedisClient.create(redisUri);
         this.results = resultsUri == null ? client : RedisClient.create(resultsUri);
         this.connection = client.connect();
@@ -65,20 +70,23 @@ public final class MatrixPeer implements AutoCloseable {
         String prefix = null;
         String work = "";
         String results = null;
+        int concurrency = 1;
         for (int i = 0; i + 1 < args.length; i += 2) {
             switch (args[i]) {
                 case "--redis" -> redis = args[i + 1];
                 case "--prefix" -> prefix = args[i + 1];
                 case "--work" -> work = args[i + 1];
                 case "--results" -> results = args[i + 1];
+                case "--concurrency" -> concurrency = Integer.parseInt(args[i + 1]);
                 default -> throw new IllegalArgumentException("unknown argument " + args[i]);
             }
         }
         if (redis == null || prefix == null || args.length % 2 != 0) {
-            System.err.println("usage: MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]");
+            System.err.println("usage: MatrixPeer --redis URL --prefix P [--work Q1,Q2,...] [--results URL]"
+                    + " [--concurrency N]");
             System.exit(64);
         }
-        try (MatrixPeer peer = new MatrixPeer(redis, prefix, results)) {
+        try (MatrixPeer peer = new MatrixPeer(redis, prefix, results, concurrency)) {
             for (String queue : work.split(",")) {
                 if (!queue.isEmpty()) {
                     peer.consume(queue);
@@ -97,13 +105,14 @@ public final class MatrixPeer implements AutoCloseable {
 
     /** Starts a worker on {@code queue}; the first one also runs this process's promoter. */
     private void consume(String queue) {
-        workers.add(Worker.builder().client(client).prefix(prefix).queue(queue).concurrency(1)
+        workers.add(Worker.builder().client(client).prefix(prefix).queue(queue).concurrency(concurrency)
                 .lease(Duration.ofMillis(3000)).block(Duration.ofMillis(200))
                 .deferDelay(Duration.ofMillis(300)).shutdownTimeout(Duration.ofSeconds(2))
                 .retryPolicy(new RetryPolicy(2, Duration.ofMillis(200), Duration.ofMillis(1000)))
                 .runPromoter(workers.isEmpty())
                 .resultBackend(results)
                 .resultHandler(MatrixHandler.TASK_TYPE, new MatrixHandler(connection.sync(), prefix, producer))
+                .handler(LimitsHandler.TASK_TYPE, new LimitsHandler(connection.sync(), prefix))
                 .build().start());
     }
 
