@@ -14,7 +14,9 @@ drained: nothing left in a stream, pending or delayed.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -43,12 +45,14 @@ from support.matrix import (
     queue_drained,
 )
 from support.peers import GO, NODE, build_go_peer, node_unavailable
+from support.spans import Span, max_overlap, spans
 from support.workers import CeleryWorker
 
 from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.delayed import DelayedTasks
+from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 MISSING = [tool for tool, found in (("go", GO), ("node", NODE), ("mvn", shutil.which("mvn")),
@@ -710,3 +714,114 @@ def test_metrics_of_a_known_workload_run_in_each_language(
         wait_for(lambda: all(queue_drained(matrix.client, matrix.prefix, q) for q in queues)
                  and counted() == want, timeout=SETTLE_S,
                  message=lambda: f"counted {counted()}\nwanted {want}\n{matrix.logs()}")
+
+
+# ------------------------------------------------------------- limits (protocol section 19)
+
+#: Processes each language runs on a limited queue, and tasks each may run at once.
+LIMITED_CONCURRENCY = 2
+#: The long version of the rate drill (``KOMBU_ENVELOPE_LONG_DRILLS=1``): a minute.
+LONG_DRILLS = os.environ.get("KOMBU_ENVELOPE_LONG_DRILLS") == "1"
+
+
+def limited_queue(matrix: Matrix, limit: TaskLimit
+                  ) -> tuple[str, dict[str, JsonLinePeer | CeleryWorker]]:
+    """A fresh queue whose ``limits.task`` has ``limit``, and its workers by language: every
+    language works it (each with :data:`LIMITED_CONCURRENCY`), all of them ready."""
+    queue = f"mx.caps.{uuid.uuid4().hex[:6]}"
+    TaskLimits(matrix.client, Settings(key_prefix=matrix.prefix)).set(queue, "limits.task", limit)
+    workers: dict[str, JsonLinePeer | CeleryWorker] = {
+        "py": matrix.launch.celery(queue, concurrency=LIMITED_CONCURRENCY),
+        **{language: matrix.launch.peer(language, queue, concurrency=LIMITED_CONCURRENCY)
+           for language in ("go", "node", "java")}}
+    matrix.victims.extend(workers.values())
+    for worker in workers.values():
+        worker.wait_ready()
+    return queue, workers
+
+
+def holds_slot(matrix: Matrix, running: str, peer: JsonLinePeer) -> bool:
+    """Whether an entry pending to a consumer of ``peer``'s process holds a slot now."""
+    for member in matrix.client.zrange(running, 0, -1):
+        stream, entry_id = member.decode().split(" ")
+        owner = matrix.client.xpending_range(stream, Settings().consumer_group, entry_id,
+                                             entry_id, 1)
+        if owner and f"-{peer.proc.pid}-" in owner[0]["consumer"].decode():
+            return True
+    return False
+
+
+def publish_limited(matrix: Matrix, queue: str, count: int, sleep_ms: int) -> list[str]:
+    """``count`` ``limits.task`` published to ``queue`` by the four languages in turn."""
+    plan = []
+    for index in range(count):
+        producer = LANGUAGES[index % len(LANGUAGES)]
+        plan.append((producer, queue, {"task_id": task_id("caps", producer, "any"),
+                                       "task_type": "limits.task",
+                                       "payload": {"sleep_ms": sleep_ms}}))
+    matrix.publish(plan)
+    return [task["task_id"] for _producer, _queue, task in plan]
+
+
+def wait_spans(matrix: Matrix, ids: list[str], timeout: float) -> list[Span]:
+    """The spans of ``ids`` once every one of them ran."""
+    wanted = set(ids)
+
+    def ran() -> list[Span] | None:
+        found = [s for s in spans(matrix.client, matrix.prefix) if s.task_id in wanted]
+        return found if {s.task_id for s in found} == wanted else None
+
+    return wait_for(ran, timeout=timeout, interval=0.1, message=matrix.logs)
+
+
+def test_a_concurrency_cap_holds_across_every_language_and_a_killed_worker(
+        matrix: Matrix) -> None:
+    """``limits.task`` capped at 3 on a queue every language works (8 processes' worth):
+    sampled and from the spans, never more than 3 at once; a worker SIGKILLed while it
+    holds slots gives them back after its lease, and every task runs exactly once."""
+    queue, workers = limited_queue(matrix, TaskLimit(concurrency=3))
+    running = KeySpace(matrix.prefix).queue(queue).running("limits.task")
+    samples: list[int] = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            samples.append(int(matrix.client.zcard(running)))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        ids = publish_limited(matrix, queue, 48, sleep_ms=150)
+        victim = workers["go"]
+        assert isinstance(victim, JsonLinePeer)
+        # Killed once it has run some and holds a slot (the Go peer's entries are its own).
+        wait_for(lambda: sum(s.language == "go" for s in spans(matrix.client, matrix.prefix))
+                 >= 2 and holds_slot(matrix, running, victim), timeout=SETTLE_S,
+                 interval=0.005, message=matrix.logs)
+        victim.kill()
+        ran = wait_spans(matrix, ids, timeout=SETTLE_S)
+    finally:
+        sampling.set()
+        sampler.join(5)
+    assert max(samples) <= 3 and max_overlap(ran) <= 3, (max(samples), max_overlap(ran))
+    assert max_overlap(ran) == 3  # the cap is reached, not merely respected
+    assert len(ran) == len(ids)  # each task once: none lost with the killed worker, none twice
+    assert len({s.language for s in ran}) == 4, {s.language for s in ran}
+    wait_for(lambda: queue_drained(matrix.client, matrix.prefix, queue)
+             and not matrix.client.zcard(running), timeout=10, message=matrix.logs)
+
+
+@pytest.mark.parametrize("seconds", [
+    3, pytest.param(60, marks=pytest.mark.skipif(not LONG_DRILLS, reason="a long drill: set "
+                                                 "KOMBU_ENVELOPE_LONG_DRILLS=1"))])
+def test_a_rate_holds_across_every_language(matrix: Matrix, seconds: int) -> None:
+    """``limits.task`` at 20 starts a second on a queue every language works: the starts of
+    ``20 * seconds`` tasks span ``seconds`` within 10 %."""
+    queue, _workers = limited_queue(matrix, TaskLimit(rate=20))
+    ids = publish_limited(matrix, queue, 20 * seconds + 1, sleep_ms=0)
+    ran = wait_spans(matrix, ids, timeout=seconds * 1.5 + SETTLE_S)
+    starts = sorted(s.start_ms for s in ran)
+    span_s = (starts[-1] - starts[0]) / 1000
+    assert seconds * 0.9 <= span_s <= seconds * 1.1, span_s
+    assert len({s.language for s in ran}) == 4, {s.language for s in ran}

@@ -273,10 +273,11 @@ class Launcher:
     go_binary: Path
     java_classpath: str
 
-    def peer(self, language: str, *work: str) -> JsonLinePeer:
-        """A Go, Node or Java peer process working the queues ``work``."""
+    def peer(self, language: str, *work: str, concurrency: int = 1) -> JsonLinePeer:
+        """A Go, Node or Java peer process working the queues ``work``, running up to
+        ``concurrency`` tasks at once."""
         common = ["--redis", self.redis_url, "--prefix", self.prefix, "--work", ",".join(work),
-                  "--results", self.redis_url]
+                  "--results", self.redis_url, "--concurrency", str(concurrency)]
         log = self.tmp / f"{language}-{uuid.uuid4().hex[:6]}.log"
         if language == "go":
             return JsonLinePeer("go", [str(self.go_binary), "matrix", *common], log, cwd=GO_DIR)
@@ -287,10 +288,12 @@ class Launcher:
         return JsonLinePeer("java", ["java", "-cp", self.java_classpath,
                                      "io.kombuenvelope.matrix.MatrixPeer", *common], log)
 
-    def celery(self, *queues: str) -> CeleryWorker:
-        """A ``celery worker`` of the matrix app on ``queues``."""
+    def celery(self, *queues: str, concurrency: int = 1) -> CeleryWorker:
+        """A ``celery worker`` of the matrix app on ``queues`` (prefork with ``concurrency``
+        processes when more than one, else solo)."""
         worker = CeleryWorker(
             CELERY_APP, queues=queues, log_path=self.tmp / f"celery-{uuid.uuid4().hex[:6]}.log",
+            pool="prefork" if concurrency > 1 else "solo", concurrency=concurrency,
             env={"TEST_BROKER_URL": envelope_url(self.redis_url),
                  "TEST_RESULT_BACKEND": self.redis_url, "TEST_KEY_PREFIX": self.prefix,
                  "TEST_LEASE_MS": str(LEASE_MS)},
