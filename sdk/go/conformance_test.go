@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -25,6 +26,7 @@ type manifest struct {
 	Envelopes     []string `json:"envelopes"`
 	Entries       []string `json:"entries"`
 	Schemas       []string `json:"schemas"`
+	Limits        []string `json:"limits"`
 }
 
 type envelopeCase struct {
@@ -220,7 +222,7 @@ func TestConformanceManifestListsEveryVector(t *testing.T) {
 	for _, kind := range []struct {
 		dir    string
 		listed []string
-	}{{"envelopes", m.Envelopes}, {"entries", m.Entries}, {"schemas", m.Schemas}} {
+	}{{"envelopes", m.Envelopes}, {"entries", m.Entries}, {"schemas", m.Schemas}, {"limits", m.Limits}} {
 		files, _ := filepath.Glob(filepath.Join(conformanceDir(t), kind.dir, "*.json"))
 		listed := map[string]bool{}
 		for _, name := range kind.listed {
@@ -274,6 +276,56 @@ func TestConformanceSchemas(t *testing.T) {
 			}
 			if !reflect.DeepEqual(got, want) {
 				t.Fatalf("violations\n%v\nwant\n%v", got, want)
+			}
+		})
+	}
+}
+
+type limitCase struct {
+	Name  string          `json:"name"`
+	Input json.RawMessage `json:"input"`
+	Valid bool            `json:"valid"`
+	Field string          `json:"field"`
+	Rule  string          `json:"rule"`
+}
+
+// Every limit vector (docs/protocol.md section 19): the verdict, the field and
+// rule of a refusal, and for a valid limit a canonical JSON that reads back the same.
+func TestConformanceLimits(t *testing.T) {
+	m := loadManifest(t)
+	if len(m.Limits) == 0 {
+		t.Fatal("the manifest lists no limit vectors")
+	}
+	for _, rel := range m.Limits {
+		var c limitCase
+		loadCase(t, rel, &c)
+		t.Run(c.Name, func(t *testing.T) {
+			limit, err := ParseTaskLimit(c.Input)
+			if !c.Valid {
+				var invalid *InvalidLimitError
+				if !errors.As(err, &invalid) {
+					t.Fatalf("accepted or refused without an *InvalidLimitError (%v), want %s [%s]", err, c.Field, c.Rule)
+				}
+				if invalid.Field != c.Field || invalid.Rule != c.Rule {
+					t.Fatalf("refused as %s [%s], want %s [%s]", invalid.Field, invalid.Rule, c.Field, c.Rule)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("refused a valid limit: %v", err)
+			}
+			again, err := ParseTaskLimit(limit.JSON())
+			if err != nil || again != limit {
+				t.Fatalf("%s reads back as %+v (%v), want %+v", limit.JSON(), again, err, limit)
+			}
+			var in, out map[string]any
+			_ = json.Unmarshal(c.Input, &in)
+			_ = json.Unmarshal(limit.JSON(), &out)
+			if in["smooth"] == false {
+				delete(in, "smooth") // false is the default: not written
+			}
+			if !reflect.DeepEqual(in, out) {
+				t.Fatalf("written as %s, want the members of %s", limit.JSON(), c.Input)
 			}
 		})
 	}

@@ -138,3 +138,11 @@ func (q QueueKeys) BucketOfStream(stream string) (Bucket, bool) {
 
 // Stats is the hash of the workers' statistics of this queue (docs/protocol.md section 17).
 func (q QueueKeys) Stats() string { return q.Base() + ":stats" }
+
+// Limits is the hash of the limits of task types on this queue, field
+// <task_type> (docs/protocol.md section 19).
+func (q QueueKeys) Limits() string { return q.Base() + ":limits" }
+
+// Running is the sorted set of the concurrency slots of taskType, member
+// "<stream> <entry id>", scored by the slot's deadline in ms (section 19).
+func (q QueueKeys) Running(taskType string) string { return q.Base() + ":running:" + taskType }

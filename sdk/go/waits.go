@@ -3,6 +3,7 @@ package envelope
 import (
 	"context"
 	"sync"
+	"time"
 )
 
 // waits are a consumer's blocking waits, one per queue and each on a
@@ -27,8 +28,10 @@ func (w *Worker) newWaits() *waits {
 }
 
 // any arms the wait of every queue that has none in flight, then returns when
-// the first of them ends (with its error) or ctx ends.
-func (ws *waits) any(ctx context.Context) error {
+// the first of them ends (with its error), when poll passes (poll > 0: a queue
+// has parked entries, to read again within their wait_ms even if nothing new
+// comes; the waits stay armed) or when ctx ends.
+func (ws *waits) any(ctx context.Context, poll time.Duration) error {
 	for i, q := range ws.w.queues {
 		if ws.inFlight[i] {
 			continue
@@ -36,8 +39,16 @@ func (ws *waits) any(ctx context.Context) error {
 		ws.inFlight[i] = true
 		ws.running.Go(func() { ws.woke <- woke{i, ws.w.wait(ctx, q)} })
 	}
+	var timeout <-chan time.Time
+	if poll > 0 {
+		timer := time.NewTimer(poll)
+		defer timer.Stop()
+		timeout = timer.C
+	}
 	select {
 	case <-ctx.Done():
+		return nil
+	case <-timeout:
 		return nil
 	case r := <-ws.woke:
 		ws.inFlight[r.i] = false

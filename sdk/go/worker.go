@@ -218,6 +218,9 @@ type Worker struct {
 	overrunMu sync.Mutex
 	overrun   map[string]bool
 	abandoned sync.WaitGroup // abandoned attempts still running: the consumer stays alive
+
+	limitStates map[string]limitState // by queue, from its last read (read and consume loop only)
+	slots       heldSlots             // renewed by keepAlive
 }
 
 // NewWorker returns a worker for cfg.Queue or cfg.Queues; register handlers,
@@ -231,6 +234,9 @@ func NewWorker(client redis.UniversalClient, scripts Scripts, cfg Config) (*Work
 	cfg.Queues = queues
 	if strings.ContainsAny(cfg.Consumer, " \t\r\n") {
 		return nil, fmt.Errorf("consumer name %q must not contain spaces", cfg.Consumer)
+	}
+	if cfg.Consumer == ParkedConsumer {
+		return nil, fmt.Errorf("consumer name %q is reserved for the entries waiting for their limits", cfg.Consumer)
 	}
 	if err := cfg.Durability.check(client); err != nil {
 		return nil, err
@@ -279,7 +285,7 @@ func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handle
 		handlers: handlers, results: res, schemas: schemas, records: newRecords(cfg.TaskRecordRetention),
 		stats: &Stats{Keys: keys}, stop: make(chan struct{}), overrun: map[string]bool{},
 		log:  cfg.Logger.With("consumer", cfg.Consumer, cfg.queueAttr()),
-		host: hostname(), pid: strconv.Itoa(os.Getpid()),
+		host: hostname(), pid: strconv.Itoa(os.Getpid()), limitStates: map[string]limitState{},
 	}
 	for _, name := range cfg.Queues {
 		q := keys.Queue(name)
@@ -459,7 +465,7 @@ func (w *Worker) consume(ctx context.Context, ready chan<- struct{}) error {
 			lastWork = time.Now()
 		}
 		if err == nil && len(streams) == 0 {
-			err = waits.any(waitCtx)
+			err = waits.any(waitCtx, w.pollAfter())
 		}
 		if err != nil && strings.HasPrefix(err.Error(), "UNBLOCKED") {
 			continue // the wait took nothing (a stream was deleted, the server changed role): re-arm
@@ -523,8 +529,12 @@ func (w *Worker) ensureGroups(ctx context.Context) error {
 
 // read takes at most exactly Prefetch new entries with read.lua, queue by
 // queue in the configured order with the credit left, most urgent stream first,
-// without blocking. A queue whose read fails (its node is away) does not
-// keep the others from being read: read answers what it took and the first error.
+// without blocking, within the limits of the task types (section 19): the
+// consumer runs one attempt at a time, so a read may hand out one entry of a
+// limited type, and only while the batch is still empty (an entry read ahead
+// never holds a slot). It remembers what each queue answered about its
+// limits. A queue whose read fails (its node is away) does not keep the
+// others from being read: read answers what it took and the first error.
 func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
 	var out []redis.XStream
 	var first error
@@ -533,19 +543,22 @@ func (w *Worker) read(ctx context.Context) ([]redis.XStream, error) {
 		if credit == 0 {
 			break
 		}
-		res, err := w.scripts.Get("read").Run(ctx, w.client, q.TaskStreams(),
-			w.cfg.Group, w.cfg.Consumer, credit).Result()
-		if errors.Is(err, redis.Nil) {
-			continue
+		startable := 0
+		if credit == w.cfg.Prefetch {
+			startable = 1
 		}
+		res, err := w.scripts.Get("read").Run(ctx, w.client, q.TaskStreams(),
+			w.cfg.Group, w.cfg.Consumer, credit, w.cfg.Lease.Milliseconds(), startable).Result()
 		var streams []redis.XStream
+		var state limitState
 		if err == nil {
-			streams, err = parseStreams(res)
+			streams, state, err = parseRead(res)
 		}
 		if err != nil {
 			first = cmp.Or(first, err)
 			continue
 		}
+		w.limitStates[q.Queue] = state
 		for _, s := range streams {
 			credit -= len(s.Messages)
 		}
@@ -622,7 +635,7 @@ func (w *Worker) wait(ctx context.Context, q QueueKeys) error {
 	return err
 }
 
-// parseStreams reads the XREADGROUP-shaped reply of read.lua.
+// parseStreams reads the XREADGROUP-shaped reply of read.lua (the first part of its reply).
 func parseStreams(reply any) ([]redis.XStream, error) {
 	bad := func() ([]redis.XStream, error) { return nil, fmt.Errorf("read.lua: unexpected reply %v", reply) }
 	list, ok := reply.([]any)
@@ -711,6 +724,9 @@ func (w *Worker) keepAlive(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		if err == nil || errors.Is(err, errWaited) {
+			w.renewSlots(ctx)
+		}
 		switch {
 		case err == nil:
 			renewed++
@@ -773,7 +789,7 @@ func (w *Worker) takeOverDead(ctx context.Context, steady steadySince) (int, err
 				return moved, err
 			}
 			for owner := range summary.Consumers {
-				if owner == w.cfg.Consumer {
+				if owner == w.cfg.Consumer || owner == ParkedConsumer { // parked entries wait, they are not abandoned
 					continue
 				}
 				alive, err := w.exists(ctx, steady, w.keys.Consumer(owner))
@@ -1025,6 +1041,7 @@ type entry struct {
 	fields     map[string]string
 	env        *Envelope
 	log        *slog.Logger
+	slot       *slot // the concurrency slot it may hold, when its queue has limits
 }
 
 // safely runs one entry's step; a panic is logged and the entry stays pending
@@ -1048,6 +1065,7 @@ func (w *Worker) safely(entryID string, step func()) {
 func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
 	bg := context.Background()
 	var due []*entry
+	defer w.slots.drop(heldMembers(streams)...)
 	for _, s := range streams {
 		for _, m := range s.Messages {
 			if ctx.Err() != nil {
@@ -1060,6 +1078,7 @@ func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
 			})
 		}
 	}
+	w.limitedFirst(bg, due)
 	cancelled := w.cancelledAmong(bg, due)
 	for _, e := range due {
 		if ctx.Err() != nil {
@@ -1094,6 +1113,7 @@ func (w *Worker) admit(ctx context.Context, stream string, m redis.XMessage) *en
 	e := &entry{q: q, stream: stream, id: m.ID, fields: fields, env: env,
 		log: log.With("task_id", env.TaskID, "trace_id", env.TraceID, "task_type", env.TaskType,
 			"entry_id", m.ID)}
+	w.holdSlot(e)
 	if now := time.Now(); !env.IsDue(now) {
 		w.reschedule(ctx, e, now)
 		return nil
@@ -1637,6 +1657,7 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 					e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id, rec)
 				p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 				p.XDel(ctx, e.stream, e.id)
+				e.freeSlot(ctx, p)
 				return nil
 			})
 			return err
@@ -1660,6 +1681,7 @@ func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
 			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
 				acked = p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 				p.XDel(ctx, e.stream, e.id)
+				e.freeSlot(ctx, p)
 				rec.hset(ctx, p, state, false)
 				return nil
 			})

@@ -3,7 +3,7 @@
 //	envelope-peer produce --redis URL --queue Q --task-type T --payload JSON [...]
 //	envelope-peer produce-malformed --redis URL --queue Q --kind badjson|missingbody|badversion|badgzip|invalid
 //	envelope-peer worker --redis URL --queue Q [--lease-ms N --backoff-ms N ...]
-//	envelope-peer matrix --redis URL --prefix P [--work Q1,Q2,...]   (see matrix.go)
+//	envelope-peer matrix --redis URL --prefix P [--work Q1,Q2,...] [--concurrency N]   (see matrix.go)
 //	envelope-peer drill --redis URL --prefix P --work Q1,... --hostname H   (see drill.go)
 //
 // Run a sub-command with -h for its flags.

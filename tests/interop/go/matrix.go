@@ -12,6 +12,10 @@ package main
 // TASK is {"task_id", "task_type", "payload", "schedule_time", "expires",
 // "max_retries" (absent: 3, null: unlimited), "retry_policy", "idempotency_key",
 // "headers" (string values, e.g. traceparent and tracestate)}.
+// The workers also run limits.task (docs/protocol.md section 19's matrix case):
+// {"sleep_ms": N} sleeps N ms and appends {"language", "task_id", "start_ms",
+// "end_ms"} (unix ms, fractional) to <prefix>:mx:spans; --concurrency runs
+// that many consumers per queue (default 1), so several can run at once.
 // A failed command answers {"id": N, "ok": false, "error": "..."}; the process
 // ends when stdin closes or on SIGTERM. Workers write the results Celery callers
 // ask for to the Redis of --results.
@@ -71,6 +75,8 @@ type matrixPeer struct {
 	logger   *slog.Logger
 	ctx      context.Context
 	workers  sync.WaitGroup
+	// concurrency is the consumers of each queue's worker (--concurrency).
+	concurrency int
 }
 
 func matrix(args []string) error {
@@ -79,8 +85,12 @@ func matrix(args []string) error {
 	c.registerRedis(fs)
 	work := fs.String("work", "", "comma-separated queues to work")
 	resultsURL := fs.String("results", "", "Redis URL of Celery's result backend (default --redis)")
+	concurrency := fs.Int("concurrency", 1, "consumers of each queue's worker (tasks run at once)")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if *concurrency < 1 {
+		return errors.New("--concurrency must be >= 1")
 	}
 	scripts, err := envelope.LoadScripts(c.luaDir)
 	if err != nil {
@@ -104,7 +114,7 @@ func matrix(args []string) error {
 		client: client, results: results, scripts: scripts, prefix: c.prefix, ctx: ctx,
 		producer: envelope.NewProducer(client, c.prefix, scripts),
 		dead:     envelope.NewDeadLetters(client, c.prefix, scripts),
-		logger:   slog.New(slog.NewJSONHandler(os.Stderr, nil)),
+		logger:   slog.New(slog.NewJSONHandler(os.Stderr, nil)), concurrency: *concurrency,
 	}
 	promoter := &envelope.Promoter{Client: client, Keys: envelope.KeySpace{Prefix: c.prefix},
 		Scripts: scripts, Log: m.logger}
@@ -278,11 +288,13 @@ func (m *matrixPeer) consume(queue string) error {
 		Prefix: m.prefix, Queue: queue, Lease: 3000 * ms, Block: 200 * ms,
 		Retry:      envelope.RetryPolicy{FastRetries: 2, Backoff: 200 * ms, MaxBackoff: 1000 * ms},
 		DeferDelay: 300 * ms, Logger: m.logger.With("queue", queue), ResultBackend: m.results,
+		Concurrency: m.concurrency,
 	})
 	if err != nil {
 		return err
 	}
 	w.HandleResult("matrix.task", matrixHandler(m.client, m.prefix, m.producer))
+	w.Handle("limits.task", limitsHandler(m.client, m.prefix))
 	m.workers.Add(1)
 	go func() {
 		defer m.workers.Done()
@@ -405,5 +417,44 @@ func matrixHandler(client *redis.Client, prefix string, producer *envelope.Produ
 			}
 		}
 		return map[string]string{"language": envelope.Language}, nil
+	}
+}
+
+// matrixSpan is one record of <prefix>:mx:spans: a run of limits.task.
+type matrixSpan struct {
+	Language string  `json:"language"`
+	TaskID   string  `json:"task_id"`
+	StartMS  float64 `json:"start_ms"`
+	EndMS    float64 `json:"end_ms"`
+}
+
+// unixMS is t in fractional milliseconds since the epoch.
+func unixMS(t time.Time) float64 { return float64(t.UnixMicro()) / 1000 }
+
+// limitsHandler is limits.task, the same in every language: it sleeps
+// payload.sleep_ms, then appends its span to <prefix>:mx:spans.
+func limitsHandler(client *redis.Client, prefix string) envelope.HandlerFunc {
+	return func(ctx context.Context, t *envelope.Task) error {
+		start := time.Now()
+		var p struct {
+			SleepMS *int64 `json:"sleep_ms"`
+		}
+		if err := t.DecodePayload(&p); err != nil || p.SleepMS == nil || *p.SleepMS < 0 {
+			return envelope.InvalidPayload(errors.New("payload.sleep_ms must be an integer >= 0"))
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Duration(*p.SleepMS) * time.Millisecond):
+		}
+		record, err := json.Marshal(matrixSpan{Language: envelope.Language, TaskID: t.TaskID,
+			StartMS: unixMS(start), EndMS: unixMS(time.Now())})
+		if err != nil {
+			return err
+		}
+		if err := client.RPush(ctx, prefix+":mx:spans", record).Err(); err != nil {
+			return envelope.Transient(err)
+		}
+		return nil
 	}
 }
