@@ -3,7 +3,6 @@ package envelope
 import (
 	"context"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -121,47 +120,6 @@ func (w *Worker) renewSlots(ctx context.Context) {
 			w.logFor(q).Warn("renewing the concurrency slots failed", "slots", len(held), "error", err.Error())
 		}
 	}
-}
-
-// limitedFirst moves the entries of limited task types to the front of due,
-// keeping the order otherwise: read.lua hands a consumer at most one entry it
-// may start now, which holds its slot from the read on, so it runs before the
-// entries read ahead with it. The limited types are looked up (HKEYS) only
-// for a batch of several entries from a limited queue.
-func (w *Worker) limitedFirst(ctx context.Context, due []*entry) {
-	if len(due) < 2 {
-		return
-	}
-	types := map[string]map[string]bool{} // by queue
-	first := map[*entry]bool{}
-	for _, e := range due {
-		if e.slot == nil {
-			continue
-		}
-		limited, ok := types[e.q.Queue]
-		if !ok {
-			names, err := w.client.HKeys(ctx, e.q.Limits()).Result()
-			if err != nil {
-				w.logFor(e.q).Warn("reading the limited task types failed; running the batch in order",
-					"error", err.Error())
-			}
-			limited = map[string]bool{}
-			for _, n := range names {
-				limited[n] = true
-			}
-			types[e.q.Queue] = limited
-		}
-		first[e] = limited[e.env.TaskType]
-	}
-	slices.SortStableFunc(due, func(a, b *entry) int {
-		switch {
-		case first[a] == first[b]:
-			return 0
-		case first[a]:
-			return -1
-		}
-		return 1
-	})
 }
 
 // heldMembers are the slot members of the entries of a batch.

@@ -349,23 +349,37 @@ func TestALimitChangedAtRunTimeTakesEffect(t *testing.T) {
 	}
 }
 
-// With a Prefetch of several entries, the one entry of a limited type a read
-// hands out (it holds its slot from the read on) runs first, before the
-// unlimited entries read ahead with it.
-func TestALimitedEntryRunsBeforeTheEntriesReadAheadWithIt(t *testing.T) {
+// With a Prefetch of several entries, an entry of a limited type read behind
+// others is not handed out with them (it would hold its slot while they run):
+// it is parked, holds no slot meanwhile, and runs once the worker can start it.
+func TestALimitedEntryReadBehindOthersWaitsParkedWithoutASlot(t *testing.T) {
 	e := newEnv(t)
 	e.setLimit("limits.one", TaskLimit{Concurrency: 1})
 	fast := e.publishN("limits.fast", 2)
 	limited := e.publishN("limits.one", 1)
 	var runs spans
+	var mu sync.Mutex
+	var slotsWhileFast []int64
 	w := e.worker(func(c *Config) { c.Prefetch = 3 })
-	runs.record("limits.fast", 50*time.Millisecond, nil, w)
+	w.Handle("limits.fast", func(ctx context.Context, t *Task) error {
+		held := e.client.ZCard(ctx, e.q.Running("limits.one")).Val()
+		time.Sleep(50 * time.Millisecond)
+		mu.Lock()
+		defer mu.Unlock()
+		slotsWhileFast = append(slotsWhileFast, held)
+		runs.mu.Lock()
+		defer runs.mu.Unlock()
+		runs.all = append(runs.all, span{t.TaskID, t.TaskType, t.Redelivered, time.Now(), time.Now()})
+		return nil
+	})
 	runs.record("limits.one", 0, nil, w)
 	e.start(w)
 	e.waitFor("three runs", func() bool { return len(runs.of("limits.fast"))+len(runs.of("limits.one")) == 3 })
 	onceEach(t, runs.of("limits.fast"), fast)
 	onceEach(t, runs.of("limits.one"), limited)
-	if first := runs.of("limits.fast")[0].start; !runs.of("limits.one")[0].end.Before(first) {
-		t.Fatal("the limited entry waited behind the entries read ahead with it")
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(slotsWhileFast, []int64{0, 0}) {
+		t.Fatalf("slots held while the entries read before it ran: %v", slotsWhileFast)
 	}
 }

@@ -1078,7 +1078,6 @@ func (w *Worker) processBatch(ctx context.Context, streams []redis.XStream) {
 			})
 		}
 	}
-	w.limitedFirst(bg, due)
 	cancelled := w.cancelledAmong(bg, due)
 	for _, e := range due {
 		if ctx.Err() != nil {
