@@ -149,6 +149,7 @@ class Attempt:
     delivery: Delivery
     timeout_ms: int | None
     claim: Claim | None = None  # the idempotency claim held while the task runs
+    claim_unsure: bool = False  # claim is ours only if idem_begin.lua landed (reply lost)
     settled: bool = False  # retried, deferred or dead-lettered already
     retried: bool = False  # a retry of it is being published
     pending: PendingAttempt | None = None  # its entry, while a next attempt replaces it
@@ -406,8 +407,9 @@ class ExecutionShell:
         if attempt.claim is not None:
             claim = attempt.claim
             _until_done(f"{_name(attempt)}: releasing its idempotency key before {why}",
-                        lambda: self._idempotency().finish(claim, succeeded=False))
-            attempt.claim = None
+                        lambda: self._idempotency().finish(
+                            claim, succeeded=False, may_not_hold=attempt.claim_unsure))
+            attempt.claim, attempt.claim_unsure = None, False
 
     def _claim(self, attempt: Attempt) -> Claim | None:
         key = attempt.headers.get(KEY_HEADER)
@@ -416,8 +418,16 @@ class ExecutionShell:
         # The entry id tells apart two entries of one task run by two pool processes.
         holder = Idempotency.holder(attempt.delivery.consumer, attempt.request.id,
                                     attempt.delivery.entry_id)
-        return self._idempotency().claim(attempt.task.name, str(key), holder,
-                                         timeout_ms=attempt.timeout_ms)
+        # Until idem_begin.lua answers, the claim may be ours: a reply lost in a failover
+        # leaves it taken, and the next entry of this task (another entry id) would find it
+        # busy on this live consumer until it expires. So a hand-back releases it.
+        attempt.claim = Claim(ClaimState.ACQUIRED, self.settings.keys.idempotency(
+            attempt.task.name, str(key)), holder)
+        attempt.claim_unsure = True
+        claim = self._idempotency().claim(attempt.task.name, str(key), holder,
+                                          timeout_ms=attempt.timeout_ms)
+        attempt.claim, attempt.claim_unsure = None, False
+        return claim
 
     def _before_body(self, attempt: Attempt, what: str, step: Callable[[], T]) -> T:
         """``step()``; a Redis error hands the attempt back instead of failing the task."""

@@ -2,7 +2,8 @@
 
 Real ``celery worker`` processes and real Redis servers: the claim of the
 idempotency key fails because the broker's Redis is killed at that moment
-(and restarted from its AOF), or because its ACL refuses the key. The result
+(and restarted from its AOF), or because its ACL refuses the key; and, in this process, a
+claim that landed but whose reply was lost. The result
 backend is another Redis, so a FAILURE would be recorded there.
 """
 
@@ -17,10 +18,16 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 from apps.reliable_app import create_app
+from celery.exceptions import Ignore
 from support import wait_for
 from support.envelope_streams import dead_letters, envelope_url
 from support.workers import CeleryWorker
 
+from celery_ext.execution import ExecutionShell
+from kombu_envelope.codec import decode_entry
+from kombu_envelope.keys import Bucket, KeySpace
+from kombu_envelope.kombu.delivery_info import INFO_CONSUMER, INFO_ENTRY_ID, INFO_QUEUE, INFO_STREAM
+from kombu_envelope.store.idempotency import Idempotency
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 APP = "apps.reliable_app"
@@ -106,3 +113,44 @@ def test_a_claim_refused_by_redis_hands_the_task_back_until_it_is_allowed(
         assert counter(redis_client, key_prefix, "effects", name) == 1
     else:  # the first attempt and the retry that finally got its slot
         assert redis_client.llen(f"{key_prefix}:probe:attempts:{name}") == 2
+
+
+def test_a_claim_whose_reply_was_lost_is_released_when_the_task_is_handed_back(
+        redis_url: str, redis_client: redis.Redis, key_prefix: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``idem_begin.lua`` ran (the claim is set) but its reply never came back, as in a
+    failover: the task is handed back, and the claim is released with it. Kept, it would
+    make the next entry of the task (another entry id) find the key busy on this live
+    consumer, deferred again and again until the claim expired an hour later."""
+    app = create_app(envelope_url(redis_url), redis_url, key_prefix)
+    shell = ExecutionShell(app)
+    task = app.tasks["reliable.effect"]
+    began = Idempotency.begin
+
+    def reply_lost(self: Idempotency, *args: Any, **kwargs: Any) -> Any:
+        began(self, *args, **kwargs)  # the claim lands...
+        raise redis.ConnectionError("connection lost before the reply")  # ...unanswered
+
+    monkeypatch.setattr(Idempotency, "begin", reply_lost)
+    keys = KeySpace(key_prefix).queue("lost")
+    stream = keys.stream(Bucket.NORMAL)
+    task.apply_async(("o-4",), task_id="t-lost", queue="lost")
+    ((_stream, ((entry_id, _fields),)),) = redis_client.xreadgroup(
+        "workers", "worker-1", {stream: ">"}, count=1)  # delivered to this consumer
+    info = {"exchange": "", "routing_key": "lost", INFO_QUEUE: "lost", INFO_CONSUMER: "worker-1",
+            INFO_STREAM: stream,
+            INFO_ENTRY_ID: entry_id.decode()}
+    task.push_request(id="t-lost", args=["o-4"], kwargs={}, retries=0,
+                      headers={"idempotency_key": "o-4"}, delivery_info=info,
+                      properties={"delivery_info": info})
+    try:
+        with pytest.raises(Ignore):
+            shell.execute(task, task.run, task.retry, ("o-4",), {})
+    finally:
+        task.pop_request()
+        app.close()
+    assert redis_client.get(f"{key_prefix}:idem:reliable.effect:o-4") is None  # released
+    assert counter(redis_client, key_prefix, "effects", "o-4") == 0  # not run
+    # Published again: the same task, to run a moment later.
+    again = [decode_entry(f).task_id for i, f in redis_client.xrange(stream) if i != entry_id]
+    assert again == ["t-lost"] or redis_client.zscore(keys.delayed, "t-lost"), again

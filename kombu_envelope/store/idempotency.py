@@ -113,17 +113,19 @@ class Idempotency:
                                replace=claim.other)
         return claim
 
-    def finish(self, claim: Claim, succeeded: bool, now: datetime | None = None) -> bool:
+    def finish(self, claim: Claim, succeeded: bool, now: datetime | None = None, *,
+               may_not_hold: bool = False) -> bool:
         """Mark the key done (success) or release it (failure).
 
         Returns False when the claim had been taken over meanwhile: the task may
-        then have run twice, which is logged.
+        then have run twice, which is logged, unless ``may_not_hold`` (a release of a
+        claim whose ``idem_begin.lua`` reply was lost: it may never have been taken).
         """
         args = [claim.holder, "done" if succeeded else "release",
                 int(self.done_ttl_s * 1000), format_rfc3339(now or utcnow())]
         settled = bool(run_script(self.client, self.settings, "idem_finish", [claim.key], args,
                                   "idempotency done marker"))
-        if not settled:
+        if not settled and not may_not_hold:
             logger.warning("idempotency key %s was taken over while %r held it; "
                            "the task may have run twice", claim.key, claim.holder)
         return settled
