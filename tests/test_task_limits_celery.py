@@ -133,7 +133,7 @@ def test_the_slots_of_a_killed_worker_come_back_after_the_lease(redis_url, app, 
     victim = CeleryWorker(APP, pool="prefork", concurrency=2, queues=[queue],
                           env=env(redis_url, prefix, {})).start()
     try:
-        first = app.send_task("limits.task", kwargs={"sleep_ms": 20_000}, queue=queue).id
+        first = app.send_task("limits.task", kwargs={"sleep_ms": 4_000}, queue=queue).id
         wait_for(lambda: redis_client.zcard(running) == 1, timeout=20, message="a slot taken")
         for process in [*victim.children(), psutil.Process(victim.pid)]:
             process.send_signal(signal.SIGKILL)
@@ -146,7 +146,10 @@ def test_the_slots_of_a_killed_worker_come_back_after_the_lease(redis_url, app, 
                                     if s.task_id == second] or None,
                            timeout=LEASE_MS / 1000 + 20, message="the next task ran")
     assert span.start_ms >= deadline_ms - 20  # never while the dead worker's slot stood
-    assert first not in {s.task_id for s in spans(redis_client, prefix)}  # acked early: lost
+    # Killed before its early acknowledgement, the first task is taken over and runs again
+    # (after it, holding the slot); killed after it, it is lost, as Celery documents.
+    ran = [s for s in spans(redis_client, prefix) if s.task_id in (first, second)]
+    assert max_overlap(ran) == 1 and len(ran) <= 2, ran
 
 
 def test_a_misspelt_limit_stops_the_worker_naming_it(redis_url, prefix) -> None:
