@@ -405,10 +405,18 @@ class ExecutionShell:
     def _release_claim(self, attempt: Attempt, why: str) -> None:
         """Release the attempt's key before another attempt is published, waiting for Redis."""
         if attempt.claim is not None:
-            claim = attempt.claim
-            _until_done(f"{_name(attempt)}: releasing its idempotency key before {why}",
-                        lambda: self._idempotency().finish(
-                            claim, succeeded=False, may_not_hold=attempt.claim_unsure))
+            claim, unsure = attempt.claim, attempt.claim_unsure
+            try:
+                _until_done(f"{_name(attempt)}: releasing its idempotency key before {why}",
+                            lambda: self._idempotency().finish(claim, succeeded=False,
+                                                               may_not_hold=unsure))
+            except BROKER_ERRORS as exc:
+                if not unsure:
+                    raise
+                # Refused (an ACL, say), not away: the claim it may have set is left to
+                # expire, as the claim step itself was refused.
+                logger.warning("task %s: releasing the idempotency key its failed claim may "
+                               "have set failed (%r); it expires on its own", _name(attempt), exc)
             attempt.claim, attempt.claim_unsure = None, False
 
     def _claim(self, attempt: Attempt) -> Claim | None:
