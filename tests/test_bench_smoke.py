@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("publish", "consume", "bulk", "celery", "paced", "latency", "delayed",
-             "countdown", "memory", "recovery", "dispatcher")
+             "countdown", "memory", "recovery", "limits", "dispatcher")
 #: Scenarios that measure celery-redis-plus whenever it is importable.
 PLUS_SCENARIOS = ("celery", "paced", "countdown", "memory")
 
