@@ -346,3 +346,38 @@ def test_a_post_that_asks_for_an_h2c_upgrade_keeps_its_body(server: DispatcherPr
     answer = received.decode()
     assert answer.startswith("HTTP/1.1 422"), answer  # the body was read: merge_patch is no object
     assert '"field":"merge_patch"' in answer
+
+
+def test_limits_of_a_task_type_set_listed_and_lifted(api: httpx.Client, server: DispatcherProcess,
+                                                     store: tuple[redis.Redis, Settings]) -> None:
+    client, settings = store
+    queue = _queue()
+    put = api.put(f"/queues/{queue}/limits/billing.charge", json={"concurrency": 50})
+    assert put.status_code == 200 and put.json() == {"task_type": "billing.charge",
+                                                     "concurrency": 50}
+    api.put(f"/queues/{queue}/limits/emails.send", json={"rate": 10, "burst": 20})
+    assert api.get(f"/queues/{queue}/limits").json() == [
+        {"task_type": "billing.charge", "concurrency": 50},
+        {"task_type": "emails.send", "rate": 10.0, "burst": 20}]
+    # What every worker's read.lua reads (section 19).
+    assert client.hget(settings.keys.queue(queue).limits, "billing.charge") == \
+        b'{"concurrency":50}'
+    assert api.delete(f"/queues/{queue}/limits/billing.charge").status_code == 204
+    assert api.delete(f"/queues/{queue}/limits/billing.charge").status_code == 404
+    writer = httpx.put(f"{server.url}/queues/{queue}/limits/emails.send", json={"rate": 1},
+                       headers={"Authorization": f"Bearer {WRITE}"})
+    assert writer.status_code == 403  # limits are an operator's
+
+
+@pytest.mark.parametrize(("body", "field", "rule"), [
+    ({"concurency": 5}, "limits.concurency", "unknown_field"),
+    ({"concurrency": 0}, "limits.concurrency", "minimum"),
+    ({"rate": "fast"}, "limits.rate", "type"),
+    ({"burst": 3}, "limits.concurrency", "required"),
+    ([5], "body", "type"),  # FastAPI checks the body is an object first
+])
+def test_limits_that_break_a_rule_are_refused_naming_it(api: httpx.Client, body: object,
+                                                        field: str, rule: str) -> None:
+    answer = api.put(f"/queues/{_queue()}/limits/billing.charge", json=body)
+    assert answer.status_code == 422, answer.text
+    assert [(v["field"], v["rule"]) for v in answer.json()["violations"]] == [(field, rule)]

@@ -21,6 +21,7 @@ from kombu_envelope.dispatcher.routes import (
     metrics,
     periodic,
     schemas,
+    task_limits,
     tasks,
     whoami,
     workers,
@@ -72,8 +73,8 @@ def create_app(client: Any, settings: Settings | None = None,
     app.state.stores = Stores(client, settings or Settings())
     app.state.limiter = RateLimiter(config.rate_per_s, config.rate_burst)
     problems.install(app)
-    for module in (health, whoami, tasks, delayed, periodic, dead_letters, schemas, workers,
-                   metrics):
+    for module in (health, whoami, tasks, delayed, periodic, dead_letters, schemas, task_limits,
+                   workers, metrics):
         app.include_router(module.router)
     app.mount("/console", StaticFiles(directory=CONSOLE_DIR, html=True), name="console")
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]

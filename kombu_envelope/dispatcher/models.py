@@ -215,3 +215,13 @@ class HealthOut(BaseModel):
 
     status: str
     redis: str
+
+
+class LimitOut(BaseModel):
+    """The limits of one task type on one queue (docs/protocol.md, section 19)."""
+
+    task_type: str
+    concurrency: int | None = None
+    rate: float | None = None
+    burst: int | None = None
+    smooth: bool | None = None

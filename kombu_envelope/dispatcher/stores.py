@@ -12,13 +12,14 @@ from kombu_envelope.store.delayed import DelayedTasks
 from kombu_envelope.store.periodic_entries import PeriodicEntries
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.schemas import PayloadSchemas
+from kombu_envelope.store.task_limits import TaskLimits
 from kombu_envelope.store.task_records import TaskRecords
 
 
 class Stores:
     """Publisher, delayed tasks, dead letters, periodic entries, task records (section 14),
-    worker announcements and the router they feed (section 15) and payload schemas
-    (section 16) of one key prefix."""
+    worker announcements and the router they feed (section 15), payload schemas
+    (section 16) and limits per task type (section 19) of one key prefix."""
 
     def __init__(self, client: Any, settings: Settings) -> None:
         self.client = client
@@ -31,3 +32,4 @@ class Stores:
         self.announcements = Announcements(client, settings)
         self.router = Router(self.announcements)
         self.schemas = PayloadSchemas(client, settings)
+        self.limits = TaskLimits(client, settings)
