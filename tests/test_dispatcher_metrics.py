@@ -19,6 +19,8 @@ from support.workers import CeleryWorker
 from kombu_envelope import Settings
 from kombu_envelope.dispatcher.metrics import render
 from kombu_envelope.keys import Bucket
+from kombu_envelope.store.scripts import script
+from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
@@ -169,3 +171,26 @@ def test_backlog_is_counted_when_redis_does_not_know_the_lag_and_pending_has_an_
     assert value(samples, "kombu_envelope_queue_pending_entries", **labels) == 1
     assert 0 <= value(samples, "kombu_envelope_queue_oldest_pending_age_seconds", **labels) < 5
     assert value(samples, "kombu_envelope_queue_delayed_tasks", queue=queue) == 0
+
+
+def test_slots_held_and_tasks_parked_of_a_limited_type(redis_client: redis.Redis,
+                                                       key_prefix: str) -> None:
+    settings = Settings(key_prefix=key_prefix)
+    queue = "q-limited"
+    keys = settings.keys.queue(queue)
+    TaskLimits(redis_client, settings).set(queue, "slow", TaskLimit(concurrency=2))
+    for stream in keys.task_streams:
+        redis_client.xgroup_create(stream, "workers", "0", mkstream=True)
+    for _ in range(5):
+        redis_client.xadd(keys.stream(Bucket.NORMAL), {"v": "1", "enc": "json",
+                                                       "body": '{"task_type": "slow"}'})
+    script(redis_client, "read")(keys=list(keys.task_streams), args=["workers", "c-1", 10, 30_000])
+    redis_client.sadd(settings.keys.queues, queue)
+    page = render(redis_client, settings).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(page) for s in family.samples}
+    labels = {"queue": queue, "task_type": "slow"}
+    assert value(samples, "kombu_envelope_limit_running_attempts", **labels) == 2
+    assert value(samples, "kombu_envelope_limit_parked_tasks", **labels) == 3
+    assert value(samples, "kombu_envelope_queue_pending_entries", queue=queue, bucket="normal",
+                 group="workers") == 5  # the parked ones are pending to 'parked'

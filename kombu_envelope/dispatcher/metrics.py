@@ -73,7 +73,7 @@ class RedisCollector(Collector):
         queues = self._queues(workers)
         families = _QueueFamilies()
         for queue in queues:
-            families.add_queue(queue, self._read_queue(queue), now_ms)
+            families.add_queue(queue, self._read_queue(queue, now_ms), now_ms)
         yield from families.all()
         yield from _worker_families(queues, workers, now_ms)
         duration = GaugeMetricFamily(f"{_NS}_scrape_duration_seconds",
@@ -90,7 +90,7 @@ class RedisCollector(Collector):
             named.update(worker.queues)
         return sorted(named)
 
-    def _read_queue(self, queue: str) -> dict[str, Any]:
+    def _read_queue(self, queue: str, now_ms: int) -> dict[str, Any]:
         """Every reply about ``queue`` one scrape needs: two round trips in the queue's slot
         (one more per stream whose group lag Redis does not know)."""
         keys, group = self.settings.keys.queue(queue), self.settings.consumer_group
@@ -101,8 +101,9 @@ class RedisCollector(Collector):
         pipe.zrange(keys.delayed, 0, 0, withscores=True)
         pipe.xlen(keys.dead)
         pipe.hgetall(keys.stats)
-        *infos, delayed, lowest, dead, stats = pipe.execute(raise_on_error=False)
-        for reply in (delayed, lowest, dead, stats):
+        pipe.hkeys(keys.limits)
+        *infos, delayed, lowest, dead, stats, limited = pipe.execute(raise_on_error=False)
+        for reply in (delayed, lowest, dead, stats, limited):
             if isinstance(reply, Exception):
                 raise reply
         found = []
@@ -114,11 +115,18 @@ class RedisCollector(Collector):
             described = next((g for g in info if as_text(g["name"]) == group), None)
             if described is not None:
                 found.append((bucket.value, keys.stream(bucket), described))
+        types = sorted(as_text(name) for name in limited)
         pipe = self.client.pipeline(transaction=False)
         for _, stream, _ in found:
             pipe.xpending(stream, group)
-        summaries = pipe.execute() if found else []
-        return {"streams": [(bucket, group, self._backlog(stream, described),
+        for task_type in types:  # slots held (deadline not passed) and tasks parked
+            pipe.zcount(keys.running(task_type), f"({now_ms}", "+inf")
+            pipe.llen(keys.parked(task_type))
+        replies = pipe.execute() if found or types else []
+        summaries, counts = replies[:len(found)], replies[len(found):]
+        return {"limits": [(task_type, counts[2 * i], counts[2 * i + 1])
+                           for i, task_type in enumerate(types)],
+                "streams": [(bucket, group, self._backlog(stream, described),
                              int(summary.get("pending") or 0), summary.get("min"))
                             for (bucket, stream, described), summary in zip(found, summaries)],
                 "delayed": delayed, "lowest": lowest, "dead": dead,
@@ -155,6 +163,12 @@ class _QueueFamilies:
             "How long the earliest delayed task is overdue (0 when none is)", labels=["queue"])
         self.dead = GaugeMetricFamily(f"{_NS}_queue_dead_letters",
                                       "Entries in the dead-letter stream", labels=["queue"])
+        self.slots = GaugeMetricFamily(
+            f"{_NS}_limit_running_attempts",
+            "Concurrency slots of a limited task type held now", labels=["queue", "task_type"])
+        self.parked = GaugeMetricFamily(
+            f"{_NS}_limit_parked_tasks", "Tasks waiting for their type's limits",
+            labels=["queue", "task_type"])
         self.counters = {name: CounterMetricFamily(f"{_NS}_{metric}", text, labels=_TASK_LABELS)
                          for name, (metric, text) in _COUNTER_HELP.items()}
         self.histograms = {name: HistogramMetricFamily(f"{_NS}_{metric}", text,
@@ -173,6 +187,9 @@ class _QueueFamilies:
         overdue_ms = now_ms - lowest[0][1] if lowest else 0
         self.lateness.add_metric([queue], max(0.0, overdue_ms) / 1000)
         self.dead.add_metric([queue], read["dead"])
+        for task_type, running, parked in read["limits"]:
+            self.slots.add_metric([queue, task_type], running)
+            self.parked.add_metric([queue, task_type], parked)
         for stats in read["stats"]:
             self._add_stats(queue, stats)
 
@@ -188,7 +205,8 @@ class _QueueFamilies:
 
     def all(self) -> Iterator[Metric]:
         yield from (self.backlog, self.pending, self.oldest, self.delayed, self.lateness,
-                    self.dead, *self.counters.values(), *self.histograms.values())
+                    self.dead, self.slots, self.parked, *self.counters.values(),
+                    *self.histograms.values())
 
 
 def _worker_families(queues: list[str], workers: list[WorkerAnnouncement],
