@@ -21,7 +21,9 @@
 -- With ARGV[4], an entry whose task type has limits in <prefix>:{<queue>}:limits is
 -- taken only when the type may start one more attempt now: a free concurrency slot
 -- (ZSET <prefix>:{<queue>}:running:<task_type>, member "<stream> <entry id>", score
--- the slot's deadline in ms) and a rate token (GCRA, <prefix>:{<queue>}:rate:<task_type>).
+-- the slot's deadline in ms), a rate token (GCRA, <prefix>:{<queue>}:rate:<task_type>)
+-- and a circuit breaker that is not open (HASH <prefix>:{<queue>}:breaker:<task_type>,
+-- judged from the succeeded and failed counts workers keep in <prefix>:{<queue>}:stats).
 -- Other entries are parked in the same call: claimed by the consumer "parked" and
 -- listed in <prefix>:{<queue>}:parked:<task_type>, in order, behind which later entries
 -- of that type wait. Parked entries are handed out first, as soon as their type may
@@ -76,6 +78,14 @@ for i = 1, #configured, 2 do
             local burst = spec.smooth == true and 1 or (tonumber(spec.burst) or 1)
             limit.tolerance = (math.max(burst, 1) - 1) * limit.interval
         end
+        if type(spec.breaker) == 'table' and tonumber(spec.breaker.failure_ratio) then
+            local b = spec.breaker
+            limit.breaker = {ratio = tonumber(b.failure_ratio),
+                             min_attempts = tonumber(b.min_attempts) or 20,
+                             window_ms = (tonumber(b.window_s) or 60) * 1000,
+                             cooldown_ms = (tonumber(b.cooldown_s) or 30) * 1000,
+                             probes = tonumber(b.probes) or 1}
+        end
         limits[configured[i]] = limit
         names[#names + 1] = configured[i]
     end
@@ -105,6 +115,93 @@ end
 
 local running, tat, parked_len = {}, {}, {}
 
+-- Circuit breakers. Outcomes: the succeeded and failed counters of section 17, summed
+-- over the languages of section 7.
+local LANGUAGES = {'python', 'go', 'node', 'java'}
+local breakers = {}
+
+local function outcomes(t)
+    local fields = {}
+    for _, language in ipairs(LANGUAGES) do
+        fields[#fields + 1] = t .. ' ' .. language .. ' succeeded'
+        fields[#fields + 1] = t .. ' ' .. language .. ' failed'
+    end
+    local counts = redis.call('HMGET', base .. ':stats', unpack(fields))
+    local ok, failed = 0, 0
+    for i = 1, #counts, 2 do
+        ok = ok + (tonumber(counts[i]) or 0)
+        failed = failed + (tonumber(counts[i + 1]) or 0)
+    end
+    return ok, failed
+end
+
+-- A closed breaker samples the outcomes at most once a second (LIST of "<ms> <ok>
+-- <failed>", newest first, kept for the window) and opens when the window holds at
+-- least min_attempts outcomes of which failure_ratio or more failed.
+local function should_open(t, b, key, sampled_at)
+    if now - sampled_at < 1000 then return false end
+    local samples = base .. ':breaker-samples:' .. t
+    local ok, failed = outcomes(t)
+    redis.call('LPUSH', samples, now .. ' ' .. ok .. ' ' .. failed)
+    redis.call('HSET', key, 'sampled_at', tostring(now))
+    local oldest, kept = nil, 0
+    for index, sample in ipairs(redis.call('LRANGE', samples, 0, -1)) do
+        local at, o, f = string.match(sample, '^(%S+) (%S+) (%S+)$')
+        oldest, kept = {tonumber(at), tonumber(o), tonumber(f)}, index
+        if now - oldest[1] >= b.window_ms then break end
+    end
+    redis.call('LTRIM', samples, 0, kept - 1)
+    redis.call('PEXPIRE', samples, math.ceil(b.window_ms) + 60000)
+    local d_ok, d_failed = ok - oldest[2], failed - oldest[3]
+    return d_ok + d_failed >= b.min_attempts and d_failed >= b.ratio * (d_ok + d_failed)
+end
+
+-- The breaker of type t: {state, wait, ...}; wait 0 when an attempt may start, else
+-- how long until the breaker may let one through (ms).
+local function breaker_of(t)
+    if breakers[t] then return breakers[t] end
+    local b = limits[t].breaker
+    local key = base .. ':breaker:' .. t
+    local stored = redis.call('HMGET', key, 'state', 'since', 'base_ok', 'base_failed',
+        'probes_started', 'sampled_at')
+    local current = {state = stored[1] or 'closed', since = tonumber(stored[2]) or 0, key = key,
+                     probes_started = tonumber(stored[5]) or 0, wait = 0}
+    local function become(state, extra)
+        current.state, current.since = state, now
+        local args = {'state', state, 'since', tostring(now)}
+        for i = 1, #extra do args[#args + 1] = extra[i] end
+        redis.call('HSET', key, unpack(args))
+        redis.call('DEL', base .. ':breaker-samples:' .. t)
+    end
+    if current.state == 'closed' and should_open(t, b, key, tonumber(stored[6]) or 0) then
+        become('open', {})
+    end
+    if current.state == 'open' then
+        if now - current.since < b.cooldown_ms then
+            current.wait = math.ceil(current.since + b.cooldown_ms - now)
+        else  -- half-open: let `probes` attempts through, judged on their outcomes
+            local ok, failed = outcomes(t)
+            become('half_open', {'base_ok', tostring(ok), 'base_failed', tostring(failed),
+                                 'probes_started', '0'})
+            current.probes_started = 0
+        end
+    elseif current.state == 'half_open' then
+        local ok, failed = outcomes(t)
+        if failed > (tonumber(stored[4]) or 0) then
+            become('open', {})
+            current.wait = math.ceil(b.cooldown_ms)
+        elseif ok - (tonumber(stored[3]) or 0) >= b.probes then
+            become('closed', {})
+        end
+    end
+    if current.state == 'half_open' and current.probes_started >= b.probes then
+        current.wait = POLL_MS  -- the probes' outcomes are not counted yet
+    end
+    redis.call('PEXPIRE', key, math.ceil(b.window_ms + b.cooldown_ms) + 86400000)
+    breakers[t] = current
+    return current
+end
+
 local function running_key(t) return base .. ':running:' .. t end
 local function rate_key(t) return base .. ':rate:' .. t end
 local function parked_key(t) return base .. ':parked:' .. t end
@@ -112,6 +209,10 @@ local function parked_key(t) return base .. ':parked:' .. t end
 -- 0 when an attempt of type t may start now, else how long until it may (ms).
 local function wait_for(t)
     local limit = limits[t]
+    if limit.breaker then
+        local wait = breaker_of(t).wait
+        if wait > 0 then return wait end
+    end
     if limit.concurrency then
         if not running[t] then
             redis.call('ZREMRANGEBYSCORE', running_key(t), '-inf', now)
@@ -129,6 +230,12 @@ end
 
 local function take(t, stream, id)
     local limit = limits[t]
+    if limit.breaker and breakers[t].state == 'half_open' then
+        local b = breakers[t]
+        b.probes_started = b.probes_started + 1
+        redis.call('HSET', b.key, 'probes_started', tostring(b.probes_started))
+        if b.probes_started >= limit.breaker.probes then b.wait = POLL_MS end
+    end
     if limit.concurrency then
         redis.call('ZADD', running_key(t), now + lease_ms, stream .. ' ' .. id)
         running[t] = running[t] + 1
