@@ -30,7 +30,7 @@ from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTas
 from kombu_envelope.store.promoter import Promoter
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.schemas import PayloadSchemas
-from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
+from kombu_envelope.store.task_limits import Breaker, TaskLimit, TaskLimits
 
 
 def _app(ctx: click.Context) -> Any:
@@ -170,12 +170,31 @@ def _limits(ctx: click.Context) -> TaskLimits:
 @click.option("--rate", type=float, default=None, help="Starts per second.")
 @click.option("--burst", type=int, default=None, help="Starts allowed back to back.")
 @click.option("--smooth", is_flag=True, default=None, help="Space every start evenly.")
+@click.option("--breaker-ratio", type=float, default=None,
+              help="Open the circuit breaker when this share of attempts failed (0-1].")
+@click.option("--breaker-min-attempts", type=int, default=None,
+              help="...of at least this many attempts (default 20)...")
+@click.option("--breaker-window", type=float, default=None,
+              help="...within this many seconds (default 60).")
+@click.option("--breaker-cooldown", type=float, default=None,
+              help="Seconds the breaker stays open (default 30).")
+@click.option("--breaker-probes", type=int, default=None,
+              help="Attempts let through half-open (default 1).")
 @click.pass_context
 def limits_set(ctx: click.Context, task_type: str, queue: str, concurrency: int | None,
-               rate: float | None, burst: int | None, smooth: bool | None) -> None:
+               rate: float | None, burst: int | None, smooth: bool | None,
+               breaker_ratio: float | None, breaker_min_attempts: int | None,
+               breaker_window: float | None, breaker_cooldown: float | None,
+               breaker_probes: int | None) -> None:
     """Give TASK_TYPE on a queue these limits, replacing the ones it had."""
+    breaker_options = (breaker_min_attempts, breaker_window, breaker_cooldown, breaker_probes)
+    if breaker_ratio is None and any(option is not None for option in breaker_options):
+        raise click.BadParameter("the breaker options need --breaker-ratio")
     try:
-        limit = TaskLimit(concurrency=concurrency, rate=rate, burst=burst, smooth=smooth or None)
+        breaker = None if breaker_ratio is None else Breaker(
+            breaker_ratio, breaker_min_attempts, breaker_window, breaker_cooldown, breaker_probes)
+        limit = TaskLimit(concurrency=concurrency, rate=rate, burst=burst, smooth=smooth or None,
+                          breaker=breaker)
         _limits(ctx).set(queue, task_type, limit)
     except InvalidTaskLimit as exc:
         raise click.BadParameter(str(exc)) from exc
@@ -187,13 +206,19 @@ def limits_set(ctx: click.Context, task_type: str, queue: str, concurrency: int 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def limits_show(ctx: click.Context, queue: str, as_json: bool) -> None:
-    """List the limited task types of a queue."""
-    shown = _limits(ctx).all(queue)
+    """List the limited task types of a queue, with the state of their circuit breakers."""
+    limits = _limits(ctx)
+    shown = limits.all(queue)
+    states = {name: limits.breaker_state(queue, name) if limit.breaker else None
+              for name, limit in shown.items()}
     if as_json:
-        _echo_json({name: limit.as_json() for name, limit in shown.items()})
+        _echo_json({name: {**limit.as_json(), **({"breaker_state": states[name]}
+                                                 if states[name] else {})}
+                    for name, limit in shown.items()})
     else:
-        echo_table(["task_type", "limits"], [(name, limit.describe())
-                                             for name, limit in shown.items()])
+        echo_table(["task_type", "limits", "breaker"],
+                   [(name, limit.describe(), states[name] or "-")
+                    for name, limit in shown.items()])
 
 
 @limits.command("remove")

@@ -170,6 +170,10 @@ class QueueKeys:
         scored by deadline in ms (section 19)."""
         return f"{self.base}:running:{task_type}"
 
+    def breaker(self, task_type: str) -> str:
+        """HASH of the circuit breaker of ``task_type``: state, since... (section 19)."""
+        return f"{self.base}:breaker:{task_type}"
+
     def parked(self, task_type: str) -> str:
         """LIST of ``"<stream> <entry id>"`` of entries waiting for their type's limits."""
         return f"{self.base}:parked:{task_type}"

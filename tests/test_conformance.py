@@ -260,5 +260,7 @@ def test_limit_vector(relative: str) -> None:
 def test_limit_vectors_cover_every_member_and_rule() -> None:
     cases = [load(name) for name in MANIFEST["limits"]]
     refused = [case for case in cases if not case["valid"]]
-    assert {case["rule"] for case in refused} == {"type", "minimum", "required", "unknown_field"}
-    assert {"concurrency", "rate", "burst", "smooth"} <= {case["field"] for case in refused}
+    assert {case["rule"] for case in refused} == {"type", "minimum", "maximum", "required",
+                                                  "unknown_field"}
+    assert {"concurrency", "rate", "burst", "smooth", "breaker", "breaker.failure_ratio",
+            "breaker.probes"} <= {case["field"] for case in refused}

@@ -356,9 +356,14 @@ def test_limits_of_a_task_type_set_listed_and_lifted(api: httpx.Client, server: 
     assert put.status_code == 200 and put.json() == {"task_type": "billing.charge",
                                                      "concurrency": 50}
     api.put(f"/queues/{queue}/limits/emails.send", json={"rate": 10, "burst": 20})
+    api.put(f"/queues/{queue}/limits/pdf.render",
+            json={"breaker": {"failure_ratio": 0.1, "cooldown_s": 30}})
+    client.hset(settings.keys.queue(queue).breaker("pdf.render"), "state", "open")  # read.lua's
     assert api.get(f"/queues/{queue}/limits").json() == [
         {"task_type": "billing.charge", "concurrency": 50},
-        {"task_type": "emails.send", "rate": 10.0, "burst": 20}]
+        {"task_type": "emails.send", "rate": 10.0, "burst": 20},
+        {"task_type": "pdf.render", "breaker": {"failure_ratio": 0.1, "cooldown_s": 30.0},
+         "breaker_state": "open"}]
     # What every worker's read.lua reads (section 19).
     assert client.hget(settings.keys.queue(queue).limits, "billing.charge") == \
         b'{"concurrency":50}'
@@ -374,6 +379,7 @@ def test_limits_of_a_task_type_set_listed_and_lifted(api: httpx.Client, server: 
     ({"concurrency": 0}, "limits.concurrency", "minimum"),
     ({"rate": "fast"}, "limits.rate", "type"),
     ({"burst": 3}, "limits.concurrency", "required"),
+    ({"breaker": {"failure_ratio": 2}}, "limits.breaker.failure_ratio", "maximum"),
     ([5], "body", "type"),  # FastAPI checks the body is an object first
 ])
 def test_limits_that_break_a_rule_are_refused_naming_it(api: httpx.Client, body: object,

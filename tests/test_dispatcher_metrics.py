@@ -20,7 +20,7 @@ from kombu_envelope import Settings
 from kombu_envelope.dispatcher.metrics import render
 from kombu_envelope.keys import Bucket
 from kombu_envelope.store.scripts import script
-from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
+from kombu_envelope.store.task_limits import Breaker, TaskLimit, TaskLimits
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
@@ -194,3 +194,12 @@ def test_slots_held_and_tasks_parked_of_a_limited_type(redis_client: redis.Redis
     assert value(samples, "kombu_envelope_limit_parked_tasks", **labels) == 3
     assert value(samples, "kombu_envelope_queue_pending_entries", queue=queue, bucket="normal",
                  group="workers") == 5  # the parked ones are pending to 'parked'
+    assert value(samples, "kombu_envelope_limit_breaker_open", **labels) is None  # none
+    TaskLimits(redis_client, settings).set(queue, "slow", TaskLimit(
+        concurrency=2, breaker=Breaker(failure_ratio=0.5)))
+    script(redis_client, "read")(keys=list(keys.task_streams), args=["workers", "c-1", 10, 30_000])
+    redis_client.hset(keys.breaker("slow"), "state", "half_open")
+    page = render(redis_client, settings).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(page) for s in family.samples}
+    assert value(samples, "kombu_envelope_limit_breaker_open", **labels) == 0.5

@@ -20,7 +20,7 @@ from kombu_envelope.keys import Bucket
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.lease import reclaim_dead_consumers, renew
 from kombu_envelope.store.scripts import script
-from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
+from kombu_envelope.store.task_limits import Breaker, TaskLimit, TaskLimits
 
 QUEUE = "limited"
 GROUP = "workers"
@@ -251,3 +251,59 @@ def test_task_limits_round_trip_and_refusals(client, settings) -> None:
         TaskLimit(rate=1, burst=0)
     with pytest.raises(InvalidTaskLimit, match="task_type"):
         limits.set(QUEUE, "not a type", TaskLimit(concurrency=1))
+
+
+def outcomes(client: redis.Redis, settings: Settings, language: str, **counts: int) -> None:
+    """Counts as a worker of ``language`` writes them (docs/protocol.md, section 17)."""
+    for name, count in counts.items():
+        client.hincrby(settings.keys.queue(QUEUE).stats, f"flaky {language} {name}", count)
+
+
+def test_a_breaker_opens_on_failures_lets_a_probe_through_then_closes(client, settings,
+                                                                      streams) -> None:
+    breaker = Breaker(failure_ratio=0.5, min_attempts=4, window_s=10, cooldown_s=0.5, probes=1)
+    limits = TaskLimits(client, settings)
+    limits.set(QUEUE, "flaky", TaskLimit(breaker=breaker))
+    first = [add(client, settings, "flaky") for _ in range(2)]
+    assert read(client, streams, "c1")[0] == first  # closed: the first look samples
+    outcomes(client, settings, "go", failed=2)
+    outcomes(client, settings, "java", failed=1, succeeded=1)  # 3 of 4 failed, in any language
+    time.sleep(1.05)  # samples are at least a second apart
+    held = [add(client, settings, "flaky") for _ in range(3)]
+    other = add(client, settings, "fast")
+    taken, wait_ms, _ = read(client, streams, "c1")
+    assert taken == [other] and limits.breaker_state(QUEUE, "flaky") == "open"
+    assert 400 <= wait_ms <= 500  # the cool-down left
+    time.sleep(0.55)
+    assert read(client, streams, "c1")[0] == held[:1]  # half-open: one probe
+    assert limits.breaker_state(QUEUE, "flaky") == "half_open"
+    assert read(client, streams, "c1")[0] == []  # nothing more until the probe's outcome
+    outcomes(client, settings, "node", succeeded=1)
+    assert read(client, streams, "c1")[0] == held[1:]
+    assert limits.breaker_state(QUEUE, "flaky") == "closed"
+
+
+def test_a_failed_probe_opens_the_breaker_again(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "flaky", TaskLimit(breaker=Breaker(
+        failure_ratio=1, min_attempts=1, window_s=10, cooldown_s=0.3)))
+    read(client, streams, "c1")  # closed: the first sample
+    outcomes(client, settings, "python", failed=1)
+    time.sleep(1.05)
+    ids = [add(client, settings, "flaky") for _ in range(2)]
+    assert read(client, streams, "c1")[0] == []  # open
+    time.sleep(0.35)
+    assert read(client, streams, "c1")[0] == ids[:1]  # the probe
+    outcomes(client, settings, "python", failed=1)
+    assert read(client, streams, "c1")[0] == []
+    assert TaskLimits(client, settings).breaker_state(QUEUE, "flaky") == "open"
+
+
+def test_too_few_attempts_leave_the_breaker_closed(client, settings, streams) -> None:
+    TaskLimits(client, settings).set(QUEUE, "flaky", TaskLimit(breaker=Breaker(
+        failure_ratio=0.1, min_attempts=5)))
+    read(client, streams, "c1")
+    outcomes(client, settings, "go", failed=4)
+    time.sleep(1.05)
+    ids = [add(client, settings, "flaky") for _ in range(2)]
+    assert read(client, streams, "c1")[0] == ids
+    assert TaskLimits(client, settings).breaker_state(QUEUE, "flaky") == "closed"

@@ -163,3 +163,36 @@ def test_a_misspelt_limit_stops_the_worker_naming_it(redis_url, prefix) -> None:
         assert "unknown_field" in worker.log_text()
     finally:
         worker.close()
+
+
+def test_a_breaker_opens_on_a_failing_downstream_and_closes_when_it_recovers(
+        redis_url: str, redis_client: redis.Redis, prefix: str, limits: TaskLimits) -> None:
+    queue = f"breaker-{uuid.uuid4().hex[:6]}"
+    cooldown_s = 3.0
+    setting = {"limits.flaky": {"breaker": {"failure_ratio": 0.5, "min_attempts": 4,
+                                            "window_s": 30, "cooldown_s": cooldown_s}}}
+    app = create_app(envelope_url(redis_url), redis_url, prefix, LEASE_MS)
+    sick = f"{prefix}:mx:fail"
+    redis_client.set(sick, 1)
+    try:
+        with CeleryWorker(APP, pool="prefork", concurrency=2, queues=[queue],
+                          env=env(redis_url, prefix, setting)) as worker:
+            for _ in range(6):
+                app.send_task("limits.flaky", queue=queue)
+            wait_for(lambda: limits.breaker_state(queue, "limits.flaky") == "open", timeout=20,
+                     message=worker.log_tail)
+            key = Settings(key_prefix=prefix).keys.queue(queue).breaker("limits.flaky")
+            opened = float(redis_client.hget(key, "since"))  # Redis' clock, this machine's
+            redis_client.delete(sick)  # the downstream recovers
+            later = [app.send_task("limits.flaky", queue=queue).id for _ in range(3)]
+            ran = wait_for(lambda: [s for s in spans(redis_client, prefix) if s.task_id in later]
+                           if len([s for s in spans(redis_client, prefix)
+                                   if s.task_id in later]) == 3 else None,
+                           timeout=cooldown_s + 20, message=worker.log_tail)
+    finally:
+        app.close()
+    first = min(ran, key=lambda s: s.start_ms)
+    assert first.start_ms >= opened + cooldown_s * 1000 - 50  # nothing during the cool-down
+    # The probe alone, then the rest once its success was counted.
+    assert all(s.start_ms >= first.end_ms for s in ran if s is not first)
+    assert limits.breaker_state(queue, "limits.flaky") == "closed"

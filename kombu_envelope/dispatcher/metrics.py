@@ -119,12 +119,13 @@ class RedisCollector(Collector):
         pipe = self.client.pipeline(transaction=False)
         for _, stream, _ in found:
             pipe.xpending(stream, group)
-        for task_type in types:  # slots held (deadline not passed) and tasks parked
+        for task_type in types:  # slots held (deadline not passed), tasks parked, breaker
             pipe.zcount(keys.running(task_type), f"({now_ms}", "+inf")
             pipe.llen(keys.parked(task_type))
+            pipe.hget(keys.breaker(task_type), "state")
         replies = pipe.execute() if found or types else []
         summaries, counts = replies[:len(found)], replies[len(found):]
-        return {"limits": [(task_type, counts[2 * i], counts[2 * i + 1])
+        return {"limits": [(task_type, *counts[3 * i:3 * i + 3])
                            for i, task_type in enumerate(types)],
                 "streams": [(bucket, group, self._backlog(stream, described),
                              int(summary.get("pending") or 0), summary.get("min"))
@@ -140,6 +141,10 @@ class RedisCollector(Collector):
             return int(lag)
         last = as_text(described["last-delivered-id"])
         return len(self.client.xrange(stream, f"({last}", "+", count=BACKLOG_COUNT))
+
+
+#: What ``limit_breaker_open`` reports for each breaker state.
+_BREAKER_VALUES = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
 
 
 class _QueueFamilies:
@@ -169,6 +174,10 @@ class _QueueFamilies:
         self.parked = GaugeMetricFamily(
             f"{_NS}_limit_parked_tasks", "Tasks waiting for their type's limits",
             labels=["queue", "task_type"])
+        self.breaker = GaugeMetricFamily(
+            f"{_NS}_limit_breaker_open",
+            "Circuit breaker of the task type: 0 closed, 0.5 half-open, 1 open",
+            labels=["queue", "task_type"])
         self.counters = {name: CounterMetricFamily(f"{_NS}_{metric}", text, labels=_TASK_LABELS)
                          for name, (metric, text) in _COUNTER_HELP.items()}
         self.histograms = {name: HistogramMetricFamily(f"{_NS}_{metric}", text,
@@ -187,9 +196,12 @@ class _QueueFamilies:
         overdue_ms = now_ms - lowest[0][1] if lowest else 0
         self.lateness.add_metric([queue], max(0.0, overdue_ms) / 1000)
         self.dead.add_metric([queue], read["dead"])
-        for task_type, running, parked in read["limits"]:
+        for task_type, running, parked, breaker in read["limits"]:
             self.slots.add_metric([queue, task_type], running)
             self.parked.add_metric([queue, task_type], parked)
+            if breaker is not None:
+                self.breaker.add_metric([queue, task_type],
+                                        _BREAKER_VALUES.get(as_text(breaker), 0.0))
         for stats in read["stats"]:
             self._add_stats(queue, stats)
 
@@ -205,7 +217,7 @@ class _QueueFamilies:
 
     def all(self) -> Iterator[Metric]:
         yield from (self.backlog, self.pending, self.oldest, self.delayed, self.lateness,
-                    self.dead, self.slots, self.parked, *self.counters.values(),
+                    self.dead, self.slots, self.parked, self.breaker, *self.counters.values(),
                     *self.histograms.values())
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -217,11 +217,24 @@ class HealthOut(BaseModel):
     redis: str
 
 
+class BreakerOut(BaseModel):
+    """A task type's circuit breaker (docs/protocol.md, section 19)."""
+
+    failure_ratio: float
+    min_attempts: int | None = None
+    window_s: float | None = None
+    cooldown_s: float | None = None
+    probes: int | None = None
+
+
 class LimitOut(BaseModel):
-    """The limits of one task type on one queue (docs/protocol.md, section 19)."""
+    """The limits of one task type on one queue (docs/protocol.md, section 19), and the
+    state of its circuit breaker when it has one."""
 
     task_type: str
     concurrency: int | None = None
     rate: float | None = None
     burst: int | None = None
     smooth: bool | None = None
+    breaker: BreakerOut | None = None
+    breaker_state: Literal["closed", "open", "half_open"] | None = None

@@ -263,6 +263,12 @@ local function deliver(stream, entry)
     limited_left = limited_left - 1  -- whatever its type, it is started before later ones
 end
 
+-- Every breaker looks at the outcomes on every call (sampling at most once a second),
+-- whether entries of its type come now or not.
+for _, t in ipairs(names) do
+    if limits[t].breaker then breaker_of(t) end
+end
+
 -- Parked entries first, in order, while their type may start.
 local parked_types = redis.call('SMEMBERS', base .. ':parked-types')
 for _, t in ipairs(parked_types) do

@@ -11,7 +11,7 @@ from celery import Celery, Task
 
 
 def add_limits_tasks(app: Celery, records: Callable[[], redis.Redis], prefix: str) -> None:
-    """Register ``limits.task`` and ``limits.fast`` on ``app``."""
+    """Register ``limits.task``, ``limits.fast`` and ``limits.flaky`` on ``app``."""
 
     def run(task: Task, sleep_ms: int) -> None:
         start_ms = time.time() * 1000
@@ -26,4 +26,11 @@ def add_limits_tasks(app: Celery, records: Callable[[], redis.Redis], prefix: st
 
     @app.task(name="limits.fast", shared=False, bind=True)
     def limits_fast(self: Task, sleep_ms: int = 0) -> None:
+        run(self, sleep_ms)
+
+    @app.task(name="limits.flaky", shared=False, bind=True)
+    def limits_flaky(self: Task, sleep_ms: int = 0) -> None:
+        """Fails while ``<prefix>:mx:fail`` exists (a sick downstream), else as limits.task."""
+        if records().exists(f"{prefix}:mx:fail"):
+            raise RuntimeError("the downstream is failing")
         run(self, sleep_ms)

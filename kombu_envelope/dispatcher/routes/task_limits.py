@@ -27,16 +27,22 @@ LimitBody = Annotated[dict[str, Any], WithJsonSchema(
     {k: v for k, v in _SCHEMA.items() if k not in ("$id", "$schema")})]
 
 
-def _out(task_type: str, limit: TaskLimit) -> LimitOut:
-    return LimitOut(task_type=task_type, **limit.as_json())
+def _out(request: Request, queue: str, task_type: str, limit: TaskLimit) -> LimitOut:
+    """What the API says of a limit (its breaker's state read from Redis: call off the loop)."""
+    state = stores(request).limits.breaker_state(queue, task_type) if limit.breaker else None
+    return LimitOut(task_type=task_type, **limit.as_json(), breaker_state=state)
 
 
 @router.get("/queues/{queue}/limits", response_model=list[LimitOut], responses=responses(503),
             dependencies=[Depends(require(Scope.READ))], response_model_exclude_none=True)
 async def limits_list(request: Request, queue: QueueName) -> list[LimitOut]:
     """The limited task types of a queue, with their limits."""
-    found: dict[str, TaskLimit] = await blocking(stores(request).limits.all, queue)
-    return [_out(name, limit) for name, limit in found.items()]
+    def run() -> list[LimitOut]:
+        found = stores(request).limits.all(queue)
+        return [_out(request, queue, name, limit) for name, limit in found.items()]
+
+    answer: list[LimitOut] = await blocking(run)
+    return answer
 
 
 @router.put("/queues/{queue}/limits/{task_type}", response_model=LimitOut,
@@ -52,8 +58,12 @@ async def limits_set(request: Request, queue: QueueName, task_type: TaskType,
     except InvalidTaskLimit as exc:
         field = f"limits.{exc.field}" if exc.field else "limits"
         raise invalid([Violation(field, exc.rule, str(exc))]) from exc
-    await blocking(stores(request).limits.set, queue, task_type, parsed)
-    return _out(task_type, parsed)
+    def run() -> LimitOut:
+        stores(request).limits.set(queue, task_type, parsed)
+        return _out(request, queue, task_type, parsed)
+
+    answer: LimitOut = await blocking(run)
+    return answer
 
 
 @router.delete("/queues/{queue}/limits/{task_type}", status_code=204,
