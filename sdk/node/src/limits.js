@@ -93,13 +93,21 @@ function checkObject(value, spec, path) {
 }
 
 /**
+ * A circuit breaker: the failure ratio that opens it, and the attempts, window (s), cool-down (s) and probes it uses.
+ * @typedef {{ failure_ratio: number, min_attempts?: number, window_s?: number, cooldown_s?: number, probes?: number }} Breaker
+ */
+
+/**
+ * The limits of one task type on one queue.
+ * @typedef {{ concurrency?: number, rate?: number, burst?: number, smooth?: boolean, breaker?: Breaker }} Limits
+ */
+
+/**
  * The limits of one task type, checked against the schema: unknown members first,
  * then each member's type, minimum and maximum (the breaker's members within: unknown,
  * type, minimum, maximum, then failure_ratio required), then that concurrency, rate
  * or breaker is given. Returns a copy with only the members given, in name order at
  * each level; throws InvalidLimits.
- * @typedef {{ failure_ratio: number, min_attempts?: number, window_s?: number, cooldown_s?: number, probes?: number }} Breaker
- * @typedef {{ concurrency?: number, rate?: number, burst?: number, smooth?: boolean, breaker?: Breaker }} Limits
  * @param {unknown} value
  * @returns {Limits}
  */
