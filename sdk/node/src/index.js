@@ -45,3 +45,4 @@ export { MESSAGING_SYSTEM, TRACEPARENT_HEADER, TRACESTATE_HEADER, parseTracepare
 /** @typedef {import('./announce.js').Announcement} Announcement */
 /** @typedef {import('./schemas.js').SchemaViolation} SchemaViolation */
 /** @typedef {import('./limits.js').Limits} Limits */
+/** @typedef {import('./limits.js').Breaker} Breaker */

@@ -1,7 +1,7 @@
 // Limits per task type (docs/protocol.md section 19) on a private redis-server:
 // concurrency slots shared by workers, a GCRA rate, slots that come back after the
 // lease of a consumer that stopped renewing them, limits changed while workers run,
-// and the limits API.
+// a circuit breaker that opens, probes and closes, and the limits API.
 
 import assert from 'node:assert/strict';
 import crypto from 'node:crypto';
@@ -18,6 +18,7 @@ import { quietLogger, startRedisServer, waitFor } from '../support/helpers.js';
 const QUEUE = 'limited';
 const SLOW = 'limits.slow';
 const FAST = 'limits.fast';
+const FLAKY = 'limits.flaky';
 
 /** The most spans [start, end] that overlap at one instant (an end before a start at the same time). */
 function maxOverlap(spans) {
@@ -53,27 +54,31 @@ describe('limits per task type', { concurrency: false }, () => {
   }
 
   /**
-   * Started workers of QUEUE whose handlers record a span { id, type, start, end } per
-   * run in `spans`; SLOW sleeps payload.ms. `stop()` stops them all.
+   * Started workers of QUEUE whose handlers record a span { id, type, start, end, failed }
+   * per run in `spans`; SLOW sleeps payload.ms, FLAKY throws while `flaky.failing` is set.
+   * `stop()` stops them all.
    */
   async function startWorkers(prefix, count, options = {}) {
     const spans = [];
+    const flaky = { failing: false };
     const run = (type) => async (payload, ctx) => {
-      const span = { id: ctx.taskId, type, start: Date.now(), end: null };
+      const span = { id: ctx.taskId, type, start: Date.now(), end: null, failed: false };
       spans.push(span);
       if (payload.ms) await sleep(payload.ms);
+      span.failed = type === FLAKY && flaky.failing;
       span.end = Date.now();
+      if (span.failed) throw new Error('flaky is failing');
     };
     const workers = [];
     for (let i = 0; i < count; i += 1) {
-      workers.push(new Worker(QUEUE, { [SLOW]: run(SLOW), [FAST]: run(FAST) }, {
+      workers.push(new Worker(QUEUE, { [SLOW]: run(SLOW), [FAST]: run(FAST), [FLAKY]: run(FLAKY) }, {
         connection: server.url, prefix, leaseMs: 1500, blockMs: 500, concurrency: 4, promoter: false,
         logger: quietLogger(), ...options,
       }));
     }
     for (const worker of workers) await worker.waitUntilReady();
     const stop = () => Promise.all(workers.map((w) => w.stop({ graceMs: 0 })));
-    return { workers, spans, stop };
+    return { workers, spans, flaky, stop };
   }
 
   const tasks = (type, count, payload = {}) => Array.from({ length: count }, () => ({ task_type: type, payload }));
@@ -184,6 +189,50 @@ describe('limits per task type', { concurrency: false }, () => {
     }
   });
 
+  test('a circuit breaker opens on failures, holds its type back for the cool-down, lets one probe through and closes on its success', { timeout: 20_000 }, async (t) => {
+    const { prefix, qk, producer, limits } = space();
+    const cooldownMs = 1500;
+    await limits.set(QUEUE, FLAKY, { breaker: { failure_ratio: 0.5, min_attempts: 4, window_s: 30, cooldown_s: cooldownMs / 1000, probes: 1 } });
+    const breaker = `${qk.base}:breaker:${FLAKY}`;
+    const task = { task_type: FLAKY, payload: {}, max_retries: 0 }; // a failure dead-letters it at once
+    const { spans, flaky, stop } = await startWorkers(prefix, 2);
+    flaky.failing = true;
+    try {
+      const failing = [];
+      while ((await redis.hget(breaker, 'state')) !== 'open') {
+        assert.ok(failing.length < 60, 'the breaker opened within 6 s of failures');
+        failing.push((await producer.publish(QUEUE, task)).taskId);
+        await sleep(100);
+      }
+      const openedAt = Number(await redis.hget(breaker, 'since'));
+      const failedEnds = spans.filter((s) => s.failed).map((s) => s.end).sort((a, b) => a - b);
+      assert.ok(failedEnds.length >= 4, `${failedEnds.length} failures opened it`);
+      t.diagnostic(`opened ${Math.round(openedAt - failedEnds[3])} ms after the 4th failure, ${failedEnds.length} failures by then`);
+      const held = (await producer.publishMany(QUEUE, Array.from({ length: 5 }, () => task))).map((r) => r.taskId);
+      // What was handed out before the breaker opened ends (and fails) before the flag is cleared.
+      await waitFor(() => spans.every((s) => s.end !== null), { timeoutMs: 2000, message: 'the runs begun before the opening ended' });
+      flaky.failing = false;
+      await waitFor(async () => (await redis.hget(breaker, 'state')) === 'closed', { timeoutMs: 8000, message: 'the breaker closed' });
+      const closedAt = Number(await redis.hget(breaker, 'since'));
+      const all = [...failing, ...held];
+      await waitFor(() => all.every((id) => spans.some((s) => s.id === id && s.end !== null)), { timeoutMs: 5000, message: 'every task ran' });
+      assert.equal(spans.length, all.length, 'each task ran exactly once');
+      const started = (ids) => spans.filter((s) => ids.includes(s.id));
+      for (const span of started(held)) {
+        assert.ok(span.start >= openedAt + cooldownMs, `a task published while open started ${span.start - openedAt} ms into the ${cooldownMs} ms cool-down`);
+      }
+      const probes = spans.filter((s) => s.start >= openedAt + cooldownMs && s.start < closedAt);
+      assert.equal(probes.length, 1, `one probe while half-open, not ${probes.length}`);
+      assert.equal(probes[0].failed, false, 'the probe succeeded');
+      const afterCooldown = spans.filter((s) => s.start >= openedAt + cooldownMs);
+      assert.ok(afterCooldown.length >= held.length, 'the held tasks ran once it closed');
+      assert.ok(afterCooldown.every((s) => !s.failed), 'and succeeded');
+      await assertSettled(qk, FLAKY);
+    } finally {
+      await stop();
+    }
+  });
+
   test('the limits API validates, then sets, gets, lists and removes', async () => {
     const { qk } = space();
     const api = new TaskLimits(redis, { prefix: qk.prefix });
@@ -203,6 +252,10 @@ describe('limits per task type', { concurrency: false }, () => {
     await redis.hset(qk.limits, 'bad.type', '{not json');
     await assert.rejects(api.get(QUEUE, 'bad.type'), /limits of bad\.type on queue limited are not JSON/);
     await assert.rejects(api.set(QUEUE, '', { concurrency: 1 }), /task type must be a non-empty string/);
+    assert.equal(await api.set(QUEUE, 'd.type', { breaker: { probes: 2, failure_ratio: 0.25 } }), '{"breaker":{"failure_ratio":0.25,"probes":2}}',
+      'a breaker alone, its members given in name order');
+    await assert.rejects(api.set(QUEUE, 'd.type', { breaker: { failure_ratio: 0.5, cooldown: 5 } }),
+      (err) => err.field === 'breaker.cooldown' && err.rule === 'unknown_field' && /limits\.breaker\.cooldown: unknown_field/.test(err.message));
   });
 
   test('no worker may take the reserved consumer name', () => {
