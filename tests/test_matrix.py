@@ -52,7 +52,7 @@ from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.delayed import DelayedTasks
-from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
+from kombu_envelope.store.task_limits import Breaker, TaskLimit, TaskLimits
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
 MISSING = [tool for tool, found in (("go", GO), ("node", NODE), ("mvn", shutil.which("mvn")),
@@ -724,12 +724,12 @@ LIMITED_CONCURRENCY = 2
 LONG_DRILLS = os.environ.get("KOMBU_ENVELOPE_LONG_DRILLS") == "1"
 
 
-def limited_queue(matrix: Matrix, limit: TaskLimit
+def limited_queue(matrix: Matrix, limit: TaskLimit, task_type: str = "limits.task"
                   ) -> tuple[str, dict[str, JsonLinePeer | CeleryWorker]]:
-    """A fresh queue whose ``limits.task`` has ``limit``, and its workers by language: every
+    """A fresh queue whose ``task_type`` has ``limit``, and its workers by language: every
     language works it (each with :data:`LIMITED_CONCURRENCY`), all of them ready."""
     queue = f"mx.caps.{uuid.uuid4().hex[:6]}"
-    TaskLimits(matrix.client, Settings(key_prefix=matrix.prefix)).set(queue, "limits.task", limit)
+    TaskLimits(matrix.client, Settings(key_prefix=matrix.prefix)).set(queue, task_type, limit)
     workers: dict[str, JsonLinePeer | CeleryWorker] = {
         "py": matrix.launch.celery(queue, concurrency=LIMITED_CONCURRENCY),
         **{language: matrix.launch.peer(language, queue, concurrency=LIMITED_CONCURRENCY)
@@ -825,3 +825,35 @@ def test_a_rate_holds_across_every_language(matrix: Matrix, seconds: int) -> Non
     span_s = (starts[-1] - starts[0]) / 1000
     assert seconds * 0.9 <= span_s <= seconds * 1.1, span_s
     assert len({s.language for s in ran}) == 4, {s.language for s in ran}
+
+
+def test_a_breaker_opens_on_failures_in_every_language_and_closes_on_a_probe(
+        matrix: Matrix) -> None:
+    """``matrix.task`` with a circuit breaker on a queue every language works: failures
+    counted by all four open it, nothing starts during its cool-down, then one probe runs
+    and its success closes it for the rest."""
+    cooldown_s = 3.0
+    breaker = Breaker(failure_ratio=0.5, min_attempts=4, window_s=30, cooldown_s=cooldown_s)
+    queue, _workers = limited_queue(matrix, TaskLimit(breaker=breaker), task_type=TASK)
+    limits = TaskLimits(matrix.client, Settings(key_prefix=matrix.prefix))
+    failing = [(LANGUAGES[i % 4], queue, {"task_id": task_id("brk-fail", LANGUAGES[i % 4], "any"),
+                                          "payload": {"fail": True}}) for i in range(12)]
+    matrix.publish(failing)
+    wait_for(lambda: limits.breaker_state(queue, TASK) == "open", timeout=SETTLE_S,
+             message=matrix.logs)
+    since = float(matrix.client.hget(KeySpace(matrix.prefix).queue(queue).breaker(TASK),
+                                      "since"))
+    healthy = [(LANGUAGES[i % 4], queue, {"task_id": task_id("brk-ok", LANGUAGES[i % 4], "any")})
+               for i in range(6)]
+    matrix.publish(healthy)
+    ids = [task["task_id"] for _p, _q, task in healthy]
+    matrix.records.wait_effects(ids, timeout=SETTLE_S + cooldown_s, message=matrix.logs)
+    times = sorted(t for tid, ts in matrix.records.effect_times(ids).items() for t in ts)
+    assert len(times) == len(ids)  # each once
+    assert times[0] >= since + cooldown_s * 1000 - 50  # nothing during the cool-down
+    assert limits.breaker_state(queue, TASK) == "closed"
+    # The failures that opened it were counted by every language's worker (section 17).
+    stats = matrix.client.hgetall(KeySpace(matrix.prefix).queue(queue).stats)
+    failed_by = {name.decode().split(" ")[1] for name, count in stats.items()
+                 if name.decode().endswith(" failed") and int(count) > 0}
+    assert len(failed_by) >= 3, failed_by
