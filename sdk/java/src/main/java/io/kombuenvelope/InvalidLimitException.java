@@ -10,12 +10,12 @@ public class InvalidLimitException extends IllegalArgumentException {
         this.violation = violation;
     }
 
-    /** The offending member ({@code ""} when the limits are not a JSON object). */
+    /** The offending member, {@code breaker.<member>} in the breaker ({@code ""} when the limits are not a JSON object). */
     public String field() {
         return violation.field();
     }
 
-    /** The rule: {@code type}, {@code minimum}, {@code required} or {@code unknown_field}. */
+    /** The rule: {@code type}, {@code minimum}, {@code maximum}, {@code required} or {@code unknown_field}. */
     public String rule() {
         return violation.rule();
     }

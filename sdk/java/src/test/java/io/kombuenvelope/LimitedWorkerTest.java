@@ -7,11 +7,13 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 import io.lettuce.core.ScriptOutputType;
 
 import java.time.Duration;
+import java.util.ArrayList;
 import java.util.Comparator;
 import java.util.List;
 import java.util.Map;
 import java.util.Set;
 import java.util.concurrent.CopyOnWriteArrayList;
+import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.stream.Collectors;
 
@@ -46,6 +48,10 @@ class LimitedWorkerTest extends RedisFixture {
                             System.currentTimeMillis()));
                 }
             };
+        }
+
+        boolean ran(String taskId) {
+            return done.stream().anyMatch(r -> r.taskId().equals(taskId));
         }
 
         List<Run> of(String taskType) {
@@ -201,6 +207,64 @@ class LimitedWorkerTest extends RedisFixture {
             assertEquals(Set.copyOf(ids), byId.keySet());
             assertEquals(0, byId.get(ids.get(1)).redeliveries(), "the parked entry was taken over");
             assertTrue(byId.get(ids.get(1)).start() - byId.get(ids.get(0)).start() >= 2400, "the rate was not kept");
+        }
+    }
+
+    /**
+     * Failures reach read.lua through the statistics the workers write with each renewal (every 500 ms
+     * here), and a closed breaker samples them at most once a second: it opens about a second after
+     * the first failing task was read, past the four failures it needs.
+     */
+    @Test
+    void aBreakerOpensOnFailuresHoldsItsTypeBackForTheCooldownAndAProbeClosesIt() throws Exception {
+        String flaky = "limits.flaky";
+        String breaker = keys.base(QUEUE) + ":breaker:" + flaky;
+        Runs runs = new Runs();
+        AtomicBoolean failing = new AtomicBoolean(true);
+        TaskHandler sleeping = runs.sleeping(50);
+        TaskHandler handler = task -> {
+            boolean fails = failing.get();
+            sleeping.handle(task);
+            if (fails) {
+                throw new IllegalStateException("flaky");
+            }
+        };
+        try (TaskLimits l = limits(); Producer p = producer();
+             Worker a = worker(runs, 0).handler(flaky, handler).build().start();
+             Worker b = worker(runs, 0).handler(flaky, handler).build().start()) {
+            l.set(QUEUE, flaky, TaskLimit.builder().breaker(TaskLimit.Breaker.builder().failureRatio(0.5)
+                    .minAttempts(4).windowSeconds(30).cooldownSeconds(1.5).probes(1).build()).build());
+            // One failing task at a time, so that none is in flight when the breaker opens.
+            List<String> failed = new ArrayList<>();
+            while (!"open".equals(RoundTripTest.s(redis.hget(breaker, "state")))) {
+                assertTrue(failed.size() < 200, "the breaker never opened");
+                String id = p.publish(Envelope.builder(flaky).maxRetries(0L).build()).taskId();
+                await("the failing task or an open breaker", () -> runs.ran(id)
+                        || "open".equals(RoundTripTest.s(redis.hget(breaker, "state"))));
+                failed.add(id);
+            }
+            // Redis' time in ms, with a fraction.
+            long since = (long) Double.parseDouble(RoundTripTest.s(redis.hget(breaker, "since")));
+            List<String> held = new ArrayList<>(publish(p, flaky, 5));
+            failing.set(false);
+            assertTrue(System.currentTimeMillis() < since + 1500, "the test was too slow for the cool-down");
+            held.addAll(failed.stream().filter(id -> !runs.ran(id)).toList());
+            await("the held tasks", () -> held.stream().allMatch(runs::ran));
+
+            List<Run> flakyRuns = runs.of(flaky);
+            assertEquals(failed.size() + 5, flakyRuns.size(), "a task ran twice or not at all");
+            List<Run> after = flakyRuns.stream().filter(r -> r.start() >= since).toList();
+            assertEquals(Set.copyOf(held), after.stream().map(Run::taskId).collect(Collectors.toSet()),
+                    "tasks started while the breaker was open, or held tasks before it opened");
+            assertTrue(after.get(0).start() >= since + 1500,
+                    "a task started " + (after.get(0).start() - since) + " ms into the cool-down of 1500 ms");
+            assertTrue(after.get(1).start() >= after.get(0).end(), "more than one probe started: " + after);
+            assertEquals("closed", RoundTripTest.s(redis.hget(breaker, "state")), "the probe did not close it");
+            List<Run> failures = flakyRuns.stream().filter(r -> r.start() < since).toList();
+            assertTrue(failures.size() >= 4, "the breaker opened after " + failures.size() + " failures");
+            assertTrue(since - failures.get(3).end() <= 2500, "the breaker opened "
+                    + (since - failures.get(3).end()) + " ms after the fourth failure");
+            assertEquals(failures.size(), redis.xlen(keys.dead(QUEUE)), "the held tasks did not succeed");
         }
     }
 

@@ -25,11 +25,18 @@ class TaskLimitsTest extends RedisFixture {
     void setGetListRemoveRoundTrip() {
         TaskLimit both = TaskLimit.builder().concurrency(2).rate(100.5).burst(10).smooth(false).build();
         TaskLimit rated = TaskLimit.builder().rate(10).build();
+        TaskLimit broken = TaskLimit.builder()
+                .breaker(TaskLimit.Breaker.builder().failureRatio(0.5).cooldownSeconds(1.5).windowSeconds(60).build())
+                .build();
         try (TaskLimits l = limits()) {
             l.set("q", "report.build", both);
             l.set("q", "mail.send", rated);
             assertEquals("{\"burst\":10,\"concurrency\":2,\"rate\":100.5,\"smooth\":false}", stored("q", "report.build"));
             assertEquals("{\"rate\":10}", stored("q", "mail.send"), "only the members given, canonical");
+            l.set("q2", "pay.charge", broken);
+            assertEquals("{\"breaker\":{\"cooldown_s\":1.5,\"failure_ratio\":0.5,\"window_s\":60}}",
+                    stored("q2", "pay.charge"), "a breaker alone, its members given in name order");
+            assertEquals(Optional.of(broken), l.get("q2", "pay.charge"));
             assertEquals(Optional.of(both), l.get("q", "report.build"));
             assertEquals(Optional.empty(), l.get("other", "report.build"), "limits are per queue");
             assertEquals(Map.of("mail.send", rated, "report.build", both), l.list("q"));
@@ -59,6 +66,11 @@ class TaskLimitsTest extends RedisFixture {
         assertRefused("rate minimum", () -> TaskLimit.builder().rate(Double.NaN).build());
         assertRefused("concurrency required", () -> TaskLimit.builder().burst(3).build());
         assertRefused("concurency unknown_field", () -> TaskLimit.parse("{\"concurency\": 5}"));
+        assertRefused("breaker.failure_ratio required", () -> TaskLimit.Breaker.builder().probes(2).build());
+        assertRefused("breaker.failure_ratio minimum",
+                () -> TaskLimit.Breaker.builder().failureRatio(Double.NaN).build());
+        assertRefused("breaker.cooldown unknown_field",
+                () -> TaskLimit.parse("{\"breaker\": {\"failure_ratio\": 1, \"cooldown\": 5}}"));
         assertRefused(" json", () -> TaskLimit.parse("{\"concurrency\": "));
         assertEquals(TaskLimit.builder().concurrency(1).build(), TaskLimit.parse("{\"concurrency\": 1.0}"),
                 "1.0 is an integer to JSON Schema");
