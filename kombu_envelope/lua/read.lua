@@ -142,8 +142,8 @@ local function should_open(t, b, key, sampled_at)
     if now - sampled_at < 1000 then return false end
     local samples = base .. ':breaker-samples:' .. t
     local ok, failed = outcomes(t)
-    redis.call('LPUSH', samples, now .. ' ' .. ok .. ' ' .. failed)
-    redis.call('HSET', key, 'sampled_at', tostring(now))
+    redis.call('LPUSH', samples, math.floor(now) .. ' ' .. ok .. ' ' .. failed)
+    redis.call('HSET', key, 'sampled_at', tostring(math.floor(now)))
     local oldest, kept = nil, 0
     for index, sample in ipairs(redis.call('LRANGE', samples, 0, -1)) do
         local at, o, f = string.match(sample, '^(%S+) (%S+) (%S+)$')
@@ -168,7 +168,7 @@ local function breaker_of(t)
                      probes_started = tonumber(stored[5]) or 0, wait = 0}
     local function become(state, extra)
         current.state, current.since = state, now
-        local args = {'state', state, 'since', tostring(now)}
+        local args = {'state', state, 'since', tostring(math.floor(now))}
         for i = 1, #extra do args[#args + 1] = extra[i] end
         redis.call('HSET', key, unpack(args))
         redis.call('DEL', base .. ':breaker-samples:' .. t)
