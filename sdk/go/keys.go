@@ -146,3 +146,7 @@ func (q QueueKeys) Limits() string { return q.Base() + ":limits" }
 // Running is the sorted set of the concurrency slots of taskType, member
 // "<stream> <entry id>", scored by the slot's deadline in ms (section 19).
 func (q QueueKeys) Running(taskType string) string { return q.Base() + ":running:" + taskType }
+
+// Breaker is the hash of the circuit breaker of taskType (state closed, open or
+// half_open, since in ms...), written only by read.lua (section 19).
+func (q QueueKeys) Breaker(taskType string) string { return q.Base() + ":breaker:" + taskType }

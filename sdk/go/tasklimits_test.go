@@ -122,20 +122,28 @@ func TestTaskLimitsRoundTripAndRefuseWhatBreaksTheSchema(t *testing.T) {
 	if err := limits.Set(ctx, e.queue, "limits.rated", rated); err != nil {
 		t.Fatal(err)
 	}
+	guarded := TaskLimit{Breaker: Breaker{FailureRatio: 0.25, Window: 1500 * time.Millisecond, Probes: 2}}
+	if err := limits.Set(ctx, e.queue, "limits.guarded", guarded); err != nil {
+		t.Fatal(err)
+	}
 	stored, _ := e.client.HGetAll(ctx, e.q.Limits()).Result()
 	want := map[string]string{"limits.slow": `{"concurrency":2}`,
-		"limits.rated": `{"rate":0.5,"burst":3,"smooth":true}`}
+		"limits.rated":   `{"rate":0.5,"burst":3,"smooth":true}`,
+		"limits.guarded": `{"breaker":{"failure_ratio":0.25,"window_s":1.5,"probes":2}}`}
 	if fmt.Sprint(stored) != fmt.Sprint(want) {
 		t.Fatalf("stored %v, want %v", stored, want)
 	}
 	if got, ok, err := limits.Get(ctx, e.queue, "limits.rated"); err != nil || !ok || got != rated {
 		t.Fatalf("Get: %+v %v %v", got, ok, err)
 	}
+	if got, ok, err := limits.Get(ctx, e.queue, "limits.guarded"); err != nil || !ok || got != guarded {
+		t.Fatalf("Get of a breaker: %+v %v %v", got, ok, err)
+	}
 	if _, ok, err := limits.Get(ctx, e.queue, "limits.none"); err != nil || ok {
 		t.Fatalf("Get of a type without a limit: %v %v", ok, err)
 	}
 	all, err := limits.List(ctx, e.queue)
-	if err != nil || len(all) != 2 || all["limits.slow"] != (TaskLimit{Concurrency: 2}) {
+	if err != nil || len(all) != 3 || all["limits.slow"] != (TaskLimit{Concurrency: 2}) {
 		t.Fatalf("List: %v %v", all, err)
 	}
 
@@ -148,6 +156,10 @@ func TestTaskLimitsRoundTripAndRefuseWhatBreaksTheSchema(t *testing.T) {
 		{TaskLimit{Concurrency: -1}, "concurrency", "minimum"},
 		{TaskLimit{Rate: -2}, "rate", "minimum"},
 		{TaskLimit{Rate: 1, Burst: -1}, "burst", "minimum"},
+		{TaskLimit{Breaker: Breaker{MinAttempts: 5}}, "breaker.failure_ratio", "required"},
+		{TaskLimit{Concurrency: 1, Breaker: Breaker{FailureRatio: 1.5}}, "breaker.failure_ratio", "maximum"},
+		{TaskLimit{Breaker: Breaker{FailureRatio: 0.5, Cooldown: -time.Second}}, "breaker.cooldown_s", "minimum"},
+		{TaskLimit{Breaker: Breaker{FailureRatio: 0.5, Probes: -1}}, "breaker.probes", "minimum"},
 	} {
 		err := limits.Set(ctx, e.queue, "limits.slow", c.limit)
 		var invalid *InvalidLimitError
@@ -165,7 +177,7 @@ func TestTaskLimitsRoundTripAndRefuseWhatBreaksTheSchema(t *testing.T) {
 
 	e.client.HSet(ctx, e.q.Limits(), "limits.broken", `{"concurency": 5}`)
 	all, err = limits.List(ctx, e.queue)
-	if err == nil || !strings.Contains(err.Error(), "limits.broken") || len(all) != 2 {
+	if err == nil || !strings.Contains(err.Error(), "limits.broken") || len(all) != 3 {
 		t.Fatalf("List with a broken value: %v %v", all, err)
 	}
 	if removed, err := limits.Remove(ctx, e.queue, "limits.slow"); err != nil || !removed {
@@ -174,8 +186,8 @@ func TestTaskLimitsRoundTripAndRefuseWhatBreaksTheSchema(t *testing.T) {
 	if removed, _ := limits.Remove(ctx, e.queue, "limits.slow"); removed {
 		t.Fatal("removed twice")
 	}
-	if n, _ := e.client.HLen(ctx, e.q.Limits()).Result(); n != 2 {
-		t.Fatalf("%d limits left, want 2", n)
+	if n, _ := e.client.HLen(ctx, e.q.Limits()).Result(); n != 3 {
+		t.Fatalf("%d limits left, want 3", n)
 	}
 }
 
@@ -381,5 +393,29 @@ func TestALimitedEntryReadBehindOthersWaitsParkedWithoutASlot(t *testing.T) {
 	defer mu.Unlock()
 	if !slices.Equal(slotsWhileFast, []int64{0, 0}) {
 		t.Fatalf("slots held while the entries read before it ran: %v", slotsWhileFast)
+	}
+}
+
+// A breaker's seconds are Durations: rounded to the nanosecond, refused past
+// what a Duration holds or below 1 ns, and written back as the seconds they hold.
+func TestBreakerSecondsAreDurations(t *testing.T) {
+	limit, err := ParseTaskLimit([]byte(`{"breaker":{"failure_ratio":1e0,"window_s":0.001,"cooldown_s":2.5}}`))
+	if err != nil || limit.Breaker.Window != time.Millisecond || limit.Breaker.Cooldown != 2500*time.Millisecond {
+		t.Fatalf("%+v %v", limit, err)
+	}
+	if got := string(limit.JSON()); got != `{"breaker":{"failure_ratio":1,"window_s":0.001,"cooldown_s":2.5}}` {
+		t.Fatalf("written as %s", got)
+	}
+	for text, rule := range map[string]string{
+		`{"breaker":{"failure_ratio":1,"window_s":1e10}}`:  "maximum",
+		`{"breaker":{"failure_ratio":1,"window_s":1e-12}}`: "minimum",
+		`{"breaker":{"failure_ratio":1,"window_s":1e999}}`: "type",
+		`{"breaker":{"failure_ratio":1,"window_s":-0.5}}`:  "minimum",
+	} {
+		var invalid *InvalidLimitError
+		if _, err := ParseTaskLimit([]byte(text)); !errors.As(err, &invalid) ||
+			invalid.Field != "breaker.window_s" || invalid.Rule != rule {
+			t.Errorf("%s: %v, want breaker.window_s [%s]", text, err, rule)
+		}
 	}
 }
