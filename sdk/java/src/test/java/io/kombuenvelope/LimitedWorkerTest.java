@@ -206,7 +206,9 @@ class LimitedWorkerTest extends RedisFixture {
             Map<String, Run> byId = runs.done.stream().collect(Collectors.toMap(Run::taskId, r -> r));
             assertEquals(Set.copyOf(ids), byId.keySet());
             assertEquals(0, byId.get(ids.get(1)).redeliveries(), "the parked entry was taken over");
-            assertTrue(byId.get(ids.get(1)).start() - byId.get(ids.get(0)).start() >= 2400, "the rate was not kept");
+            // Handed out 2.5 s apart by Redis' clock; the handlers' start times lag their hand-out
+            // by the worker's own delay, which a loaded machine stretches for the first one.
+            assertTrue(byId.get(ids.get(1)).start() - byId.get(ids.get(0)).start() >= 2000, "the rate was not kept");
         }
     }
 
