@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import redis
@@ -29,9 +30,10 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from support.workers import CeleryWorker
 
+import kombu_envelope
 from kombu_envelope import Envelope, Publisher
 from kombu_envelope.dispatcher.metrics import render
-from kombu_envelope.keys import bucket_for
+from kombu_envelope.keys import Bucket, bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store import replication
 from kombu_envelope.store.announcements import Announcements
@@ -42,6 +44,8 @@ from kombu_envelope.store.task_records import TaskRecords, TaskState
 from kombu_envelope.store.worker_stats import StatsBuffer, read_stats
 from kombu_envelope.testing.cluster import PrivateRedisCluster
 from kombu_envelope.testing.redis_server import PrivateRedisServer
+
+LUA_DIR = Path(kombu_envelope.__file__).resolve().parent / "lua"
 
 LEASE_MS = 3000
 EFFECT_TIMEOUT_S = 30.0
@@ -368,3 +372,44 @@ def test_sigkill_of_a_primary_while_publishing_duplicates_nothing(setup: Setup) 
     assert [key for key in published if effects.get(key, 0) > 1] == []
     # The loss window is the replication lag at the kill: a few writes at most.
     assert len(lost) <= 5, lost
+
+
+def test_read_lua_on_the_node_importing_a_slot(setup: Setup) -> None:
+    """read.lua touches limit keys it cannot declare (docs/protocol.md, section 19). Asked
+    (ASKING) on the node importing the queue's slot, with the streams moved there and the
+    limit keys not, it must not fail: a queue without limits reads on, and a limited one
+    never hands out more than its cap."""
+    cluster, prefix = setup.cluster, setup.prefix
+    body = '{"task_type": "slow"}'
+    script = (LUA_DIR / "read.lua").read_text(encoding="utf-8")
+
+    def read_while_importing(limits: str | None) -> list:
+        """read.lua's answer on the importing node (ASKING), two tasks published."""
+        keys = Settings(key_prefix=prefix).keys.queue(f"importing-{uuid.uuid4().hex[:6]}")
+        slot = cluster.keyslot(keys.limits)
+        source = cluster.owner_of(slot)
+        target = next(port for port in cluster.primaries() if port != source)
+        nodes = {node.port: node.node_id for node in cluster.nodes()}
+        streams = list(keys.task_streams)
+        moved = [*streams, *([keys.limits] if limits else [])]
+        with closing(cluster.client(source)) as node, closing(cluster.client(target)) as other:
+            for stream in streams:
+                node.xgroup_create(stream, "workers", "0", mkstream=True)
+            for _ in range(2):
+                node.xadd(keys.stream(Bucket.NORMAL), {"v": "1", "enc": "json", "body": body})
+            if limits is not None:
+                node.hset(keys.limits, "slow", limits)
+            other.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", nodes[source])
+            node.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", nodes[target])
+            node.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *moved)
+            pipe = other.pipeline(transaction=False)  # one connection: ASKING, then the script
+            pipe.execute_command("ASKING")
+            pipe.eval(script, len(streams), *streams, "workers", "c-1", 10, 30_000)
+            answer = pipe.execute()[1]
+        cluster.move_slot(slot, to=target)
+        return answer
+
+    reply, _wait_ms, _limited = read_while_importing(None)
+    assert sum(len(entries) for _stream, entries in reply) == 2
+    reply, _wait_ms, limited = read_while_importing('{"concurrency": 1}')
+    assert sum(len(entries) for _stream, entries in reply) <= 1 and limited == 1

@@ -53,12 +53,34 @@ end
 if not ARGV[4] then return read_plain() end
 
 local base = string.match(KEYS[1], '^(.*):[^:]+$')
+
+-- The limit keys are not in KEYS (their names depend on the task types). While Redis
+-- Cluster migrates the queue's slot, touching one that is not on this node either fails
+-- (then read as without limits: nothing here can tell whether there are any; or, once
+-- limits are known, hand out nothing until the slot settles) or aborts the script with
+-- a redirect the caller follows: so every key this call may touch is looked at first,
+-- before anything is written.
+local function here(key)
+    local answer = redis.pcall('EXISTS', key)
+    return not (type(answer) == 'table' and answer.err)
+end
+if not here(base .. ':limits') or not here(base .. ':parked-types') then
+    return {read_plain(), -1, 1}
+end
 local configured = redis.call('HGETALL', base .. ':limits')
 -- Without limits, and with nothing parked (entries parked before the last limit was
 -- removed are handed out below), a plain read.
 if #configured == 0 and redis.call('EXISTS', base .. ':parked-types') == 0 then
     return {read_plain(), -1, 0}
 end
+
+for i = 1, #configured, 2 do
+    local t = configured[i]
+    for _, suffix in ipairs({':running:', ':rate:', ':parked:', ':breaker:', ':breaker-samples:'}) do
+        if not here(base .. suffix .. t) then return {{}, POLL_MS, 1} end
+    end
+end
+if not here(base .. ':stats') then return {{}, POLL_MS, 1} end
 
 local lease_ms = tonumber(ARGV[4])
 local left = tonumber(ARGV[3])

@@ -46,7 +46,10 @@ local function free_slot(stream, id, fields)
         end
     end
     if t then
-        redis.call('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
+        -- Called before the script writes anything: while Redis Cluster migrates the
+        -- slot, a running key not on this node may abort the script (a redirect the
+        -- caller follows), which then has done nothing.
+        redis.pcall('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
     end
 end
 

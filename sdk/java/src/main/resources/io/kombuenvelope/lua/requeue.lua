@@ -58,7 +58,10 @@ local function free_slot(stream, id, fields)
         end
     end
     if t then
-        redis.call('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
+        -- Called before the script writes anything: while Redis Cluster migrates the
+        -- slot, a running key not on this node may abort the script (a redirect the
+        -- caller follows), which then has done nothing.
+        redis.pcall('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
     end
 end
 
@@ -66,12 +69,12 @@ local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', tonumber(ARGV[4
 if #pending == 0 then return false end
 if ARGV[3] ~= '' and pending[1][2] ~= ARGV[3] then return false end
 local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if found[1] then free_slot(KEYS[1], ARGV[2], found[1][2]) end  -- before any write (below)
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 if #found == 0 then return false end
 
 local fields = found[1][2]
-free_slot(KEYS[1], ARGV[2], fields)
 local copy = {}
 local redeliveries = 0
 local requeues = 0
