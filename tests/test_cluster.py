@@ -374,17 +374,18 @@ def test_sigkill_of_a_primary_while_publishing_duplicates_nothing(setup: Setup) 
     assert len(lost) <= 5, lost
 
 
-def test_read_lua_on_the_node_importing_a_slot(setup: Setup) -> None:
-    """read.lua touches limit keys it cannot declare (docs/protocol.md, section 19). Asked
-    (ASKING) on the node importing the queue's slot, with the streams moved there and the
-    limit keys not, it must not fail: a queue without limits reads on, and a limited one
-    never hands out more than its cap."""
+def test_read_lua_while_a_slot_migrates(setup: Setup) -> None:
+    """read.lua touches limit keys it cannot declare (docs/protocol.md, section 19). While
+    the queue's slot migrates, on the source (the limit keys missing there) and on the
+    importing node (ASKING, the streams moved there, the limit keys not), it must not fail:
+    a queue without limits reads on, and a limited one never hands out more than its cap."""
     cluster, prefix = setup.cluster, setup.prefix
     body = '{"task_type": "slow"}'
     script = (LUA_DIR / "read.lua").read_text(encoding="utf-8")
 
-    def read_while_importing(limits: str | None) -> list:
-        """read.lua's answer on the importing node (ASKING), two tasks published."""
+    def read_while_importing(limits: str | None, on_source: bool = False) -> list:
+        """read.lua's answer while the slot migrates, two tasks published: on the importing
+        node (ASKING) once the streams moved there, or on the source before they did."""
         keys = Settings(key_prefix=prefix).keys.queue(f"importing-{uuid.uuid4().hex[:6]}")
         slot = cluster.keyslot(keys.limits)
         source = cluster.owner_of(slot)
@@ -401,15 +402,19 @@ def test_read_lua_on_the_node_importing_a_slot(setup: Setup) -> None:
                 node.hset(keys.limits, "slow", limits)
             other.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", nodes[source])
             node.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", nodes[target])
-            node.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *moved)
-            pipe = other.pipeline(transaction=False)  # one connection: ASKING, then the script
-            pipe.execute_command("ASKING")
-            pipe.eval(script, len(streams), *streams, "workers", "c-1", 10, 30_000)
-            answer = pipe.execute()[1]
+            if on_source:
+                answer = node.eval(script, len(streams), *streams, "workers", "c-1", 10, 30_000)
+            else:
+                node.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *moved)
+                pipe = other.pipeline(transaction=False)  # one connection: ASKING, the script
+                pipe.execute_command("ASKING")
+                pipe.eval(script, len(streams), *streams, "workers", "c-1", 10, 30_000)
+                answer = pipe.execute()[1]
         cluster.move_slot(slot, to=target)
         return answer
 
-    reply, _wait_ms, _limited = read_while_importing(None)
-    assert sum(len(entries) for _stream, entries in reply) == 2
-    reply, _wait_ms, limited = read_while_importing('{"concurrency": 1}')
-    assert sum(len(entries) for _stream, entries in reply) <= 1 and limited == 1
+    for on_source in (True, False):
+        reply, _wait_ms, _limited = read_while_importing(None, on_source)
+        assert sum(len(entries) for _stream, entries in reply) == 2
+        reply, _wait_ms, limited = read_while_importing('{"concurrency": 1}', on_source)
+        assert sum(len(entries) for _stream, entries in reply) <= 1 and limited == 1
