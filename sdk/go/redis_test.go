@@ -77,11 +77,6 @@ func newEnv(t *testing.T) *env {
 }
 
 func (e *env) worker(mutate func(*Config)) *Worker {
-	return e.workerOn(e.client, mutate)
-}
-
-// workerOn is a worker like e.worker's that talks to Redis through client.
-func (e *env) workerOn(client *redis.Client, mutate func(*Config)) *Worker {
 	cfg := Config{
 		Prefix: e.prefix, Queue: e.queue, Lease: 600 * time.Millisecond, Block: 100 * time.Millisecond,
 		Retry:  RetryPolicy{FastRetries: 2, Backoff: 100 * time.Millisecond, MaxBackoff: 400 * time.Millisecond},
@@ -90,7 +85,7 @@ func (e *env) workerOn(client *redis.Client, mutate func(*Config)) *Worker {
 	if mutate != nil {
 		mutate(&cfg)
 	}
-	w, err := NewWorker(client, e.scripts, cfg)
+	w, err := NewWorker(e.client, e.scripts, cfg)
 	if err != nil {
 		e.t.Fatal(err)
 	}

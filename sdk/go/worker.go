@@ -1372,11 +1372,7 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			return err
 		})
 		if err != nil || len(res) == 0 {
-			e.log.Warn("idempotency claim failed; releasing it and deferring", "error", fmt.Sprint(err))
-			// The claim may have landed all the same (its reply was lost, or the WAIT
-			// after it failed): left behind, it would keep the next attempt, whose
-			// holder differs, busy until it expires. Not holder's, it never landed.
-			w.settleIdem(ctx, e, holder, "release")
+			e.log.Warn("idempotency claim failed; deferring", "error", fmt.Sprint(err))
 			w.deferTask(ctx, e, w.cfg.DeferDelay)
 			return "", false
 		}
@@ -1413,30 +1409,19 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 	return "", false
 }
 
-// finishIdem settles holder's idempotency claim (done or release); a claim
-// that is no longer holder's is logged: the task may have run twice.
 func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
-	if !w.settleIdem(ctx, e, holder, how) {
-		e.log.Warn("the idempotency claim had been taken over: the task may have run twice",
-			"idempotency_key", *e.env.IdempotencyKey)
-	}
-}
-
-// settleIdem runs idem_finish.lua how for holder, waiting for Redis (and for
-// replicas, with Durability) like any settle step. It reports false only when
-// the script answered that the claim was not holder's.
-func (w *Worker) settleIdem(ctx context.Context, e *entry, holder, how string) bool {
 	key := w.keys.Idempotency(e.env.TaskType, *e.env.IdempotencyKey)
-	held := true
 	w.settle(e, "idem_finish "+how, func() error {
 		return w.cfg.Durability.write(ctx, w.client, key, e.log, func(c redis.Cmdable) error {
 			n, err := w.scripts.Get("idem_finish").Run(ctx, c, []string{key},
 				holder, how, w.cfg.IdemDoneTTL.Milliseconds(), Now().String()).Int()
-			held = err != nil || n != 0
+			if err == nil && n == 0 {
+				e.log.Warn("the idempotency claim had been taken over: the task may have run twice",
+					"idempotency_key", *e.env.IdempotencyKey)
+			}
 			return err
 		})
 	})
-	return held
 }
 
 // holderGone looks whether the liveness key of owner, the holder of a busy
