@@ -20,8 +20,7 @@
 //     acknowledges cancelled ones without running them (the marks stay);
 //   - then, per entry: acknowledges expired tasks without running them,
 //     dead-letters unknown task types and unaccepted payload versions, claims
-//     the idempotency key (a claim Redis failed is released, then the task
-//     deferred), takes a retry slot for retries, runs the handler
+//     the idempotency key, takes a retry slot for retries, runs the handler
 //     with a timeout, acknowledges only on success, and otherwise applies the
 //     retry rules; an attempt abandoned at its timeout keeps its idempotency
 //     claim until its handler's promise settles (abandoned.js);
@@ -797,8 +796,7 @@ export class Worker extends EventEmitter {
     }
     this.claiming.add(key);
     try {
-      const claim = await this.claimOrHandBack(entry, env, log);
-      if (!claim) return;
+      const claim = await this.claim(env, log);
       if (claim.state === 'done') {
         await this.results.success(env, null, log); // as a Celery worker does for a duplicate
         await this.ack(entry, log, { state: TASK_STATES.succeeded, reason: 'duplicate' });
@@ -1039,38 +1037,11 @@ export class Worker extends EventEmitter {
 
   // ---------------------------------------------------------------- idempotency
 
-  /**
-   * The idempotency claim of section 9, or null when Redis failed it (an error,
-   * or no reply within outageToleranceMs): the task does not run and its entry
-   * is deferred. The claim may have landed all the same (its reply was lost),
-   * so it is released with this attempt's holder first; left behind, a next
-   * attempt on another consumer would find it busy until it expired. A release
-   * or deferral that fails too throws: the entry stays pending, handled again.
-   */
-  async claimOrHandBack(entry, env, log) {
-    const claim = this.claimOf(env);
-    try {
-      return { ...claim, ...(await this.claim(claim, log)) };
-    } catch (err) {
-      log.warn('the idempotency claim failed (Redis answered with an error or not at all); releasing it and handing the task back', { err });
-      await this.finishClaim(claim, 'release', log, { held: false });
-      await this.defer(entry, env, log, 'the idempotency claim failed; deferred');
-      return null;
-    }
-  }
-
-  /** The key, holder and claimMs of the idempotency claim of `env`. */
-  claimOf(env) {
-    return {
-      key: this.keys.idempotency(env.task_type, env.idempotency_key),
-      holder: `${this.consumer} ${env.task_id}`,
-      // A safety net only: timeout_ms + leaseMs, or an hour without timeout_ms.
-      claimMs: env.timeout_ms !== null ? env.timeout_ms + this.opts.leaseMs : this.opts.idemClaimMs,
-    };
-  }
-
-  /** idem_begin.lua for `claim`, taking over a dead holder's: its state and value. */
-  async claim({ key, holder, claimMs }, log) {
+  async claim(env, log) {
+    const key = this.keys.idempotency(env.task_type, env.idempotency_key);
+    const holder = `${this.consumer} ${env.task_id}`;
+    // A safety net only: timeout_ms + leaseMs, or an hour without timeout_ms.
+    const claimMs = env.timeout_ms !== null ? env.timeout_ms + this.opts.leaseMs : this.opts.idemClaimMs;
     // idem_begin.lua is re-entrant for its holder: safe to repeat.
     const begin = (replacing) => this.retrying('idempotency claim', log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
     let [state, value] = await begin('');
@@ -1078,7 +1049,7 @@ export class Worker extends EventEmitter {
       log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
       [state, value] = await begin(value);
     }
-    return { state, value };
+    return { state, value, key, holder, claimMs };
   }
 
   /**
@@ -1103,13 +1074,7 @@ export class Worker extends EventEmitter {
     return trusted;
   }
 
-  /**
-   * Mark the claim done or release it, retried while Redis is away, then WAIT
-   * for replicas: answers whether they took it. `held` false: the claim may
-   * never have landed (a release after a failed claim), so finding it not
-   * this holder's is no sign of a takeover.
-   */
-  async finishClaim(claim, how, log, { held = true } = {}) {
+  async finishClaim(claim, how, log) {
     const args = how === 'done'
       ? [claim.holder, 'done', this.opts.idemDoneTtlMs, Timestamp.now().toString()]
       : [claim.holder, 'release'];
@@ -1117,7 +1082,7 @@ export class Worker extends EventEmitter {
     const what = `idempotency ${how}`;
     const settled = await this.retrying(what, log, () => this.scripts.run('idem_finish', [claim.key], args));
     const replicated = await this.waitForReplicas(what, claim.key, log);
-    if (held && Number(settled) === 0) {
+    if (Number(settled) === 0) {
       log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
     }
     return replicated;
