@@ -959,11 +959,7 @@ public final class Worker implements AutoCloseable {
                 res = link.write(key, node -> Scripts.run(node, "idem_begin", ScriptOutputType.MULTI, List.of(key),
                         holder, claimFor, replacing));
             } catch (RuntimeException ex) {
-                // The claim may have landed all the same (its reply was lost, or the WAIT after
-                // it failed): left behind, another consumer would find it busy until it expired.
-                LOG.warn("idempotency claim failed; releasing it and handing the entry back: {}", ex.toString());
-                link.recover(ex);
-                finishIdem(env, holder, "release", false);
+                LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
                 replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
                 return null;
             }
@@ -1059,22 +1055,12 @@ public final class Worker implements AutoCloseable {
         });
     }
 
-    /** Settles the claim {@code holder} holds with {@code how} ({@code done} or {@code release}). */
     private void finishIdem(Envelope env, String holder, String how) {
-        finishIdem(env, holder, how, true);
-    }
-
-    /**
-     * Settles the claim of {@code holder} with idem_finish.lua, retried through outages; when
-     * {@code held} is false (a claim whose reply never came), a claim found not to be the
-     * holder's is no sign of a takeover: it may never have landed.
-     */
-    private void finishIdem(Envelope env, String holder, String how, boolean held) {
         String key = keys.idempotency(env.taskType(), env.idempotencyKey());
         settle("idem_finish " + how, () -> {
             Long n = link.write(key, node -> Scripts.run(node, "idem_finish", ScriptOutputType.INTEGER, List.of(key),
                     holder, how, cfg.idemDoneTtl.toMillis(), Timestamp.now().toString()));
-            if (held && n != null && n == 0) {
+            if (n != null && n == 0) {
                 LOG.warn("the idempotency claim had been taken over: the task may have run twice");
             }
             return n;
