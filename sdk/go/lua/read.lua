@@ -64,10 +64,12 @@ local function here(key)
     local answer = redis.pcall('EXISTS', key)
     return not (type(answer) == 'table' and answer.err)
 end
-if not here(base .. ':limits') or not here(base .. ':parked-types') then
-    return {read_plain(), -1, 1}
-end
+if not here(base .. ':limits') then return {read_plain(), -1, 1} end
 local configured = redis.call('HGETALL', base .. ':limits')
+if not here(base .. ':parked-types') then
+    if #configured == 0 then return {read_plain(), -1, 1} end
+    return {{}, POLL_MS, 1}
+end
 -- Without limits, and with nothing parked (entries parked before the last limit was
 -- removed are handed out below), a plain read.
 if #configured == 0 and redis.call('EXISTS', base .. ':parked-types') == 0 then
