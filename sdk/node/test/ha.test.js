@@ -126,6 +126,9 @@ async function drill(t, { name, connection, queues, waitReplicas, ledger, kill, 
   const publishers = Array.from({ length: 4 }, publisher);
   await sleep(800);
   const killedAt = Date.now();
+  // A write whose WAIT fell short before the kill may be lost with the primary (protocol
+  // section 5: the write stands, logged): only those may go missing or run twice.
+  const shortBeforeKill = lines.filter((l) => l.msg.startsWith('fewer replicas than asked')).length;
   await kill();
   await failedOver();
   const failoverMs = Date.now() - killedAt;
@@ -166,8 +169,13 @@ async function drill(t, { name, connection, queues, waitReplicas, ledger, kill, 
   await producer.close();
   for (const w of workers) await w.close({ graceMs: 1000 });
   assert.ok(published.length > 20, `only ${published.length} publishes were acknowledged`);
-  assert.equal(twice, 0, 'an idempotent task had its effect more than once');
-  if (waitReplicas) assert.equal(lost, 0, 'with WAIT, no acknowledged publish may be lost');
+  const excused = waitReplicas ? shortBeforeKill : 0;
+  assert.ok(twice <= excused, `an idempotent task had its effect more than once: ${twice}, `
+    + `${excused} WAITs fell short before the kill`);
+  if (waitReplicas) {
+    assert.ok(lost <= excused, `with WAIT, acknowledged publishes were lost: ${lost}, `
+      + `${excused} WAITs fell short before the kill`);
+  }
   return { lost, twice, published: published.length };
 }
 
