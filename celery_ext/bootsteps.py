@@ -49,7 +49,6 @@ __all__ = [
     "DelayedTaskPromoter",
     "add_worker_steps",
     "install_worker_steps",
-    "uses_envelope_broker",  # re-exported: it lives in celery_ext.broker
 ]
 
 logger = logging.getLogger(__name__)

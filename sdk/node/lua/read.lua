@@ -295,25 +295,26 @@ end
 
 -- Parked entries first, in order, while their type may start.
 local parked_types = redis.call('SMEMBERS', base .. ':parked-types')
-for _, t in ipairs(parked_types) do
-    while left > 0 and limited_left > 0 and limits[t] and wait_for(t) == 0 do
+-- The oldest parked entry of type t claimed to the caller (stream, entry), or nil when
+-- none is left; one that is no longer pending is dropped.
+local function next_parked(t)
+    while true do
         local item = redis.call('LPOP', parked_key(t))
-        if not item then break end
+        if not item then return nil end
         local stream, id = string.match(item, '^(.*) (%S+)$')
         local claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id)
-        if claimed[1] and claimed[1][2] then
-            take(t, stream, id)
-            deliver(stream, claimed[1])
-        end
+        if claimed[1] and claimed[1][2] then return stream, claimed[1] end
     end
-    if not limits[t] then  -- the limit was removed: hand them all out as credit allows
-        while left > 0 do
-            local item = redis.call('LPOP', parked_key(t))
-            if not item then break end
-            local stream, id = string.match(item, '^(.*) (%S+)$')
-            local claimed = redis.call('XCLAIM', stream, ARGV[1], ARGV[2], 0, id)
-            if claimed[1] and claimed[1][2] then deliver(stream, claimed[1]) end
-        end
+end
+
+for _, t in ipairs(parked_types) do
+    -- A type whose limit was removed hands them all out as credit allows.
+    local limited = limits[t] ~= nil
+    while left > 0 and (not limited or (limited_left > 0 and wait_for(t) == 0)) do
+        local stream, entry = next_parked(t)
+        if not stream then break end
+        if limited then take(t, stream, entry[1]) end
+        deliver(stream, entry)
     end
     if redis.call('LLEN', parked_key(t)) == 0 then redis.call('SREM', base .. ':parked-types', t) end
 end
