@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
@@ -34,6 +36,7 @@ def test_only_dead_consumers_holding_nothing_are_forgotten(
         if consumer != "dead-holding":
             redis_client.xack(stream, group, entry_id)
     renew(redis_client, Settings(key_prefix=key_prefix, lease_ms=60_000), ["alive-empty"])
+    time.sleep(0.01)  # the dead ones' lease (1 ms) has passed: idle counts whole milliseconds
 
     # When the dead consumers are looked for
     removed = forget_dead_consumers(redis_client, settings, QUEUE)

@@ -219,7 +219,8 @@ describe('results and expiry (worker)', { skip, concurrency: false }, () => {
       idempotency_key: `${prefix}-u`, ext: asking(`${prefix}-u`, 60),
     });
     const meta = JSON.parse(await stored(`${prefix}-u`));
-    const [dead] = await deadOf(prefix);
+    // The result is written before the dead letter: wait for both.
+    const [dead] = await waitFor(async () => ((await deadOf(prefix)).length === 1 ? deadOf(prefix) : null));
     assert.deepEqual([dead.failure_class, dead.exception_type, dead.attempts], ['task_error', 'EncodeError', '2']);
     assert.deepEqual(failures, [['EncodeError', true], ['EncodeError', false]]);
     assert.deepEqual(meta.result, { exc_type: 'EncodeError', exc_message: [dead.reason], exc_module: null });
