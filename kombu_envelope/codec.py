@@ -60,7 +60,8 @@ def encode_body(
 ) -> tuple[str, bytes]:
     """Return ``(enc, body)`` for ``envelope``; gzip when the JSON reaches the threshold.
 
-    ``gzip_min_bytes=None`` never compresses. An Envelope whose JSON is longer
+    ``gzip_min_bytes=None`` never compresses, nor does an Envelope with an
+    ``ordering_key`` (the scripts read it from the body). An Envelope whose JSON is longer
     than :func:`max_body_bytes` raises :class:`InvalidEnvelope`.
     """
     body = envelope.to_json()
@@ -73,7 +74,8 @@ def encode_body(
                 message=f"the Envelope is {len(body)} bytes of JSON, above the limit of {limit}",
             )
         ])
-    if gzip_min_bytes is not None and len(body) >= gzip_min_bytes:
+    if (gzip_min_bytes is not None and len(body) >= gzip_min_bytes
+            and envelope.ordering_key is None):
         return ENC_JSON_GZIP, gzip.compress(body, compresslevel=6, mtime=0)
     return ENC_JSON, body
 

@@ -26,8 +26,31 @@ local function write_record(key, spec, extra, ttl_name)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
 end
 
+-- A delayed task that is the head of its ordering key (a retry waiting for its delay)
+-- moves its key on (docs/protocol.md, section 20). Read before anything is written: while
+-- Redis Cluster migrates the slot, an order key not on this node aborts the script.
+local stored = redis.call('HGET', KEYS[2], ARGV[1])
+local base = string.match(KEYS[1], '^(.*):[^:]+$')
+local key, order
+if stored then
+    local enc, body = string.match(stored, '^[^\n]*\n([^\n]*)\n(.*)$')
+    if enc == 'json' and string.find(body, '"ordering_key"', 1, true) then
+        local ok, envelope = pcall(cjson.decode, body)
+        if ok and type(envelope) == 'table' and type(envelope.ordering_key) == 'string' then
+            key = envelope.ordering_key
+            order = base .. ':order:' .. key
+            if redis.call('LINDEX', order, 0) ~= ARGV[1] then key = nil end
+        end
+    end
+end
+
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
     redis.call('HDEL', KEYS[2], ARGV[1])
+    if key then
+        redis.call('LPOP', order)
+        redis.call('RPUSH', base .. ':order-advanced', key)
+        redis.call('PUBLISH', string.match(base, '^(.*):{[^{}]*}$') .. ':wakeup', '0')
+    end
     if KEYS[3] then
         write_record(KEYS[3], ARGV[2], {'state', 'cancelled', 'reason', 'cancelled'})
     end

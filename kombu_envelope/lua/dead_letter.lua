@@ -12,7 +12,8 @@
 -- The dead-letter entry gets the failure fields followed by every field of
 -- the original entry, byte for byte, under the name "raw.<field>". The entry
 -- is then acknowledged and deleted. Runs atomically, so an entry is
--- dead-lettered at most once. A concurrency slot the entry held is freed.
+-- dead-lettered at most once. A concurrency slot the entry held is freed, and a head of
+-- an ordering key moves its key on or halts it (section 20).
 -- Returns the dead-letter entry id, or false when the entry was not pending.
 
 -- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
@@ -53,6 +54,32 @@ local function free_slot(stream, id, fields)
     end
 end
 
+
+-- Ordering keys (docs/protocol.md, section 20): a dead-lettered head moves its key on, or
+-- halts it when the policy of its task type says so. Reads before it writes, and is
+-- called before the script writes anything: while Redis Cluster migrates the slot, an
+-- order key not on this node aborts the script (a redirect the caller follows).
+local function key_dead(stream, fields)
+    local enc, body
+    for i = 1, #fields, 2 do
+        if fields[i] == 'enc' then enc = fields[i + 1] elseif fields[i] == 'body' then body = fields[i + 1] end
+    end
+    if enc ~= 'json' or not body or not string.find(body, '"ordering_key"', 1, true) then return end
+    local ok, envelope = pcall(cjson.decode, body)
+    if not (ok and type(envelope) == 'table' and type(envelope.ordering_key) == 'string') then return end
+    local base = string.match(stream, '^(.*):[^:]+$')
+    local key, task_id = envelope.ordering_key, tostring(envelope.task_id)
+    local order = base .. ':order:' .. key
+    local head = redis.call('LINDEX', order, 0)
+    local policy = redis.call('HGET', base .. ':order-policy', tostring(envelope.task_type))
+    if head == task_id and policy == 'halt' then
+        redis.call('HSET', base .. ':order-halted', key, task_id)
+    elseif redis.call('LREM', order, 1, task_id) == 1 and head == task_id then
+        redis.call('RPUSH', base .. ':order-advanced', key)
+        redis.call('PUBLISH', string.match(base, '^(.*):{[^{}]*}$') .. ':wakeup', '0')
+    end
+end
+
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
 local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
@@ -65,6 +92,7 @@ if found[1] then
         dead[#dead + 1] = 'raw.' .. fields[i]
         dead[#dead + 1] = fields[i + 1]
     end
+    key_dead(KEYS[1], fields)
     free_slot(KEYS[1], ARGV[2], fields)
 end
 local id = redis.call('XADD', KEYS[2], '*', unpack(dead))

@@ -24,6 +24,7 @@
 -- The entry is copied, acknowledged and deleted in one step, so two callers
 -- racing over the same entry requeue it once. A concurrency slot the entry held
 -- is freed (the copy takes a new one when it is read again).
+-- A dead-lettered head of an ordering key moves its key on or halts it (section 20).
 -- Returns the new entry id, "dead:<id>" when it was dead-lettered, or false
 -- when the entry was no longer pending (with the required owner and idle time).
 
@@ -65,16 +66,37 @@ local function free_slot(stream, id, fields)
     end
 end
 
+
+-- Ordering keys (docs/protocol.md, section 20): a dead-lettered head moves its key on, or
+-- halts it when the policy of its task type says so. Reads before it writes, and is
+-- called before the script writes anything: while Redis Cluster migrates the slot, an
+-- order key not on this node aborts the script (a redirect the caller follows).
+local function key_dead(stream, fields)
+    local enc, body
+    for i = 1, #fields, 2 do
+        if fields[i] == 'enc' then enc = fields[i + 1] elseif fields[i] == 'body' then body = fields[i + 1] end
+    end
+    if enc ~= 'json' or not body or not string.find(body, '"ordering_key"', 1, true) then return end
+    local ok, envelope = pcall(cjson.decode, body)
+    if not (ok and type(envelope) == 'table' and type(envelope.ordering_key) == 'string') then return end
+    local base = string.match(stream, '^(.*):[^:]+$')
+    local key, task_id = envelope.ordering_key, tostring(envelope.task_id)
+    local order = base .. ':order:' .. key
+    local head = redis.call('LINDEX', order, 0)
+    local policy = redis.call('HGET', base .. ':order-policy', tostring(envelope.task_type))
+    if head == task_id and policy == 'halt' then
+        redis.call('HSET', base .. ':order-halted', key, task_id)
+    elseif redis.call('LREM', order, 1, task_id) == 1 and head == task_id then
+        redis.call('RPUSH', base .. ':order-advanced', key)
+        redis.call('PUBLISH', string.match(base, '^(.*):{[^{}]*}$') .. ':wakeup', '0')
+    end
+end
+
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', tonumber(ARGV[4]), ARGV[2], ARGV[2], 1)
 if #pending == 0 then return false end
 if ARGV[3] ~= '' and pending[1][2] ~= ARGV[3] then return false end
 local found = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
-if found[1] then free_slot(KEYS[1], ARGV[2], found[1][2]) end  -- before any write (below)
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
-if #found == 0 then return false end
-
-local fields = found[1][2]
+local fields = found[1] and found[1][2] or {}
 local copy = {}
 local redeliveries = 0
 local requeues = 0
@@ -89,9 +111,16 @@ for i = 1, #fields, 2 do
     end
 end
 if ARGV[5] == '1' then redeliveries = redeliveries + 1 end
-
 local limit = tonumber(ARGV[6])
-if limit > 0 and redeliveries >= limit then
+local dies = found[1] and limit > 0 and redeliveries >= limit
+-- Before any write (below).
+if dies then key_dead(KEYS[1], fields) end
+if found[1] then free_slot(KEYS[1], ARGV[2], fields) end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if #found == 0 then return false end
+
+if dies then
     local dead = {'dlq', '1', 'failure_class', 'redelivery_limit',
         'reason', 'its consumer died ' .. redeliveries .. ' times while holding it',
         'source_stream', KEYS[1], 'source_id', ARGV[2], 'dead_at', ARGV[7],

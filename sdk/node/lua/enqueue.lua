@@ -16,7 +16,10 @@
 -- delayed copy is removed in the same step.
 -- A try repeated with the token of the last publish of this task_id (its reply
 -- was lost with the connection) adds nothing and answers the same entry id.
--- Returns the new stream entry id.
+-- A task with an ordering_key (docs/protocol.md, section 20) joins its key's order:
+-- it is added to the stream only when it is the key's head; otherwise it waits in the
+-- key's waiting hash and the answer is "waiting".
+-- Returns the new stream entry id, or "waiting".
 
 -- The task record (docs/protocol.md, section 14): spec {"ttl_ms", "fields"} and the
 -- fields this script adds itself.
@@ -33,14 +36,48 @@ local function write_record(key, spec, extra, ttl_name)
     if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
 end
 
+-- Ordering keys (docs/protocol.md, section 20): the ordering_key and task_id of a plain
+-- JSON body, or nil.
+local function ordering_key(enc, body)
+    if enc ~= 'json' or not string.find(body, '"ordering_key"', 1, true) then return nil end
+    local ok, envelope = pcall(cjson.decode, body)
+    if ok and type(envelope) == 'table' and type(envelope.ordering_key) == 'string' then
+        return envelope.ordering_key, envelope.task_id
+    end
+    return nil
+end
+
+-- Adds a task to its stream, or, keyed and not its key's head, to the key's waiting
+-- hash. Returns the entry id, or 'waiting'.
+local function join(stream, enc, body)
+    local key, task_id = ordering_key(enc, body)
+    if key then
+        local base, bucket = string.match(stream, '^(.*):([^:]+)$')
+        local order = base .. ':order:' .. key
+        local head = redis.call('LINDEX', order, 0)
+        if not head then
+            redis.call('RPUSH', order, task_id)
+        elseif head ~= task_id then
+            local stored = bucket .. '\n' .. enc .. '\n' .. body
+            if redis.call('HSET', base .. ':order-waiting:' .. key, task_id, stored) == 1 then
+                redis.call('RPUSH', order, task_id)
+            end
+            return 'waiting'
+        end
+    end
+    return redis.call('XADD', stream, '*', 'v', '1', 'enc', enc, 'body', body)
+end
+
 local last = redis.call('GET', KEYS[4])
 if last then
     local token, id = string.match(last, '^(%S+) (%S+)$')
     if token == ARGV[4] then return id end
 end
+-- Joined first: while Redis Cluster migrates the slot, an order key not on this node
+-- aborts the script before anything was written (a redirect the caller follows).
+local id = join(KEYS[1], ARGV[2], ARGV[3])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
-local id = redis.call('XADD', KEYS[1], '*', 'v', '1', 'enc', ARGV[2], 'body', ARGV[3])
 redis.call('SET', KEYS[4], ARGV[4] .. ' ' .. id, 'PX', tonumber(ARGV[5]))
 if KEYS[5] then write_record(KEYS[5], ARGV[6], {'state', 'queued'}) end
 return id
