@@ -107,6 +107,7 @@ from kombu_envelope.retrying import (
     not_retried,
 )
 from kombu_envelope.store.idempotency import DEFAULT_DONE_TTL_S, Claim, ClaimState, Idempotency
+from kombu_envelope.store.ordering import OrderingKeys, held_member
 from kombu_envelope.store.replacing import PendingAttempt, Replaced, next_attempt_replaces
 from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.retry_slots import RetrySlots
@@ -153,6 +154,7 @@ class Attempt:
     settled: bool = False  # retried, deferred or dead-lettered already
     retried: bool = False  # a retry of it is being published
     pending: PendingAttempt | None = None  # its entry, while a next attempt replaces it
+    dead_here: bool = False  # dead-lettered by this process, its entry acknowledged already
 
     @property
     def headers(self) -> dict[str, Any]:
@@ -247,13 +249,19 @@ class ExecutionShell:
             max_retries=headers.get(MAX_RETRIES_HEADER, task.max_retries),
             delivery=Delivery.of(request, fallback), timeout_ms=timeout_ms)
         token = _current.set(attempt)
+        held = self._hold_key(attempt)
+        done = False
         try:
             with process_span(attempt.delivery.queue, request.id, task.name, request.retries,
                               headers), self._next_attempt_replaces_entry(attempt):
-                return self._claimed(attempt, run, args, kwargs)
+                result = self._claimed(attempt, run, args, kwargs)
+                done = True
+                return result
         finally:
             _current.reset(token)
             self._free_slot(attempt)
+            if held is not None:
+                self._end_hold(attempt, held, done)
             pending = attempt.pending
             if attempt.retried and not (pending is not None and not pending.publish_if_gone
                                         and pending.outcome is Replaced.NOT_PENDING):
@@ -365,6 +373,35 @@ class ExecutionShell:
         except BROKER_ERRORS as exc:
             logger.warning("task %s: freeing its concurrency slot failed (it expires on its "
                            "own): %r", _name(attempt), exc)
+
+    def _hold_key(self, attempt: Attempt) -> str | None:
+        """Hold the attempt's ordering key while it runs (docs/protocol.md, section 20):
+        its acknowledgement may come first. Returns the ``order-held`` member; on a Redis
+        error the key is held by the entry alone (pending until acknowledged)."""
+        delivery = attempt.delivery
+        if delivery.ordering_key is None or not (delivery.stream and delivery.entry_id):
+            return None
+        member = held_member(delivery.ordering_key, attempt.request.id, delivery.stream,
+                             delivery.entry_id)
+        try:
+            OrderingKeys(self.client, self.settings).hold(delivery.queue, member)
+        except BROKER_ERRORS as exc:
+            logger.warning("task %s: holding its ordering key failed: %r", _name(attempt), exc)
+        return member
+
+    def _end_hold(self, attempt: Attempt, member: str, done: bool) -> None:
+        """The run ended: the key moves on when the task is done (succeeded, or not run as
+        a duplicate), halts or moves on by its policy when this process dead-lettered it
+        (``dead_letter.lua`` decides for an entry still pending), else (a retry, a
+        deferral, a failure still pending) keeps its head. Tried again while Redis is
+        away: once acknowledged, nothing else would move the key on."""
+        keys, queue = OrderingKeys(self.client, self.settings), attempt.delivery.queue
+        if attempt.dead_here:
+            _until_done(f"{_name(attempt)}: moving its ordering key on",
+                        lambda: keys.dead(queue, member, attempt.task.name))
+        else:
+            _until_done(f"{_name(attempt)}: ending its ordering key's hold",
+                        lambda: keys.finish(queue, member, advance=done))
 
     def _stats(self) -> StatsBuffer:
         return attempt_buffer(self.settings, lambda: self.client)
@@ -560,10 +597,11 @@ class ExecutionShell:
         dead = dead_letter_task(self.client, self.settings, task=task, request=request,
                                 delivery=attempt.delivery, failure=failure)
         attempt.settled = True
+        attempt.dead_here = dead is not None and not dead.from_entry
         if dead is not None:
             self._count(attempt, {"dead": 1})
             metrics.count("dead_lettered", task.name, failure_class.value)
-            logger.error("task %s dead-lettered as %s (%s): %s", _name(attempt), dead,
+            logger.error("task %s dead-lettered as %s (%s): %s", _name(attempt), dead.dead_id,
                          failure_class.value, failure.reason)
 
 

@@ -36,6 +36,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_CONSUMER,
     INFO_DUE_MS,
     INFO_ENTRY_ID,
+    INFO_ORDER,
     INFO_QUEUE,
     INFO_SLOT,
     INFO_STREAM,
@@ -85,6 +86,7 @@ class Delivery:
     entry_id: str | None = None
     due_ms: int | None = None  # when its task was due (ms since the Unix epoch)
     slot: str | None = None  # running key of the concurrency slot it holds (section 19)
+    ordering_key: str | None = None  # its task's ordering key (section 20)
 
     @classmethod
     def of(cls, request: Any, fallback_consumer: str) -> Delivery:
@@ -94,7 +96,8 @@ class Delivery:
         queue = info.get(INFO_QUEUE) or info.get("routing_key") or "celery"
         return cls(queue=queue, consumer=info.get(INFO_CONSUMER) or fallback_consumer,
                    stream=info.get(INFO_STREAM), entry_id=info.get(INFO_ENTRY_ID),
-                   due_ms=info.get(INFO_DUE_MS), slot=info.get(INFO_SLOT))
+                   due_ms=info.get(INFO_DUE_MS), slot=info.get(INFO_SLOT),
+                   ordering_key=info.get(INFO_ORDER))
 
 
 def envelope_of_request(task: Any, request: Any, settings: Settings) -> Envelope:
@@ -119,9 +122,19 @@ def envelope_of_request(task: Any, request: Any, settings: Settings) -> Envelope
     return envelope
 
 
+@dataclass(frozen=True)
+class DeadLettered:
+    """Where :func:`dead_letter_task` put a task."""
+
+    dead_id: str
+    #: Its stream entry was pending and went with ``dead_letter.lua`` (which also moved its
+    #: ordering key on or halted it); False: rebuilt, the entry acknowledged already.
+    from_entry: bool
+
+
 def dead_letter_task(client: Any, settings: Settings, *, task: Any, request: Any,
-                     delivery: Delivery, failure: Failure) -> str | None:
-    """Dead-letter a running task; return the dead-letter entry id.
+                     delivery: Delivery, failure: Failure) -> DeadLettered | None:
+    """Dead-letter a running task.
 
     Returns None when the entry is no longer pending although the task acks
     late: it was taken over, and its new consumer decides what happens to it.
@@ -131,12 +144,12 @@ def dead_letter_task(client: Any, settings: Settings, *, task: Any, request: Any
                                    stream=delivery.stream, entry_id=delivery.entry_id,
                                    failure=failure, consumer=delivery.consumer)
         if dead is not None:
-            return dead
+            return DeadLettered(dead, from_entry=True)
         if task.acks_late:
             logger.warning("task %s[%s]: entry %s is no longer pending (taken over?); "
                            "not dead-lettered here", task.name, request.id, delivery.entry_id)
             return None
     envelope = envelope_of_request(task, request, settings)
-    return dead_letter_envelope(client, settings, envelope=envelope, queue=delivery.queue,
-                                consumer=delivery.consumer,
-                                failure=replace(failure, reason=failure.reason + REBUILT_NOTE))
+    return DeadLettered(dead_letter_envelope(
+        client, settings, envelope=envelope, queue=delivery.queue, consumer=delivery.consumer,
+        failure=replace(failure, reason=failure.reason + REBUILT_NOTE)), from_entry=False)

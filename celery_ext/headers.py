@@ -25,7 +25,7 @@ CELERY_HEADERS = frozenset({
     "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
     "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin",
     "ignore_result", "replaced_task_nesting", "stamped_headers", "stamps", "compression",
-    "trace_id", "payload_version", "idempotency_key", "max_retries",
+    "trace_id", "payload_version", "idempotency_key", "ordering_key", "max_retries",
 })
 
 

@@ -29,8 +29,8 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * priority 0..9 (0 most urgent) or none -> ``priority`` 255..0 or 100, see
   :mod:`celery_ext.priority`.
 * ``trace_id`` header -> ``trace_id`` (a new one when missing).
-* optional ``payload_version`` and ``idempotency_key`` headers -> the fields
-  of the same names.
+* optional ``payload_version``, ``idempotency_key`` and ``ordering_key`` headers -> the
+  fields of the same names.
 * string-valued headers named ``x-*``, ``traceparent``, ``tracestate`` or
   ``baggage`` -> ``headers``; on delivery every Envelope header becomes a
   Celery header unless it is named like one of Celery's own.
@@ -264,6 +264,7 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
         "retry_count": retries,
         "priority": to_envelope_priority(celery_priority),
         "idempotency_key": headers.get("idempotency_key"),
+        "ordering_key": headers.get("ordering_key"),
         "headers": envelope_headers,
         "ext": {EXT_NAMESPACE: ext},
     }
@@ -375,6 +376,8 @@ def _delivered_headers(envelope: Envelope, celery: dict[str, Any] | None) -> dic
         headers["payload_version"] = envelope.payload_version
     if envelope.idempotency_key is not None:
         headers["idempotency_key"] = envelope.idempotency_key
+    if envelope.ordering_key is not None:
+        headers["ordering_key"] = envelope.ordering_key
     return headers
 
 

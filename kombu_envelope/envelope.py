@@ -318,7 +318,8 @@ class Envelope(BaseModel):
     trace_id: Annotated[str, Field(min_length=1, max_length=128, pattern=TOKEN_PATTERN)]
     created_at: Timestamp
     idempotency_key: Annotated[str, Field(min_length=1, max_length=512)] | None = None
-    ordering_key: Annotated[str, Field(min_length=1, max_length=255, pattern=TOKEN_PATTERN)] | None = None
+    ordering_key: (Annotated[str, Field(min_length=1, max_length=255, pattern=TOKEN_PATTERN)]
+                   | None) = None
     headers: dict[str, str] = Field(default_factory=dict)
     ext: dict[
         Annotated[str, Field(pattern=EXT_NAMESPACE_PATTERN)], dict[str, Any]

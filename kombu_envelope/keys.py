@@ -178,6 +178,38 @@ class QueueKeys:
         """LIST of ``"<stream> <entry id>"`` of entries waiting for their type's limits."""
         return f"{self.base}:parked:{task_type}"
 
+    def order(self, key: str) -> str:
+        """LIST of the ``task_id`` s of ordering key ``key`` in the order they joined; the
+        head's turn (section 20)."""
+        return f"{self.base}:order:{key}"
+
+    def order_waiting(self, key: str) -> str:
+        """HASH of ``task_id`` to ``"<bucket>\\n<enc>\\n<body>"``: the tasks of ``key``
+        waiting for their turn, in no stream (section 20)."""
+        return f"{self.base}:order-waiting:{key}"
+
+    @property
+    def order_advanced(self) -> str:
+        """LIST of ordering keys whose head was settled, for the promoters (section 20)."""
+        return f"{self.base}:order-advanced"
+
+    @property
+    def order_held(self) -> str:
+        """ZSET of ``"<key>\\n<task_id>\\n<stream>\\n<entry id>"`` scored by deadline:
+        keys held by runs acknowledged before they end (section 20)."""
+        return f"{self.base}:order-held"
+
+    @property
+    def order_policy(self) -> str:
+        """HASH of task type to ``advance`` or ``halt``: what a dead-lettered head does to
+        its ordering key (section 20)."""
+        return f"{self.base}:order-policy"
+
+    @property
+    def order_halted(self) -> str:
+        """HASH of ordering key to the ``task_id`` of the dead-lettered head it waits for."""
+        return f"{self.base}:order-halted"
+
 
 @dataclass(frozen=True)
 class KeySpace:

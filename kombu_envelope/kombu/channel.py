@@ -44,9 +44,11 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_ENTRY_ID,
     INFO_FAILURE_CLASS,
     INFO_FAILURE_REASON,
+    INFO_ORDER,
     INFO_QUEUE,
     INFO_SLOT,
     INFO_STREAM,
+    INFO_TASK_ID,
 )
 from kombu_envelope.kombu.inbox import F_KOMBU, Inbox
 from kombu_envelope.kombu.readers import QueueReader
@@ -54,6 +56,7 @@ from kombu_envelope.kombu.settle import Settler
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.announcements import WorkerAnnouncement
 from kombu_envelope.store.cluster import CLUSTER_REDIRECTS, forget_slot_owner
+from kombu_envelope.store.ordering import held_member
 from kombu_envelope.store.outages import is_outage, retries_seen
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
@@ -413,7 +416,8 @@ class Channel(virtual.Channel):
     def _held_slots(self) -> list[tuple[str, str]]:
         """(running key, member) of every concurrency slot this channel may hold: its
         delivered, unsettled messages of limited queues and the tasks the process still
-        runs after acknowledging them (the lease keeper renews them)."""
+        runs after acknowledging them (the lease keeper renews them); and the
+        ``order-held`` members of those with an ordering key."""
         for _ in range(3):  # the event loop may change the dict meanwhile: look again
             try:
                 infos = [message.delivery_info for message in list(self.qos._delivered.values())]
@@ -423,10 +427,15 @@ class Channel(virtual.Channel):
         else:
             infos = []
         infos += self.connection.running_deliveries()
-        return list(dict.fromkeys(
-            (info[INFO_SLOT], f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}")
-            for info in infos
-            if INFO_SLOT in info and info.get(INFO_CONSUMER) == self.consumer_name))
+        own = [info for info in infos if info.get(INFO_CONSUMER) == self.consumer_name]
+        slots = [(info[INFO_SLOT], f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}")
+                 for info in own if INFO_SLOT in info]
+        # The ordering keys held by runs acknowledged early (section 20) renew alike.
+        holds = [(self.keys.queue(info[INFO_QUEUE]).order_held,
+                  held_member(info[INFO_ORDER], info[INFO_TASK_ID], info[INFO_STREAM],
+                              info[INFO_ENTRY_ID]))
+                 for info in own if INFO_ORDER in info and INFO_TASK_ID in info]
+        return list(dict.fromkeys(slots + holds))
 
     def _note_fill(self, queue: str, filled: bool) -> None:
         """Remember whether the last read of ``queue`` took all it asked for."""

@@ -21,3 +21,5 @@ INFO_DUE_MS = "envelope_due_ms"
 #: The running key of the concurrency slot the entry holds, on a queue with limits
 #: (docs/protocol.md, section 19); the slot's member is the delivery tag.
 INFO_SLOT = "envelope_slot"
+#: The ordering key of the entry's task (docs/protocol.md, section 20), when it has one.
+INFO_ORDER = "envelope_order"

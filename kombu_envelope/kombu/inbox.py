@@ -29,6 +29,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_CONSUMER,
     INFO_DUE_MS,
     INFO_ENTRY_ID,
+    INFO_ORDER,
     INFO_QUEUE,
     INFO_SKIPPED,
     INFO_SLOT,
@@ -215,6 +216,8 @@ class Inbox:
             info[INFO_TASK_TYPE] = envelope.task_type
             if queue in self.limited:
                 info[INFO_SLOT] = self.keys.queue(queue).running(envelope.task_type)
+            if envelope.ordering_key is not None:
+                info[INFO_ORDER] = envelope.ordering_key
             due = envelope.schedule_time or envelope.created_at
             info[INFO_DUE_MS] = int(due.timestamp() * 1000)
         return message

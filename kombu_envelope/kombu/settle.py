@@ -29,6 +29,7 @@ from kombu_envelope.kombu.delivery_info import (
     INFO_ENTRY_ID,
     INFO_FAILURE_CLASS,
     INFO_FAILURE_REASON,
+    INFO_ORDER,
     INFO_SKIPPED,
     INFO_SLOT,
     INFO_STREAM,
@@ -38,6 +39,7 @@ from kombu_envelope.kombu.delivery_info import (
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.dead_letters import dead_letter_pending
+from kombu_envelope.store.ordering import add_advance, wake_promoters
 from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
 from kombu_envelope.store.task_records import (
@@ -91,6 +93,8 @@ class Settler:
         self._pending_since = 0.0
         #: (running key, member) of the slots the acks waiting free (section 19).
         self._slots_freed: list[tuple[str, str]] = []
+        #: (stream, ordering key, task_id) of the keys the acks waiting move on (section 20).
+        self._keys_advanced: list[tuple[str, str, str]] = []
         #: Records to write with acks not made yet, by (stream, entry id).
         self._records_for_ack: dict[tuple[str, str], RecordWrite] = {}
         self._lock = threading.Lock()  # a thread pool's task may attach a record
@@ -114,6 +118,11 @@ class Settler:
             slot_freed = (slot, f"{stream} {entry_id}")
         else:
             slot_freed = None
+        # Whoever frees the slot also moves the ordering key on: the runner when the run
+        # ends, else this acknowledgement (and always for a task acknowledged unrun).
+        order = delivery_info.get(INFO_ORDER)
+        advanced = ((stream, order, task_id) if order is not None and task_id is not None
+                    and (skipped or not self.runner_frees_slots) else None)
         with self._lock:
             record = self._records_for_ack.pop((stream, entry_id), record)
             if not self._pending_acks:
@@ -121,6 +130,8 @@ class Settler:
             self._pending_acks.append((stream, entry_id, record))
             if slot_freed is not None:
                 self._slots_freed.append(slot_freed)
+            if advanced is not None:
+                self._keys_advanced.append(advanced)
         if not self.defer_acks:
             self.flush_acks()
 
@@ -155,6 +166,7 @@ class Settler:
         with self._lock:
             pending, self._pending_acks = self._pending_acks, []
             slots, self._slots_freed = self._slots_freed, []
+            advanced, self._keys_advanced = self._keys_advanced, []
         if not pending:
             return
         by_queue: dict[str, tuple[dict[str, list[str]], list[RecordWrite]]] = {}
@@ -163,11 +175,14 @@ class Settler:
             by_stream.setdefault(stream, []).append(entry_id)
             if record.key is not None:
                 records.append(record)
-        for by_stream, records in by_queue.values():
-            first = next(iter(by_stream))
+        for queue, (by_stream, records) in by_queue.items():
             self._ack_in_one_slot(by_stream, records, [
                 (key, member) for key, member in slots
-                if self.queue_of_stream(member.split(" ", 1)[0]) == self.queue_of_stream(first)])
+                if self.queue_of_stream(member.split(" ", 1)[0]) == queue
+            ], [(key, task_id) for stream, key, task_id in advanced
+                if self.queue_of_stream(stream) == queue])
+        if advanced:
+            wake_promoters(self.client, self.settings)
 
     def ack_now(self, stream: str, ids: list[str], records: list[RecordWrite] | None = None,
                 slots: list[tuple[str, str]] | None = None) -> None:
@@ -177,10 +192,12 @@ class Settler:
 
     def _ack_in_one_slot(self, by_stream: dict[str, list[str]],
                          records: list[RecordWrite],
-                         slots: list[tuple[str, str]] | None = None) -> None:
+                         slots: list[tuple[str, str]] | None = None,
+                         advanced: list[tuple[str, str]] | None = None) -> None:
         """One MULTI on the streams of one queue (and the records its acks carry, with
-        the statistics counted so far on the queue when there are any, and the
-        concurrency slots they free: ``slots``, (running key, member)), then ``WAIT``
+        the statistics counted so far on the queue when there are any, the
+        concurrency slots they free: ``slots``, (running key, member), and the ordering
+        keys they move on: ``advanced``, (key, task_id)), then ``WAIT``
         with ``wait_replicas`` on the connection that ran it (on a Cluster, to the node
         of the queue's slot)."""
         first = next(iter(by_stream))
@@ -192,6 +209,9 @@ class Settler:
             record.add_to(pipe)
         for key, member in slots or ():
             pipe.zrem(key, member)
+        queue_keys = self.settings.keys.queue(self.queue_of_stream(first))
+        for key, task_id in advanced or ():
+            add_advance(pipe, queue_keys, key, task_id)
         stats, queue = process_buffer(self.settings), self.queue_of_stream(first)
         counted = stats.add_to(pipe, queue) if records else {}
         try:

@@ -116,7 +116,10 @@ class Publisher:
                 self._check(envelope, now)
             prepared.append((keys, envelope, envelope.is_due(now),
                              *encode_body(envelope, gzip_min_bytes, limits=limits)))
-        delayed_queues = sorted({keys.queue for keys, _, due, _, _ in prepared if not due})
+        # Delayed and keyed tasks' queues are registered, so promoters serve them (a
+        # keyed task's successor is released by a promoter: section 20).
+        delayed_queues = sorted({keys.queue for keys, envelope, due, _, _ in prepared
+                                 if not due or envelope.ordering_key is not None})
         # One token for every try of this call: a try repeated after a lost reply
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         if tokens is None:

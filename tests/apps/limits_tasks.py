@@ -1,4 +1,5 @@
-"""The tasks of the limits tests, ``limits.task`` and ``limits.fast`` (:mod:`apps.limits_app`)."""
+"""The tasks of the limits tests, ``limits.task`` and ``limits.fast`` (:mod:`apps.limits_app`),
+and of the ordering keys, ``ordering.step``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def add_limits_tasks(app: Celery, records: Callable[[], redis.Redis], prefix: st
     @app.task(name="limits.fast", shared=False, bind=True)
     def limits_fast(self: Task, sleep_ms: int = 0) -> None:
         run(self, sleep_ms)
+
+    @app.task(name="ordering.step", shared=False, bind=True)
+    def ordering_step(self: Task, log: str, sleep_ms: int = 0, fail_once: bool = False) -> None:
+        """Records ``start <id>`` and ``end <id>`` in ``<prefix>:mx:log:<log>``; with
+        ``fail_once`` its first attempt fails and is retried 0.1 s later."""
+        entries = f"{prefix}:mx:log:{log}"
+        records().rpush(entries, f"start {self.request.id}")
+        time.sleep(sleep_ms / 1000)
+        if fail_once and records().set(f"{prefix}:mx:failed:{self.request.id}", 1, nx=True):
+            raise self.retry(countdown=0.1)
+        records().rpush(entries, f"end {self.request.id}")
 
     @app.task(name="limits.flaky", shared=False, bind=True)
     def limits_flaky(self: Task, sleep_ms: int = 0) -> None:

@@ -6,7 +6,9 @@
 ``<prefix>:mx:trace:<task_id>`` (the JSON ``{"language", "traceparent", "tracestate",
 "trace_id"}``); with ``hold_ms`` it records ``<prefix>:mx:started:<task_id>`` and waits; it
 fails with :class:`MatrixFailure` while ``fail`` is true or for the first ``fail_times``
-attempts; otherwise it records its effect in ``<prefix>:mx:effect:<task_id>``
+attempts (with ``log``, each attempt first records ``start <task_id>`` in
+``<prefix>:mx:log:<log>``, and a success ``end <task_id>`` before its effect); otherwise it
+records its effect in ``<prefix>:mx:effect:<task_id>``
 (``py:<unix ms>``), publishes each task of ``then`` (``{"queue", "task_id", "then"}``) as a
 ``matrix.task`` whose payload's ``then`` is the nested one, with the app's ``send_task`` from
 inside the task (so it continues the running task's trace), and returns
@@ -86,7 +88,8 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
     # Retries only when the Envelope asks (x-retry-policy: tiered), as in every language.
     @app.task(name="matrix.task", shared=False, bind=True, envelope_retry_policy=False)
     def matrix_task(self: Task, hold_ms: int = 0, fail_times: int = 0, fail: bool = False,
-                    then: Any = None, **payload: Any) -> dict[str, str]:
+                    then: Any = None, log: str | None = None,
+                    **payload: Any) -> dict[str, str]:
         """The matrix handler (see the module's doc)."""
         task_id = self.request.id
         chain = next_tasks(then)
@@ -94,11 +97,15 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
         seen = {"language": "py", "trace_id": getattr(self.request, "trace_id", None),
                 **{name: getattr(self.request, name, None) for name in TRACE_HEADERS}}
         records().rpush(f"{prefix}:mx:trace:{task_id}", json.dumps(seen))
+        if log is not None:
+            records().rpush(f"{prefix}:mx:log:{log}", f"start {task_id}")
         if hold_ms:
             records().rpush(f"{prefix}:mx:started:{task_id}", "py")
             time.sleep(hold_ms / 1000)
         if fail or attempt <= fail_times:
             raise MatrixFailure(f"matrix.task failed attempt {attempt}")
+        if log is not None:
+            records().rpush(f"{prefix}:mx:log:{log}", f"end {task_id}")
         records().rpush(f"{prefix}:mx:effect:{task_id}", f"py:{int(time.time() * 1000)}")
         for task in chain:
             app.send_task("matrix.task", kwargs={"then": task.get("then") or []},
