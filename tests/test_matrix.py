@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import shutil
 import threading
 import time
@@ -730,6 +731,12 @@ def limited_queue(matrix: Matrix, limit: TaskLimit, task_type: str = "limits.tas
     language works it (each with :data:`LIMITED_CONCURRENCY`), all of them ready."""
     queue = f"mx.caps.{uuid.uuid4().hex[:6]}"
     TaskLimits(matrix.client, Settings(key_prefix=matrix.prefix)).set(queue, task_type, limit)
+    return queue, worked_by_all(matrix, queue)
+
+
+def worked_by_all(matrix: Matrix, queue: str) -> dict[str, JsonLinePeer | CeleryWorker]:
+    """Workers of every language on ``queue`` (each with :data:`LIMITED_CONCURRENCY`), by
+    language, all of them ready."""
     workers: dict[str, JsonLinePeer | CeleryWorker] = {
         "py": matrix.launch.celery(queue, concurrency=LIMITED_CONCURRENCY),
         **{language: matrix.launch.peer(language, queue, concurrency=LIMITED_CONCURRENCY)
@@ -737,7 +744,7 @@ def limited_queue(matrix: Matrix, limit: TaskLimit, task_type: str = "limits.tas
     matrix.victims.extend(workers.values())
     for worker in workers.values():
         worker.wait_ready()
-    return queue, workers
+    return workers
 
 
 def holds_slot(matrix: Matrix, running: str, peer: JsonLinePeer) -> bool:
@@ -857,3 +864,65 @@ def test_a_breaker_opens_on_failures_in_every_language_and_closes_on_a_probe(
     failed_by = {name.decode().split(" ")[1] for name, count in stats.items()
                  if name.decode().endswith(" failed") and int(count) > 0}
     assert len(failed_by) >= 3, failed_by
+
+
+@pytest.mark.parametrize("tasks,keys", [
+    (800, 40), pytest.param(10_000, 500, marks=pytest.mark.skipif(
+        not LONG_DRILLS, reason="a long drill: set KOMBU_ENVELOPE_LONG_DRILLS=1"))])
+def test_ordering_keys_hold_across_every_language_with_failures_and_a_kill(
+        matrix: Matrix, tasks: int, keys: int) -> None:
+    """``tasks`` ``matrix.task`` over ``keys`` ordering keys (docs/protocol.md, section 20)
+    on a queue every language works, each key published by one language in turn, one task
+    in ten failing once (retried under the tiered policy), the Go worker SIGKILLed mid-run:
+    per key, every task ran alone and in publish order (from the key's log of starts and
+    ends), and each had its effect exactly once."""
+    queue = f"mx.order.{uuid.uuid4().hex[:6]}"
+    workers = worked_by_all(matrix, queue)
+    rng = random.Random(20)
+    order: dict[str, list[str]] = {f"{queue}-k{k}": [] for k in range(keys)}
+    plan = []
+    for index in range(tasks):
+        key = f"{queue}-k{index % keys}"
+        producer = LANGUAGES[(index % keys) % len(LANGUAGES)]
+        tid = task_id("order", producer, "any")
+        order[key].append(tid)
+        plan.append((producer, queue, {
+            "task_id": tid, "ordering_key": key, "idempotency_key": tid,
+            "retry_policy": "tiered",
+            "payload": {"log": key, "hold_ms": 10,
+                        "fail_times": 1 if rng.random() < 0.1 else 0}}))
+    matrix.publish(plan)
+    victim = workers["go"]
+    assert isinstance(victim, JsonLinePeer)
+    all_ids = [t for ids in order.values() for t in ids]
+
+    def go_is_busy() -> bool:  # it has had effects and works on: killed mid-run
+        done = [langs for langs in matrix.records.effects(all_ids).values() if langs]
+        return len(done) >= tasks // 20 and any("go" in langs for langs in done)
+
+    wait_for(go_is_busy, timeout=SETTLE_S, interval=0.05, message=matrix.logs)
+    victim.kill()
+
+    def ended() -> dict[str, list[str]] | None:
+        logs = {key: [e.decode() for e in matrix.client.lrange(f"{matrix.prefix}:mx:log:{key}",
+                                                                0, -1)]
+                for key in order}
+        done = sum(e.startswith("end ") for entries in logs.values() for e in entries)
+        return logs if done >= tasks else None
+
+    logs = wait_for(ended, timeout=SETTLE_S + tasks / 50, interval=0.5, message=matrix.logs)
+    wrong = {}
+    for key, entries in logs.items():
+        expected, at = order[key], 0
+        for entry in entries:
+            what, tid = entry.split(" ", 1)
+            if at >= len(expected) or tid != expected[at]:
+                wrong[key] = (entry, expected[at] if at < len(expected) else None)
+                break
+            at += what == "end"
+    assert not wrong, f"key -> (entry out of order, task whose turn it was): {wrong}"
+    effects = matrix.records.effects(all_ids)
+    assert all(len(e) == 1 for e in effects.values()), \
+        {t: e for t, e in effects.items() if len(e) != 1}
+    wait_for(lambda: queue_drained(matrix.client, matrix.prefix, queue), timeout=10,
+             message=matrix.logs)

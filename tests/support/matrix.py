@@ -197,8 +197,9 @@ class CeleryPeer:
         headers: dict[str, Any] = dict(task.get("headers") or {})
         if "max_retries" in task:
             headers["max_retries"] = task["max_retries"]
-        if task.get("idempotency_key"):
-            headers["idempotency_key"] = task["idempotency_key"]
+        for field in ("idempotency_key", "ordering_key"):
+            if task.get(field):
+                headers[field] = task[field]
         if task.get("retry_policy"):
             headers["x-retry-policy"] = task["retry_policy"]
         eta, expires = task.get("schedule_time"), task.get("expires")
