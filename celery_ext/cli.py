@@ -1,5 +1,5 @@
-"""``celery envelope ...``: operate the scheduler, the outbox relay, task limits, delayed
-tasks, dead letters and schemas.
+"""``celery envelope ...``: operate the scheduler, the outbox relay, task limits, ordering keys,
+delayed tasks, dead letters and schemas.
 
 Registered through the ``celery.commands`` entry point, so every command runs
 as ``celery -A proj envelope <command>`` against the app's broker. Output is a
@@ -8,6 +8,7 @@ human-readable table; ``--json`` prints JSON instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ from kombu_envelope.outbox.options import DB_URL_ENV, DEFAULT_BATCH, DEFAULT_IDL
 from kombu_envelope.schemas_cli import schema_commands
 from kombu_envelope.store.dead_letters import DeadLetterFilter, DeadLetters, ReplayEdit
 from kombu_envelope.store.delayed import Cancellation, CancelOutcome, DelayedTasks
+from kombu_envelope.store.ordering import OnDeadLetter, OrderingKeys
 from kombu_envelope.store.promoter import Promoter
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.schemas import PayloadSchemas
@@ -230,6 +232,60 @@ def limits_remove(ctx: click.Context, task_type: str, queue: str) -> None:
     if not _limits(ctx).remove(queue, task_type):
         raise click.ClickException(f"{task_type} has no limits on {queue}")
     click.echo(f"limits of {task_type} on {queue} removed")
+
+
+@envelope.group()
+def ordering() -> None:
+    """Show ordering keys, skip a stuck head, and choose what a dead letter does to its key
+    (protocol section 20)."""
+
+
+def _ordering(ctx: click.Context) -> OrderingKeys:
+    app = _app(ctx)
+    settings = broker_settings(app)
+    return OrderingKeys(broker_redis(app, settings), settings)
+
+
+@ordering.command("show")
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.option("--key", "key", default=None, help="One ordering key (default: every key).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def ordering_show(ctx: click.Context, queue: str, key: str | None, as_json: bool) -> None:
+    """List the ordering keys of a queue that have tasks: the head whose turn it is, how
+    many wait behind it, and the dead-lettered head a halted key waits for."""
+    keys = _ordering(ctx)
+    states = [keys.state(queue, key)] if key else keys.keys(queue)
+    if as_json:
+        _echo_json({"keys": [dataclasses.asdict(state) for state in states],
+                    "policies": {t: p.value for t, p in keys.policies(queue).items()}})
+    else:
+        echo_table(["key", "head", "waiting", "halted for"],
+                   [(s.key, s.head or "-", str(s.waiting), s.halted_for or "-") for s in states])
+
+
+@ordering.command("skip")
+@click.argument("key")
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.pass_context
+def ordering_skip(ctx: click.Context, key: str, queue: str) -> None:
+    """Move KEY on past its head (a halted one, or one whose entry is lost)."""
+    head = _ordering(ctx).skip(queue, key)
+    if head is None:
+        raise click.ClickException(f"ordering key {key} has no tasks on {queue}")
+    click.echo(f"ordering key {key} on {queue}: skipped {head}")
+
+
+@ordering.command("policy")
+@click.argument("task_type")
+@click.argument("on_dead_letter", type=click.Choice([p.value for p in OnDeadLetter]))
+@click.option("--queue", "-Q", required=True, help="Queue name.")
+@click.pass_context
+def ordering_policy(ctx: click.Context, task_type: str, on_dead_letter: str, queue: str) -> None:
+    """What a dead-lettered head of TASK_TYPE does to its key: advance (the default) or
+    halt until an operator replays or skips it."""
+    _ordering(ctx).set_policy(queue, task_type, on_dead_letter)
+    click.echo(f"a dead-lettered {task_type} on {queue} now makes its key {on_dead_letter}")
 
 
 @envelope.group()

@@ -8,6 +8,10 @@ defaults (early acknowledgement), so the key is held by the run, not by its entr
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +23,7 @@ from apps.limits_app import create_app
 from celery import Celery
 from support import wait_for
 from support.envelope_streams import envelope_url
-from support.workers import CeleryWorker
+from support.workers import PROJECT_ROOT, TESTS_DIR, CeleryWorker
 
 from kombu_envelope.codec import ENC_JSON, decode_entry, encode_body
 from kombu_envelope.envelope import Envelope, utcnow
@@ -221,6 +225,7 @@ def test_an_unknown_policy_is_refused_naming_it(redis_client: redis.Redis,
 
 CELERY_QUEUE = "ordered-celery"
 LEASE_MS = 1500
+POLICY = {"ordering.step": "halt"}
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +236,8 @@ def prefix() -> str:
 @pytest.fixture(scope="module")
 def worker(redis_url: str, prefix: str) -> Iterator[CeleryWorker]:
     env = {"TEST_BROKER_URL": envelope_url(redis_url), "TEST_RESULT_BACKEND": redis_url,
-           "TEST_KEY_PREFIX": prefix, "TEST_LEASE_MS": str(LEASE_MS)}
+           "TEST_KEY_PREFIX": prefix, "TEST_LEASE_MS": str(LEASE_MS),
+           "TEST_ORDERING_POLICY": json.dumps(POLICY)}
     with CeleryWorker("apps.limits_app", pool="prefork", concurrency=4, queues=[CELERY_QUEUE],
                       env=env) as started:
         yield started
@@ -270,3 +276,48 @@ def test_celery_runs_each_key_one_at_a_time_in_publish_order_with_retries(
             task_id = ids[key, index]
             expected += [f"start {task_id}"] * (2 if index % 3 == 1 else 1) + [f"end {task_id}"]
         assert entries == expected, key
+
+
+def log_of(client: redis.Redis, prefix: str, log: str) -> list[str]:
+    return [e.decode() for e in client.lrange(f"{prefix}:mx:log:{log}", 0, -1)]
+
+
+def celery_cli(redis_url: str, prefix: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "apps.limits_app", "envelope", *args],
+        cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TEST_BROKER_URL": envelope_url(redis_url),
+             "TEST_RESULT_BACKEND": redis_url, "TEST_KEY_PREFIX": prefix,
+             "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(PROJECT_ROOT)])})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_halted_key_waits_for_an_operator_who_skips_its_dead_head(
+        worker: CeleryWorker, app: Celery, redis_client: redis.Redis, redis_url: str,
+        prefix: str) -> None:
+    # Given the setting's policy (halt) and a key whose head fails for good
+    log = f"{prefix}-halt"
+    doomed = app.send_task("ordering.step", kwargs={"log": log, "fail": True},
+                           queue=CELERY_QUEUE, headers={"ordering_key": "halting"}).id
+    after = app.send_task("ordering.step", kwargs={"log": log}, queue=CELERY_QUEUE,
+                          headers={"ordering_key": "halting"}).id
+
+    # Then it is dead-lettered (by the worker: acknowledged early) and the key halts
+    shown = wait_for(lambda: (lambda s: s if doomed in s else None)(celery_cli(
+        redis_url, prefix, "ordering", "show", "-Q", CELERY_QUEUE, "--key", "halting")),
+        timeout=20, message=worker.log_tail)
+    (line,) = [line for line in shown.splitlines() if line.startswith("halting")]
+    assert line.split() == ["halting", doomed, "1", doomed], shown  # head, waiting, halted for
+    time.sleep(1)
+    assert log_of(redis_client, prefix, log) == [f"start {doomed}"]
+
+    # When an operator skips the head, the next task runs
+    assert f"skipped {doomed}" in celery_cli(redis_url, prefix, "ordering", "skip", "halting",
+                                             "-Q", CELERY_QUEUE)
+    wait_for(lambda: log_of(redis_client, prefix, log)[-1:] == [f"end {after}"], timeout=20,
+             message=worker.log_tail)
+    shown = json.loads(celery_cli(redis_url, prefix, "ordering", "show", "-Q", CELERY_QUEUE,
+                                  "--json"))
+    assert shown["policies"] == {"ordering.step": "halt"}
+    assert "halting" not in [k["key"] for k in shown["keys"]]

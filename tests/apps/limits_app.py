@@ -9,7 +9,8 @@ same task under a type without limits. The matrix app registers ``limits.task`` 
 Configured from the environment when loaded by a worker: ``TEST_BROKER_URL``
 (``envelope://...``), ``TEST_RESULT_BACKEND`` (``redis://...``, whose Redis also holds the
 spans), ``TEST_KEY_PREFIX``, ``TEST_LEASE_MS`` and ``TEST_TASK_LIMITS`` (JSON, the
-``envelope_task_limits`` setting). Celery's defaults otherwise: early acknowledgement and a
+``envelope_task_limits`` setting) and ``TEST_ORDERING_POLICY`` (JSON, the
+``envelope_ordering_on_dead_letter`` setting). Celery's defaults otherwise: early acknowledgement and a
 prefetch of four per process.
 """
 
@@ -40,6 +41,8 @@ def create_app(broker_url: str | None = None, result_backend: str | None = None,
         result_backend_transport_options={"global_keyprefix": f"{prefix}:"},
         broker_connection_retry_on_startup=True,
         envelope_task_limits=json.loads(os.environ.get("TEST_TASK_LIMITS") or "{}"),
+        envelope_ordering_on_dead_letter=json.loads(os.environ.get("TEST_ORDERING_POLICY")
+                                                    or "{}"),
     )
 
     @cache

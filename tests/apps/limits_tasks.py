@@ -30,12 +30,16 @@ def add_limits_tasks(app: Celery, records: Callable[[], redis.Redis], prefix: st
         run(self, sleep_ms)
 
     @app.task(name="ordering.step", shared=False, bind=True)
-    def ordering_step(self: Task, log: str, sleep_ms: int = 0, fail_once: bool = False) -> None:
+    def ordering_step(self: Task, log: str, sleep_ms: int = 0, fail_once: bool = False,
+                      fail: bool = False) -> None:
         """Records ``start <id>`` and ``end <id>`` in ``<prefix>:mx:log:<log>``; with
-        ``fail_once`` its first attempt fails and is retried 0.1 s later."""
+        ``fail_once`` its first attempt fails and is retried 0.1 s later, with ``fail``
+        every attempt fails (and it is dead-lettered)."""
         entries = f"{prefix}:mx:log:{log}"
         records().rpush(entries, f"start {self.request.id}")
         time.sleep(sleep_ms / 1000)
+        if fail:
+            raise RuntimeError("ordering.step asked to fail")
         if fail_once and records().set(f"{prefix}:mx:failed:{self.request.id}", 1, nx=True):
             raise self.retry(countdown=0.1)
         records().rpush(entries, f"end {self.request.id}")
