@@ -10,8 +10,8 @@ Configured from the environment when loaded by a worker: ``TEST_BROKER_URL``
 (``envelope://...``), ``TEST_RESULT_BACKEND`` (``redis://...``, whose Redis also holds the
 spans), ``TEST_KEY_PREFIX``, ``TEST_LEASE_MS`` and ``TEST_TASK_LIMITS`` (JSON, the
 ``envelope_task_limits`` setting) and ``TEST_ORDERING_POLICY`` (JSON, the
-``envelope_ordering_on_dead_letter`` setting). Celery's defaults otherwise: early acknowledgement and a
-prefetch of four per process.
+``envelope_ordering_on_dead_letter`` setting). Celery's defaults otherwise: early
+acknowledgement and a prefetch of four per process.
 """
 
 from __future__ import annotations
