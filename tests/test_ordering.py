@@ -39,6 +39,7 @@ from kombu_envelope.store.ordering import (
 )
 from kombu_envelope.store.promoter import Promoter
 from kombu_envelope.store.publisher import Publisher
+from kombu_envelope.store.queues import Queues
 
 QUEUE = "ordered"
 GROUP = Settings().consumer_group
@@ -205,6 +206,17 @@ def test_a_hold_of_a_run_acknowledged_early_expires_into_an_advance_only_without
     promote(redis_client, settings)
     assert keys.state(QUEUE, "H").head == "waits"
     assert "waits" in stream_ids(redis_client, settings)
+
+
+def test_a_purge_deletes_the_tasks_waiting_for_their_turn(
+        redis_client: redis.Redis, settings: Settings, publisher: Publisher) -> None:
+    queues = Queues(redis_client, settings)
+    queues.declare(QUEUE)
+    for index in range(3):
+        publisher.publish(QUEUE, keyed("P", f"p{index}"))
+    assert queues.purge(QUEUE) == 3  # the head and two waiting
+    keys = settings.keys.queue(QUEUE)
+    assert not redis_client.exists(keys.order("P"), keys.order_waiting("P"))
 
 
 def test_a_keyed_envelope_is_never_compressed_and_a_bad_key_or_policy_is_refused() -> None:

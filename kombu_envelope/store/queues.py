@@ -15,6 +15,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from kombu_envelope.keys import QueueKeys
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.scripts import script
 
@@ -74,7 +75,8 @@ class Queues:
         return size
 
     def purge(self, queue: str) -> int:
-        """Delete entries nobody has read yet, and delayed tasks; return how many."""
+        """Delete entries nobody has read yet, delayed tasks and keyed tasks waiting for
+        their turn; return how many."""
         keys = self.keys.queue(queue)
         purger = f"purge-{uuid.uuid4().hex[:8]}"
         read = script(self.client, "read")
@@ -97,7 +99,20 @@ class Queues:
         for stream in keys.all_streams:
             pipe.xgroup_delconsumer(stream, self.settings.consumer_group, purger)
         delayed: int = pipe.execute(raise_on_error=False)[0]
-        return purged + delayed
+        return purged + delayed + self._purge_waiting(keys)
+
+    def _purge_waiting(self, keys: QueueKeys) -> int:
+        """Delete the keyed tasks waiting for their turn, and the orders of their keys
+        (docs/protocol.md, section 20); return how many tasks."""
+        purged = 0
+        for name in self.client.scan_iter(match=keys.order_waiting("*"), count=500):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hlen(name)
+            pipe.delete(name)
+            purged += pipe.execute()[0]
+        for name in self.client.scan_iter(match=keys.order("*"), count=500):
+            self.client.delete(name)
+        return purged
 
     def delete(self, queue: str) -> None:
         """Delete every key of ``queue``."""
