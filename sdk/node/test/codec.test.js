@@ -43,6 +43,14 @@ describe('entries', () => {
     assert.equal(encodeEntry(big, { gzipMinBytes: null }).enc, ENC_JSON);
   });
 
+  test('an Envelope with an ordering_key is plain JSON whatever its size (the scripts read the key)', () => {
+    const keyed = env({ payload: { blob: 'x'.repeat(10_000) }, ordering_key: 'order:42' });
+    const entry = encodeEntry(keyed);
+    assert.equal(entry.enc, ENC_JSON);
+    assert.match(entry.body.toString('utf8'), /"ordering_key":"order:42"/);
+    assert.deepEqual(decodeEntry(entry), keyed);
+  });
+
   test('gzip from other writers: header fields, any level, but exactly one member', () => {
     const json = Buffer.from(envelopeToJson(env()));
     const withName = Buffer.concat([
