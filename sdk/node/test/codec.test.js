@@ -166,6 +166,12 @@ describe('keys', () => {
     assert.equal(q.dead, 'envelope:{celery}:dead');
     assert.equal(q.cancelled, undefined, 'cancel marks are not per queue (revision 2)');
     assert.equal(q.kombu, 'envelope:{celery}:kombu');
+    assert.equal(q.order('order:42'), 'envelope:{celery}:order:order:42');
+    assert.equal(q.orderWaiting('order:42'), 'envelope:{celery}:order-waiting:order:42');
+    assert.equal(q.orderAdvanced, 'envelope:{celery}:order-advanced');
+    assert.equal(q.orderHeld, 'envelope:{celery}:order-held');
+    assert.equal(q.orderPolicy, 'envelope:{celery}:order-policy');
+    assert.equal(q.orderHalted, 'envelope:{celery}:order-halted');
     assert.equal(ks.queues, 'envelope:queues');
     assert.equal(ks.deadQueues, 'envelope:dead-queues');
     assert.equal(ks.cancelled, 'envelope:cancelled');
