@@ -168,14 +168,19 @@ export function decodeEntry(fields, { limits = DEFAULT_LIMITS } = {}) {
   return decodeBody(enc, body, limits);
 }
 
-/** { enc, body } for an Envelope: gzip (level 6, mtime 0) from gzipMinBytes of JSON on. */
+/**
+ * { enc, body } for an Envelope: gzip (level 6, mtime 0) from gzipMinBytes of JSON on,
+ * except with an ordering_key, always plain JSON: the scripts read the key from the body
+ * (docs/protocol.md section 20).
+ */
 export function encodeBody(env, { gzipMinBytes = DEFAULT_GZIP_MIN_BYTES, limits = DEFAULT_LIMITS } = {}) {
   const json = Buffer.from(envelopeToJson(env), 'utf8');
   const limit = maxBodyBytes(limits);
   if (json.length > limit) {
     throw new MalformedEntry('too_large', `the Envelope is ${json.length} bytes of JSON, above the limit of ${limit}`);
   }
-  if (gzipMinBytes !== null && json.length >= gzipMinBytes) {
+  const keyed = env.ordering_key !== null && env.ordering_key !== undefined;
+  if (gzipMinBytes !== null && json.length >= gzipMinBytes && !keyed) {
     return { enc: ENC_JSON_GZIP, body: zlib.gzipSync(json, { level: 6 }) };
   }
   return { enc: ENC_JSON, body: json };

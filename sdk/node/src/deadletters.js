@@ -10,6 +10,7 @@ import { DEFAULT_LIMITS, envelopeToJson, newEnvelope } from './envelope.js';
 import { parseJson } from './json.js';
 import { KeySpace, bucketFor } from './keys.js';
 import { TaskRecords, publishedFields, withRecord } from './records.js';
+import { registerThen } from './registry.js';
 import { PayloadSchemas } from './schemas.js';
 import { Scripts } from './scripts.js';
 import { Timestamp } from './time.js';
@@ -146,7 +147,9 @@ export class DeadLetters {
 
   /**
    * Publish a dead-lettered task again, edited first; returns the new stream entry id,
-   * or null when the entry is gone (replayed or purged by someone else first). Throws
+   * "waiting" for a task with an ordering_key whose key's turn has not come (section 20;
+   * the replay of the head its key halted for runs again as the head), or null when the
+   * entry is gone (replayed or purged by someone else first). Throws
    * InvalidEnvelope when the edited Envelope breaks a rule (its payload schema included), MalformedEntry when the
    * entry holds no valid Envelope.
    * @param {string} queue
@@ -168,7 +171,9 @@ export class DeadLetters {
     const [keys, args] = withRecord(this.records.active(qk, envelope.task_id, 0, publishedFields(envelope, queue)),
       [qk.dead, qk.stream(bucketFor(envelope.priority)), qk.replayed],
       [id, enc, body, 'replayed_at', Timestamp.now().toString(), 'operator', operator], 3);
-    const reply = await this.scripts.run('replay', keys, args);
+    // A keyed task registers its queue first, as a publish does: promoters release it (section 20).
+    const run = () => this.scripts.run('replay', keys, args);
+    const reply = await (envelope.ordering_key !== null ? registerThen(this.client, this.keys.queues, queue, run) : run());
     return reply ? text(reply) : null;
   }
 

@@ -37,10 +37,10 @@ const EXT_MAX_DEPTH = 64;
 export const FIELDS = Object.freeze([
   'task_id', 'task_type', 'payload_version', 'payload', 'schedule_time', 'timeout_ms', 'expires',
   'max_retries', 'retry_count', 'priority', 'trace_id', 'created_at', 'idempotency_key',
-  'headers', 'ext',
+  'ordering_key', 'headers', 'ext',
 ]);
 // Optional fields whose default is null: left out of the JSON when null.
-const NULL_BY_DEFAULT = new Set(['schedule_time', 'timeout_ms', 'expires', 'idempotency_key']);
+const NULL_BY_DEFAULT = new Set(['schedule_time', 'timeout_ms', 'expires', 'idempotency_key', 'ordering_key']);
 const KNOWN = new Set(FIELDS);
 const REQUIRED_IDENTITY = 'the field is required (producers fill it in; readers never invent it)';
 
@@ -245,6 +245,10 @@ export function validateEnvelope(input, options = {}) {
   else env.created_at = checkTime(check, 'created_at', data.created_at);
   env.idempotency_key = has('idempotency_key') && data.idempotency_key !== null
     ? checkString(check, 'idempotency_key', data.idempotency_key, { min: 1, max: 512 })
+    : null;
+  // Tasks with the same ordering_key on a queue run one at a time, in the order they joined it (section 20).
+  env.ordering_key = has('ordering_key') && data.ordering_key !== null
+    ? checkString(check, 'ordering_key', data.ordering_key, { min: 1, max: 255, pattern: TOKEN_PATTERN, patternText: 'printable ASCII without spaces' })
     : null;
   if (!has('headers')) env.headers = {};
   else if (!isPlainObject(data.headers)) check.add('headers', 'type', `must be an object of strings, not ${describe(data.headers)}`);

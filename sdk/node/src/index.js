@@ -5,7 +5,7 @@ export * from './keys.js';
 export * from './retry.js';
 export { parseOffset, formatOffset, parseRfc3339 } from './time.js';
 export { Scripts, loadScripts, keyCount, LUA_DIR, SCRIPT_NAMES } from './scripts.js';
-export { Producer, PUBLISH_DEDUPE_MS } from './producer.js';
+export { Producer, PUBLISH_DEDUPE_MS, WAITING } from './producer.js';
 export { Worker, WORKER_DEFAULTS } from './worker.js';
 export { InvalidLimits, PARKED_CONSUMER, TaskLimits, limitsToJson, validateLimits } from './limits.js';
 export { InvalidRedisUrl, createRedis, parseRedisLocation, parseRedisUrl } from './url.js';

@@ -27,6 +27,12 @@
 //   <prefix>:{<queue>}:rate:<task_type>      GCRA theoretical arrival time (ms), read.lua's
 //   <prefix>:{<queue>}:parked:<task_type>    LIST "<stream> <entry id>" parked, read.lua's
 //   <prefix>:{<queue>}:parked-types          SET of task types with parked entries, read.lua's
+//   <prefix>:{<queue>}:order:<key>           LIST task_ids of one ordering key, the head's turn (section 20)
+//   <prefix>:{<queue>}:order-waiting:<key>   HASH task_id -> "<bucket>\n<enc>\n<body>": keyed tasks waiting for their turn
+//   <prefix>:{<queue>}:order-advanced        LIST keys whose head was settled, for promote.lua to release the next
+//   <prefix>:{<queue>}:order-held            ZSET "<key>\n<task_id>\n<stream>\n<entry id>" -> deadline (ms)
+//   <prefix>:{<queue>}:order-policy          HASH task_type -> advance | halt (a dead-lettered head)
+//   <prefix>:{<queue>}:order-halted          HASH key -> task_id of the dead-lettered head it waits for
 
 export const DEFAULT_PREFIX = 'envelope';
 export const DEFAULT_GROUP = 'workers';
@@ -67,6 +73,14 @@ export class QueueKeys {
     this.stats = `${this.base}:stats`;
     /** The limits per task type (section 19). */
     this.limits = `${this.base}:limits`;
+    /** Ordering keys whose head was settled, for promote.lua to release the next (section 20). */
+    this.orderAdvanced = `${this.base}:order-advanced`;
+    /** Keys held by runs acknowledged early, scored by deadline (section 20). */
+    this.orderHeld = `${this.base}:order-held`;
+    /** What a dead-lettered head does to its key, per task type: advance or halt (section 20). */
+    this.orderPolicy = `${this.base}:order-policy`;
+    /** Halted ordering keys -> the task_id of the dead-lettered head they wait for (section 20). */
+    this.orderHalted = `${this.base}:order-halted`;
     Object.freeze(this);
   }
 
@@ -83,6 +97,16 @@ export class QueueKeys {
   /** The concurrency slots of `taskType` (section 19). */
   running(taskType) {
     return `${this.base}:running:${taskType}`;
+  }
+
+  /** The task_ids of ordering key `key` in the order they joined; the head's turn (section 20). */
+  order(key) {
+    return `${this.base}:order:${key}`;
+  }
+
+  /** The keyed tasks of `key` waiting for their turn (section 20). */
+  orderWaiting(key) {
+    return `${this.base}:order-waiting:${key}`;
   }
 
   stream(bucket) {

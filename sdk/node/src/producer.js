@@ -11,6 +11,9 @@
 // (src/announce.js). Each publish writes its task record (src/records.js) and
 // carries the current trace context in headers.traceparent (src/tracing.js).
 // taskLimits sets and reads the limits per task type of section 19 (src/limits.js).
+// A keyed task (ordering_key, section 20) registers its queue in <prefix>:queues like a
+// delayed one, so promoters release it when its turn comes; enqueue.lua answers
+// "waiting" when that turn has not come yet.
 
 import crypto from 'node:crypto';
 import { notServed, readAnnouncements } from './announce.js';
@@ -32,6 +35,9 @@ import { PublishTrace } from './tracing.js';
 
 /** How long enqueue.lua and schedule.lua remember a publish token (ms, docs/protocol.md section 4). */
 export const PUBLISH_DEDUPE_MS = 90_000;
+
+/** What enqueue.lua and replay.lua answer for a keyed task whose turn has not come (section 20). */
+export const WAITING = 'waiting';
 
 /** A new publish token: one per publish, the same for every try of it. */
 export const publishToken = () => crypto.randomBytes(8).toString('hex');
@@ -116,7 +122,9 @@ export class Producer {
    * which the task must not start). Throws InvalidEnvelope before anything
    * reaches Redis when a rule is broken.
    * Options: nowMs, expiresInMs (sets `expires` to now + this many ms, in UTC).
-   * Returns { taskId, envelope, entryId (null when delayed), delayed, dueMs }.
+   * Returns { taskId, envelope, entryId (null when delayed), delayed, waiting, dueMs }.
+   * A task with an `ordering_key` (section 20) whose key's turn has not come is
+   * stored but in no stream yet: entryId is then "waiting" and waiting true.
    * @typedef {{ nowMs?: number, expiresInMs?: number }} PublishOptions
    * @param {string} queue
    * @param {object} fields
@@ -233,7 +241,8 @@ export class Producer {
   }
 
   /**
-   * @typedef {{ taskId: string, envelope: object, entryId: string | null, delayed: boolean, dueMs: number }} PublishResult
+   * @typedef {{ taskId: string, envelope: object, entryId: string | null, delayed: boolean, waiting: boolean,
+   *   dueMs: number }} PublishResult
    * @returns {Promise<PublishResult>}
    */
   async write(queue, envelope, nowMs) {
@@ -250,16 +259,19 @@ export class Producer {
     if (isDue(envelope, nowMs)) {
       // enqueue.lua: an XADD that also removes a delayed copy of the same task_id,
       // so a task first scheduled and then published to run now is delivered once.
+      // A keyed task registers its queue first, as a delayed one: promoters release
+      // it from its key's waiting hash (section 20).
       const stream = qk.stream(bucket);
       const [keys, args] = withRecord(this.records.active(qk, envelope.task_id, 0, recordFields),
         [stream, qk.delayed, qk.delayedData, qk.published(envelope.task_id)],
         [envelope.task_id, enc, body, token, PUBLISH_DEDUPE_MS], 5);
+      const run = () => this.scripts.run('enqueue', keys, args);
       const entryId = await retrying(async () => {
-        const id = await this.scripts.run('enqueue', keys, args);
+        const id = await (envelope.ordering_key !== null ? registerThen(this.client, this.keys.queues, queue, run) : run());
         await this.replicas.after(this.client, stream, 'publish', log);
         return id;
       });
-      return { taskId: envelope.task_id, envelope, entryId, delayed: false, dueMs: nowMs };
+      return { taskId: envelope.task_id, envelope, entryId, delayed: false, waiting: entryId === WAITING, dueMs: nowMs };
     }
     // Register the queue on every delayed publish, before schedule.lua stores
     // it and wakes the promoters: a registry lost with its node is rebuilt by
@@ -272,6 +284,6 @@ export class Producer {
       await registerThen(this.client, this.keys.queues, queue, () => this.scripts.run('schedule', keys, args));
       await this.replicas.after(this.client, qk.delayed, 'publish', log);
     });
-    return { taskId: envelope.task_id, envelope, entryId: null, delayed: true, dueMs: due };
+    return { taskId: envelope.task_id, envelope, entryId: null, delayed: true, waiting: false, dueMs: due };
   }
 }

@@ -33,6 +33,9 @@
 //   - dead-letters a payload that breaks its schema (section 16) as
 //     invalid_payload, before claiming its idempotency key;
 //   - writes the task record (section 14) in each step's script call or MULTI;
+//   - ordering keys (section 20): the acknowledgement that settles a keyed task for
+//     good advances its key in its MULTI, then wakes the promoters, which release the
+//     key's next task; retries, deferrals and put-backs keep the key's place;
 //   - announces itself (section 15) with every liveness renewal;
 //   - counts each attempt's outcome, run time and wait (section 17) and writes
 //     the counts with every liveness renewal and on stop (statistics.js);
@@ -1125,20 +1128,32 @@ export class Worker extends EventEmitter {
    * record of the final `state` (and `reason`) the acknowledgement writes
    * (state null: no record, the step that moved the task wrote it), and the
    * ZREM that frees the entry's concurrency slot when it came from a limited queue.
-   * @param {{ state: string | null, reason?: string }} ending
+   * A keyed task settled for good (every acknowledgement but the move of an entry
+   * not yet due to the delayed set, `keepsOrder`, where the task keeps its place)
+   * advances its ordering key in the same MULTI (LREM of the head, RPUSH
+   * order-advanced), then wakes the promoters, which release the key's next task
+   * (section 20).
+   * @param {{ state: string | null, reason?: string, keepsOrder?: boolean }} ending
    */
-  async ack(entry, log, { state, reason }) {
+  async ack(entry, log, { state, reason, keepsOrder = false }) {
     const qk = this.queueOf(entry.stream);
     const record = state ? this.records.final(qk, entry.env.task_id, reason ? { reason } : {}) : null;
+    const key = keepsOrder ? null : entry.env.ordering_key;
     const replies = await this.settle('ack', entry.stream, log, async () => {
       const multi = this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id);
       if (entry.slotType) multi.zrem(qk.running(entry.slotType), `${entry.stream} ${entry.id}`);
+      if (key !== null) multi.lrem(qk.order(key), 1, entry.env.task_id).rpush(qk.orderAdvanced, key);
       const r = await (record ? record.hset(multi, state) : multi).exec();
       for (const [err] of r) if (err) throw err;
       return r;
     });
     if (Number(replies[0][1]) === 0) {
       log.warn('acknowledgement answered 0: the entry was taken over while this consumer looked dead (or a retried ack had landed)');
+    }
+    if (key !== null) {
+      // Best effort: it only wakes the promoters sooner.
+      await this.cmd.publish(this.keys.wakeup, '0').catch((err) => log.warn(
+        'could not wake the promoters; the next task of the ordering key starts at their next look', { err, ordering_key: key }));
     }
   }
 
@@ -1157,7 +1172,7 @@ export class Worker extends EventEmitter {
         this.keys.wakeup, `entry:${entry.id}`, PUBLISH_DEDUPE_MS], 8);
     await this.settle('move to the delayed set', qk.delayed, log, () => registerThen(this.cmd, this.keys.queues, qk.queue,
       () => this.scripts.run('schedule', keys, args)));
-    await this.ack(entry, log, { state: null });
+    await this.ack(entry, log, { state: null, keepsOrder: true });
     this.stats.scheduled += 1;
     log.info('entry not due yet; moved to the delayed set', { schedule_time: env.schedule_time });
   }

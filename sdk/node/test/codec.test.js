@@ -43,6 +43,14 @@ describe('entries', () => {
     assert.equal(encodeEntry(big, { gzipMinBytes: null }).enc, ENC_JSON);
   });
 
+  test('an Envelope with an ordering_key is plain JSON whatever its size (the scripts read the key)', () => {
+    const keyed = env({ payload: { blob: 'x'.repeat(10_000) }, ordering_key: 'order:42' });
+    const entry = encodeEntry(keyed);
+    assert.equal(entry.enc, ENC_JSON);
+    assert.match(entry.body.toString('utf8'), /"ordering_key":"order:42"/);
+    assert.deepEqual(decodeEntry(entry), keyed);
+  });
+
   test('gzip from other writers: header fields, any level, but exactly one member', () => {
     const json = Buffer.from(envelopeToJson(env()));
     const withName = Buffer.concat([
@@ -158,6 +166,12 @@ describe('keys', () => {
     assert.equal(q.dead, 'envelope:{celery}:dead');
     assert.equal(q.cancelled, undefined, 'cancel marks are not per queue (revision 2)');
     assert.equal(q.kombu, 'envelope:{celery}:kombu');
+    assert.equal(q.order('order:42'), 'envelope:{celery}:order:order:42');
+    assert.equal(q.orderWaiting('order:42'), 'envelope:{celery}:order-waiting:order:42');
+    assert.equal(q.orderAdvanced, 'envelope:{celery}:order-advanced');
+    assert.equal(q.orderHeld, 'envelope:{celery}:order-held');
+    assert.equal(q.orderPolicy, 'envelope:{celery}:order-policy');
+    assert.equal(q.orderHalted, 'envelope:{celery}:order-halted');
     assert.equal(ks.queues, 'envelope:queues');
     assert.equal(ks.deadQueues, 'envelope:dead-queues');
     assert.equal(ks.cancelled, 'envelope:cancelled');

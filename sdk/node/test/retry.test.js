@@ -154,4 +154,10 @@ describe('the next attempt', () => {
     assert.equal(next.schedule_time, null);
     assert.equal(JSON.parse(envelopeToJson(next)).schedule_time, undefined);
   });
+
+  test('the ordering_key travels with the next attempt, and stays out of the JSON when unset', () => {
+    const next = nextAttempt(env({ ordering_key: 'order:42' }), { retryCount: 1, delayMs: 50 });
+    assert.equal(JSON.parse(envelopeToJson(next)).ordering_key, 'order:42');
+    assert.equal('ordering_key' in JSON.parse(envelopeToJson(nextAttempt(env({}), { delayMs: 0 }))), false);
+  });
 });

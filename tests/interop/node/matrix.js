@@ -15,15 +15,16 @@
 //   {"id": 4, "op": "cancel", "task_ids": [...]}                      -> {"id": 4, "ok": true, "outcomes": [{outcome, queue}, ...]}
 //
 // TASK is {task_id, task_type, payload, schedule_time, expires, max_retries (absent: 3,
-// null: unlimited), retry_policy, idempotency_key, headers (string values, e.g.
-// traceparent and tracestate)}. A failed command answers
+// null: unlimited), retry_policy, idempotency_key, ordering_key, headers (string values,
+// e.g. traceparent and tracestate)}: every Envelope field it has is passed through, with
+// retry_policy added to the headers. A failed command answers
 // {"id": N, "ok": false, "error": "..."}. The process ends when stdin closes or on SIGTERM.
 // Workers write the results Celery callers ask for to the Redis of --results (default --redis).
 
 import readline from 'node:readline';
 import Redis from 'ioredis';
 import {
-  DeadLetters, Producer, RETRY_POLICY_HEADER, Worker, createLogger, parseRedisUrl,
+  DeadLetters, FIELDS, Producer, RETRY_POLICY_HEADER, Worker, createLogger, parseRedisUrl,
 } from 'kombu-envelope';
 import { registerLimitsHandler } from './limits-handler.js';
 import { registerMatrixHandler } from './matrix-handler.js';
@@ -40,16 +41,11 @@ function parseArgs(argv) {
   return { ...args, concurrency };
 }
 
-/** The Envelope fields a TASK of a publish command describes. */
+/** The Envelope fields a TASK of a publish command describes: each Envelope field it has, retry_policy in the headers. */
 function fieldsOf(task) {
-  const fields = { task_type: task.task_type, payload: task.payload ?? {} };
-  for (const name of ['task_id', 'schedule_time', 'expires', 'idempotency_key']) {
-    if (task[name] !== undefined) fields[name] = task[name];
-  }
-  if (Object.hasOwn(task, 'max_retries')) fields.max_retries = task.max_retries;
-  if (task.headers !== undefined || task.retry_policy !== undefined) {
-    fields.headers = { ...task.headers, ...(task.retry_policy !== undefined ? { [RETRY_POLICY_HEADER]: task.retry_policy } : {}) };
-  }
+  const fields = Object.fromEntries(FIELDS.filter((name) => task[name] !== undefined).map((name) => [name, task[name]]));
+  fields.payload ??= {};
+  if (task.retry_policy !== undefined) fields.headers = { ...task.headers, [RETRY_POLICY_HEADER]: task.retry_policy };
   return fields;
 }
 
