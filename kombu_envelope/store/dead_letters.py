@@ -340,7 +340,8 @@ class DeadLetters:
 
     def replay(self, queue: str, entry_id: str, edit: ReplayEdit | None = None,
                operator: str | None = None) -> str | None:
-        """Publish a dead-lettered task again (edited first); return the new entry id.
+        """Publish a dead-lettered task again (edited first); return the new entry id, or
+        ``"waiting"`` for a keyed task whose turn has not come (docs/protocol.md, section 20).
 
         Returns None when the entry is gone (someone replayed or purged it first);
         raises as :meth:`edited` does.
@@ -355,6 +356,8 @@ class DeadLetters:
                   "operator", operator or f"{getpass.getuser()}@{socket.gethostname()}"]
         task_record = record_write(self.settings, queue, envelope.task_id, TaskState.QUEUED,
                                    envelope_fields(envelope, queue))
+        if envelope.ordering_key is not None:  # promoters release its key's next tasks
+            self.client.sadd(self.settings.keys.queues, queue)  # first, on its own (section 2)
         reply = script(self.client, "replay")(
             keys=[keys.dead, keys.stream(bucket_for(envelope.priority)), keys.replayed,
                   *task_record.keys],
