@@ -143,6 +143,15 @@ class UnitTest {
     }
 
     @Test
+    void theOrderKeysAreNamedAsInTheProtocol() {
+        Keys k = new Keys("envelope");
+        assertEquals(List.of("envelope:{q}:order:order:42", "envelope:{q}:order-waiting:order:42",
+                "envelope:{q}:order-advanced", "envelope:{q}:order-held", "envelope:{q}:order-policy",
+                "envelope:{q}:order-halted"), List.of(k.order("q", "order:42"), k.orderWaiting("q", "order:42"),
+                k.orderAdvanced("q"), k.orderHeld("q"), k.orderPolicy("q"), k.orderHalted("q")));
+    }
+
+    @Test
     void aKeyedEnvelopeIsNeverCompressed() throws Exception {
         Envelope big = Envelope.builder("x").put("blob", "abcdefgh".repeat(2000)).orderingKey("k").build();
         Map<String, byte[]> fields = EntryCodec.encodeEntry(big, EntryCodec.GZIP_MIN_BYTES, Limits.DEFAULT);
