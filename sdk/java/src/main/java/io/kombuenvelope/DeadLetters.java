@@ -88,8 +88,11 @@ public final class DeadLetters implements AutoCloseable {
 
     /**
      * Publishes a dead-lettered task again, once, with replay.lua, after {@code edit} (given the
-     * Envelope with retry_count 0 and no schedule_time). Answers the new entry id, or null when
-     * the entry is gone (replayed or purged by someone else first).
+     * Envelope with retry_count 0 and no schedule_time). Answers the new entry id,
+     * {@link PublishResult#WAITING} when the task has an {@code ordering_key} whose turn has not
+     * come (it joins its key's order, docs/protocol.md section 20; the replay of the head a key
+     * halted for runs it again as the head), or null when the entry is gone (replayed or purged by
+     * someone else first).
      *
      * @throws MalformedEntryException when the entry holds no decodable Envelope
      * @throws EnvelopeValidationException when the edited Envelope is invalid or its payload breaks
@@ -114,6 +117,10 @@ public final class DeadLetters implements AutoCloseable {
         EntryCodec.Body body = EntryCodec.encodeBody(e, gzipMin, limits);
         String who = operator != null ? operator : System.getProperty("user.name", "?") + "@" + hostName();
         TaskRecords.Step record = records.activeStep(queue, e.taskId(), 0, TaskRecords.published(e, queue));
+        if (e.orderingKey() != null) {
+            // Promoters release the next task of a key: the registry first, on its own (sections 2, 20).
+            redis().sadd(keys.queues(), Redis.b(queue));
+        }
         byte[] r = Scripts.run(redis(), "replay", ScriptOutputType.VALUE,
                 record.keys(List.of(keys.dead(queue), keys.stream(queue, Keys.bucketFor(e.priority())),
                         keys.replayed(queue))),

@@ -34,8 +34,9 @@ public final class EntryCodec {
 
     /**
      * The body of {@code e}, gzip-compressed when its JSON has at least {@code gzipMin} bytes
-     * ({@code gzipMin <= 0}: never). An Envelope whose JSON exceeds the body limit is refused, so
-     * every entry written can be read back.
+     * ({@code gzipMin <= 0}: never) and it has no {@code ordering_key}: the scripts read the key
+     * from a plain body (docs/protocol.md section 20). An Envelope whose JSON exceeds the body
+     * limit is refused, so every entry written can be read back.
      */
     public static Body encodeBody(Envelope e, int gzipMin, Limits limits) {
         byte[] body = e.toJson();
@@ -43,7 +44,7 @@ public final class EntryCodec {
             throw new EnvelopeValidationException(List.of(new Violation("envelope", "max_bytes",
                     "the Envelope is " + body.length + " bytes of JSON, above the limit of " + limits.maxBodyBytes())));
         }
-        if (gzipMin <= 0 || body.length < gzipMin) {
+        if (gzipMin <= 0 || body.length < gzipMin || e.orderingKey() != null) {
             return new Body(ENC_JSON, body);
         }
         ByteArrayOutputStream out = new ByteArrayOutputStream(body.length / 4 + 64);

@@ -37,7 +37,7 @@ public final class Envelope {
 
     private static final Pattern TASK_TYPE = Pattern.compile(
             "[A-Za-z_][A-Za-z0-9_\\-]*(\\.[A-Za-z_][A-Za-z0-9_\\-]*)*");
-    /** Printable ASCII without spaces: task_id and trace_id. */
+    /** Printable ASCII without spaces: task_id, trace_id and ordering_key. */
     static final Pattern TOKEN = Pattern.compile("[\\x21-\\x7e]+");
 
     /** Refuses a task_id a caller names that no Envelope could carry. */
@@ -50,7 +50,7 @@ public final class Envelope {
     private static final Pattern EXT_NAME = Pattern.compile("[a-z][a-z0-9_.\\-]*");
     private static final Set<String> KNOWN = Set.of("task_id", "task_type", "payload_version", "payload",
             "schedule_time", "timeout_ms", "expires", "max_retries", "retry_count", "priority", "trace_id", "created_at",
-            "idempotency_key", "headers", "ext");
+            "idempotency_key", "ordering_key", "headers", "ext");
     private static final SecureRandom RANDOM = new SecureRandom();
 
     private final String taskId;
@@ -66,6 +66,7 @@ public final class Envelope {
     private final String traceId;
     private final Timestamp createdAt;
     private final String idempotencyKey;
+    private final String orderingKey;
     private final Map<String, String> headers;
     private final Map<String, ObjectNode> ext;
 
@@ -83,6 +84,7 @@ public final class Envelope {
         traceId = b.traceId;
         createdAt = b.createdAt;
         idempotencyKey = b.idempotencyKey;
+        orderingKey = b.orderingKey;
         headers = Collections.unmodifiableMap(new TreeMap<>(b.headers));
         Map<String, ObjectNode> x = new LinkedHashMap<>();
         b.ext.forEach((k, v) -> x.put(k, v.deepCopy()));
@@ -110,6 +112,7 @@ public final class Envelope {
         b.traceId(traceId);
         b.createdAt = createdAt;
         b.idempotencyKey = idempotencyKey;
+        b.orderingKey = orderingKey;
         b.headers.putAll(headers);
         ext.forEach((k, v) -> b.ext.put(k, v.deepCopy()));
         return b;
@@ -160,6 +163,11 @@ public final class Envelope {
     public Timestamp createdAt() { return createdAt; }
     /** Null when the task has none. */
     public String idempotencyKey() { return idempotencyKey; }
+    /**
+     * The ordering key: tasks with the same key on a queue run one at a time, in the order they
+     * joined it (docs/protocol.md section 20). Null when the task has none.
+     */
+    public String orderingKey() { return orderingKey; }
     public Map<String, String> headers() { return headers; }
     /** Namespaces in the order read; values are copies. */
     public Map<String, ObjectNode> ext() {
@@ -221,6 +229,9 @@ public final class Envelope {
         o.put("created_at", createdAt == null ? null : createdAt.toString());
         if (idempotencyKey != null) {
             o.put("idempotency_key", idempotencyKey);
+        }
+        if (orderingKey != null) {
+            o.put("ordering_key", orderingKey);
         }
         ObjectNode h = o.putObject("headers");
         headers.forEach(h::put);
@@ -383,6 +394,9 @@ public final class Envelope {
         if ((v = root.get("idempotency_key")) != null && !v.isNull()) {
             e.idempotencyKey = c.str(v, "idempotency_key", 1, 512);
         }
+        if ((v = root.get("ordering_key")) != null && !v.isNull()) {
+            e.orderingKey = c.token(v, "ordering_key", 255);
+        }
         if ((v = root.get("headers")) != null) {
             if (!v.isObject()) {
                 c.add("headers", "type", "must be an object of string to string, not " + Json.kind(v));
@@ -540,6 +554,7 @@ public final class Envelope {
         private boolean traceIdSet;
         private Timestamp createdAt = Timestamp.now();
         private String idempotencyKey;
+        private String orderingKey;
         private final Map<String, String> headers = new TreeMap<>();
         private final Map<String, ObjectNode> ext = new LinkedHashMap<>();
         private Limits limits = Limits.DEFAULT;
@@ -571,6 +586,8 @@ public final class Envelope {
         public Builder traceId(String v) { traceId = v; traceIdSet = true; return this; }
         public Builder createdAt(Timestamp v) { createdAt = v; return this; }
         public Builder idempotencyKey(String v) { idempotencyKey = v; return this; }
+        /** The ordering key (docs/protocol.md section 20): 1-255 printable ASCII characters without spaces; null: none. */
+        public Builder orderingKey(String v) { orderingKey = v; return this; }
         public Builder header(String name, String value) {
             if (value == null) {
                 headers.remove(name);

@@ -55,6 +55,18 @@ public final class Keys {
     public String limits(String queue) { return base(queue) + ":limits"; }
     /** The concurrency slots of {@code taskType} in {@code queue}, scored by their deadlines (section 19). */
     public String running(String queue, String taskType) { return base(queue) + ":running:" + taskType; }
+    /** The task_ids of ordering key {@code key} in {@code queue}, in the order they joined; the head's turn (section 20). */
+    public String order(String queue, String key) { return base(queue) + ":order:" + key; }
+    /** The keyed tasks of {@code key} in {@code queue} waiting for their turn, field {@code task_id} (section 20). */
+    public String orderWaiting(String queue, String key) { return base(queue) + ":order-waiting:" + key; }
+    /** The ordering keys of {@code queue} whose head was settled, for promote.lua to release the next (section 20). */
+    public String orderAdvanced(String queue) { return base(queue) + ":order-advanced"; }
+    /** The ordering keys of {@code queue} held by runs acknowledged before they ended (section 20). */
+    public String orderHeld(String queue) { return base(queue) + ":order-held"; }
+    /** What a dead-lettered head does to its key, field {@code <task_type>}: {@code advance} or {@code halt} (section 20). */
+    public String orderPolicy(String queue) { return base(queue) + ":order-policy"; }
+    /** The halted ordering keys of {@code queue}, field {@code <key>}: the dead-lettered head's task_id (section 20). */
+    public String orderHalted(String queue) { return base(queue) + ":order-halted"; }
     public String queues() { return prefix + ":queues"; }
     public String deadQueues() { return prefix + ":dead-queues"; }
     public String periodicQueues() { return prefix + ":periodic-queues"; }

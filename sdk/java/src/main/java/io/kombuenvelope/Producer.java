@@ -18,9 +18,10 @@ import java.util.Objects;
 /**
  * Publishes Envelopes (docs/protocol.md section 4): due tasks with enqueue.lua, future ones with
  * schedule.lua, each publish with one token sent unchanged with every try, so a publish retried
- * after a lost reply is stored once. Works on one server, behind Sentinel and on Redis Cluster
- * (each publish touches its queue's slot only); optionally waits for replicas after each publish.
- * Thread-safe; close it when done.
+ * after a lost reply is stored once. A due task with an {@code ordering_key} goes to its stream
+ * only when its key's turn has come, else it waits ({@link PublishResult#waiting()}, section 20).
+ * Works on one server, behind Sentinel and on Redis Cluster (each publish touches its queue's
+ * slot only); optionally waits for replicas after each publish. Thread-safe; close it when done.
  */
 public final class Producer implements AutoCloseable {
     /** How long a publish token is remembered (ms): the retry time plus a minute. */
@@ -105,7 +106,8 @@ public final class Producer implements AutoCloseable {
     /**
      * Publishes to {@code queue}: validated (including {@code max_delay}) and checked against the
      * payload schema of its type and version, then stored in its priority stream when due, else in
-     * the delayed set, with its task record.
+     * the delayed set, with its task record. A due task with an {@code ordering_key} whose turn has
+     * not come is stored to wait for it: its result's entry id is {@link PublishResult#WAITING}.
      *
      * @throws EnvelopeValidationException naming the field and the rule ({@code schema} for a
      *         payload that breaks its schema, on field {@code payload<path>})
@@ -159,6 +161,10 @@ public final class Producer implements AutoCloseable {
         Map<String, String> fields = TaskRecords.published(valid, queue);
         fields.put("published_at", TaskRecords.time(now));
         if (valid.isDue(now)) {
+            if (valid.orderingKey() != null) {
+                // Promoters release the next task of a key: they must serve the queue (section 20).
+                register(queue);
+            }
             String stream = keys.stream(queue, bucket);
             TaskRecords.Step record = records.activeStep(queue, taskId, 0, fields);
             byte[] id = Redis.retrying(link, outageTolerance, () -> link.write(stream, r -> Scripts.run(r, "enqueue",
@@ -170,14 +176,21 @@ public final class Producer implements AutoCloseable {
         long due = valid.dueMs(now.toEpochMilli());
         fields.put("due_at", TaskRecords.time(Instant.ofEpochMilli(due)));
         TaskRecords.Step record = records.activeStep(queue, taskId, due, fields);
-        // The registry first, on its own: a crash in between leaves a listed empty queue (section 2).
-        Redis.retrying(link, outageTolerance, () -> link.sync().sadd(keys.queues(), Redis.b(queue)));
+        register(queue);
         String delayed = keys.delayed(queue);
         Redis.retrying(link, outageTolerance, () -> link.write(delayed, r -> Scripts.run(r, "schedule",
                 ScriptOutputType.INTEGER,
                 record.keys(List.of(delayed, keys.delayedData(queue), keys.published(queue, taskId))),
                 record.args(8, taskId, due, bucket, body.enc(), body.bytes(), keys.wakeup(), token, PUBLISH_DEDUPE_MS))));
         return new PublishResult(taskId, null, true);
+    }
+
+    /**
+     * {@code SADD <prefix>:queues <queue>}, on its own, before a store promoters must serve: a crash
+     * in between leaves a listed empty queue (section 2, registries).
+     */
+    private void register(String queue) {
+        Redis.retrying(link, outageTolerance, () -> link.sync().sadd(keys.queues(), Redis.b(queue)));
     }
 
     /**

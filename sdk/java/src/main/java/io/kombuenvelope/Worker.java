@@ -64,6 +64,8 @@ import org.slf4j.MDC;
  * On a queue with limits per task type (section 19) it passes its free run capacity to read.lua,
  * re-reads within the wait read.lua asks for while entries are parked, renews the concurrency
  * slots of the entries it holds with its liveness key and frees them with their acknowledgement.
+ * A task with an ordering key (section 20) moves its key on in the MULTI of its final
+ * acknowledgement and wakes the promoters, which release the key's next task.
  * Runs on one server, behind Sentinel and on Redis Cluster: every step touches its queue's slot
  * only (registries on their own, first), and failover errors are waited out, never fatal.
  * {@link #start()} it, {@link #close()} it.
@@ -1256,7 +1258,9 @@ public final class Worker implements AutoCloseable {
 
     /**
      * Acknowledges a task that ended in {@code state} ({@code succeeded} or {@code cancelled}, with
-     * {@code reason}: null for a plain success), its record written in the same MULTI.
+     * {@code reason}: null for a plain success), its record written in the same MULTI. Settled for
+     * good, a task with an {@code ordering_key} moves its key on in that MULTI, then wakes the
+     * promoters to release the key's next task (section 20).
      */
     private void ack(Entry e, Envelope env, String state, String reason) {
         Map<String, String> fields = new LinkedHashMap<>();
@@ -1265,19 +1269,50 @@ public final class Worker implements AutoCloseable {
             fields.put("reason", reason);
         }
         TaskRecords.Step record = records.finalStep(e.queue(), env.taskId(), fields);
-        settle("ack", () -> {
+        boolean keyed = env.orderingKey() != null;
+        TransactionResult acked = settle("ack", () -> {
             TransactionResult r = txLink.transaction(e.stream(), tx -> {
                 tx.xack(e.stream(), cfg.group, e.id());
                 tx.xdel(e.stream(), e.id());
                 freeSlot(e, tx);
+                if (keyed) {
+                    advanceKey(e.queue(), env, tx);
+                }
                 record.write(tx, state, false);
             });
-            Object acked = r.isEmpty() ? null : r.get(0);
-            if (acked instanceof Long && (Long) acked == 0) {
+            Object n = r.isEmpty() ? null : r.get(0);
+            if (n instanceof Long && (Long) n == 0) {
                 LOG.warn("ack answered 0: the entry was taken over while this consumer looked dead");
             }
             return r;
         });
+        if (keyed && acked != null) {
+            wakePromoters();
+        }
+    }
+
+    /**
+     * Adds to a final acknowledgement's MULTI what moves the ordering key of {@code env} on
+     * (section 20): {@code LREM} of its task_id from the key's order and {@code RPUSH} of the key
+     * to {@code order-advanced}, for promote.lua to release the next task.
+     */
+    private void advanceKey(String queue, Envelope env, io.lettuce.core.api.sync.RedisCommands<String, byte[]> tx) {
+        tx.lrem(keys.order(queue, env.orderingKey()), 1, Redis.b(env.taskId()));
+        tx.rpush(keys.orderAdvanced(queue), Redis.b(env.orderingKey()));
+    }
+
+    /**
+     * {@code PUBLISH <prefix>:wakeup 0} after a key moved on, so a sleeping promoter releases its next
+     * task now; best effort: a failure is logged, and promoters release it at their next look.
+     */
+    private void wakePromoters() {
+        try {
+            redis().publish(keys.wakeup(), Redis.b("0"));
+        } catch (RuntimeException ex) {
+            link.recover(ex);
+            LOG.warn("waking the promoters failed; they release the next task of the key at their next look: {}",
+                    ex.toString());
+        }
     }
 
     /** Adds the ZREM that frees the concurrency slot of {@code e}, if it may hold one, to its acknowledgement's MULTI. */

@@ -129,6 +129,37 @@ class UnitTest {
     }
 
     @Test
+    void anOrderingKeyIsWrittenOnlyWhenSetAndCarriedIntoDerivedEnvelopes() {
+        Envelope none = Envelope.builder("x").build();
+        assertNull(none.orderingKey());
+        assertFalse(none.toString().contains("ordering_key"), none.toString());
+        Envelope keyed = Envelope.builder("x").orderingKey("order:42").build();
+        assertTrue(keyed.toString().contains("\"ordering_key\":\"order:42\""), keyed.toString());
+        assertEquals("order:42", Envelope.parse(keyed.toString()).orderingKey());
+        assertEquals("order:42", keyed.toBuilder().retryCount(1).build().orderingKey());
+        EnvelopeValidationException e = assertThrows(EnvelopeValidationException.class,
+                () -> Envelope.builder("x").orderingKey("order 42").build());
+        assertEquals("ordering_key pattern", e.violations().get(0).field() + " " + e.violations().get(0).rule());
+    }
+
+    @Test
+    void theOrderKeysAreNamedAsInTheProtocol() {
+        Keys k = new Keys("envelope");
+        assertEquals(List.of("envelope:{q}:order:order:42", "envelope:{q}:order-waiting:order:42",
+                "envelope:{q}:order-advanced", "envelope:{q}:order-held", "envelope:{q}:order-policy",
+                "envelope:{q}:order-halted"), List.of(k.order("q", "order:42"), k.orderWaiting("q", "order:42"),
+                k.orderAdvanced("q"), k.orderHeld("q"), k.orderPolicy("q"), k.orderHalted("q")));
+    }
+
+    @Test
+    void aKeyedEnvelopeIsNeverCompressed() throws Exception {
+        Envelope big = Envelope.builder("x").put("blob", "abcdefgh".repeat(2000)).orderingKey("k").build();
+        Map<String, byte[]> fields = EntryCodec.encodeEntry(big, EntryCodec.GZIP_MIN_BYTES, Limits.DEFAULT);
+        assertEquals("json", new String(fields.get("enc")));
+        assertEquals(big, EntryCodec.decodeEntry(fields, Limits.DEFAULT));
+    }
+
+    @Test
     void backoffFollowsTheFormula() {
         RetryPolicy p = new RetryPolicy(2, Duration.ofSeconds(30), Duration.ofHours(1), () -> 1.0);
         assertEquals(List.of(30L, 60L, 120L), List.of(p.backoffDelay(1, 0).toSeconds(), p.backoffDelay(2, 0).toSeconds(),

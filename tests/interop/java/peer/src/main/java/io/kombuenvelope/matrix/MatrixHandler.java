@@ -15,11 +15,13 @@ import java.util.Map;
 /**
  * {@code matrix.task}, the handler every language of the cross-language matrix runs alike
  * (tests/interop/go/matrix.go, tests/interop/node/matrix-handler.js, tests/apps/matrix_app.py).
- * It records the attempt ({@code RPUSH <prefix>:mx:attempts:<task_id> "java:<retry_count>"}) and
+ * It records the attempt ({@code RPUSH <prefix>:mx:attempts:<task_id> "java:<retry_count>"}), with
+ * {@code log} (a string) right after it {@code RPUSH <prefix>:mx:log:<log> "start <task_id>"}, and
  * the trace headers it came with ({@code RPUSH <prefix>:mx:trace:<task_id>} of the JSON
  * {@code {"language", "traceparent", "tracestate", "trace_id"}}); with {@code hold_ms} records
  * {@code <prefix>:mx:started:<task_id>} and waits; fails with {@link MatrixFailure} while
- * {@code fail} is true or for the first {@code fail_times} attempts; otherwise records its effect
+ * {@code fail} is true or for the first {@code fail_times} attempts; otherwise, with {@code log},
+ * records {@code RPUSH <prefix>:mx:log:<log> "end <task_id>"}, then its effect
  * ({@code RPUSH <prefix>:mx:effect:<task_id> "java:<unix ms>"}), publishes each task of
  * {@code then} ({@code {"queue", "task_id", "then"}}) as a {@code matrix.task} whose payload's
  * {@code then} is the nested one, with the peer's producer on the handler thread (so it continues
@@ -53,7 +55,11 @@ final class MatrixHandler implements ResultHandler {
         long holdMs = count(task, "hold_ms");
         long failTimes = count(task, "fail_times");
         JsonNode then = nextTasks(task.get("then"), "then");
+        String log = text(task, "log");
         long attempt = redis.rpush(key("attempts", task), "java:" + task.retryCount());
+        if (log != null) {
+            redis.rpush(logKey(log), "start " + task.taskId());
+        }
         Map<String, String> headers = task.envelope().headers();
         ObjectNode seen = JSON.createObjectNode().put("language", "java")
                 .put("traceparent", headers.get("traceparent")).put("tracestate", headers.get("tracestate"))
@@ -65,6 +71,9 @@ final class MatrixHandler implements ResultHandler {
         }
         if (task.get("fail").asBoolean(false) || attempt <= failTimes) {
             throw new MatrixFailure("matrix.task failed attempt " + attempt);
+        }
+        if (log != null) {
+            redis.rpush(logKey(log), "end " + task.taskId());
         }
         redis.rpush(key("effect", task), "java:" + System.currentTimeMillis());
         for (JsonNode next : then) {
@@ -78,6 +87,23 @@ final class MatrixHandler implements ResultHandler {
 
     private String key(String what, Task task) {
         return prefix + ":mx:" + what + ":" + task.taskId();
+    }
+
+    /** The list {@code <prefix>:mx:log:<log>} of the starts and ends of the tasks that name it. */
+    private String logKey(String log) {
+        return prefix + ":mx:log:" + log;
+    }
+
+    /** The string {@code payload.<name>}, null when absent. */
+    private static String text(Task task, String name) throws TaskFailure.InvalidPayload {
+        JsonNode value = task.get(name);
+        if (value.isMissingNode() || value.isNull()) {
+            return null;
+        }
+        if (!value.isTextual()) {
+            throw new TaskFailure.InvalidPayload("payload." + name + " must be a string");
+        }
+        return value.asText();
     }
 
     private static long count(Task task, String name) throws TaskFailure.InvalidPayload {

@@ -33,8 +33,8 @@ import java.util.List;
  * </pre>
  *
  * TASK is {task_id, task_type, payload, schedule_time, expires, max_retries (absent: 3, null:
- * unlimited), retry_policy, idempotency_key, headers (string values, e.g. traceparent and
- * tracestate)}. A failed command answers {"id": N, "ok": false, "error": "..."}. The process ends
+ * unlimited), retry_policy, idempotency_key, ordering_key, headers (string values, e.g. traceparent
+ * and tracestate)}. A failed command answers {"id": N, "ok": false, "error": "..."}. The process ends
  * when stdin closes. Workers write the results Celery callers ask for to the Redis of
  * {@code --results} (default {@code --redis}). Each worker runs up to {@code --concurrency} tasks at
  * once (default 1), {@code matrix.task} ({@link MatrixHandler}) and {@code limits.task}
@@ -181,6 +181,9 @@ public final class MatrixPeer implements AutoCloseable {
         }
         if (task.hasNonNull("idempotency_key")) {
             b.idempotencyKey(task.get("idempotency_key").asText());
+        }
+        if (task.hasNonNull("ordering_key")) {
+            b.orderingKey(task.get("ordering_key").asText());
         }
         return b.build();
     }
