@@ -7,7 +7,7 @@ import re
 import textwrap
 import time
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -264,7 +264,10 @@ def test_real_worker_without_the_promoter_when_disabled(
                       queues=[QUEUE]) as worker:
         channel = Settings(key_prefix=key_prefix).keys.wakeup_channel
         assert subscribers(redis_client, channel) == 0
-        app.send_task("promoter_app.noop", queue=QUEUE, countdown=0.2)
-        time.sleep(1.0)
+        # Due 1.5 s ahead (a slow publish must not find it due already); a second after it
+        # is due, nothing has promoted it
+        app.send_task("promoter_app.noop", queue=QUEUE,
+                      eta=datetime.now(timezone.utc) + timedelta(seconds=1.5))
+        time.sleep(2.5)
         assert redis_client.zcard(keys.delayed) == 1
         assert "promoter_app.noop[" not in worker.log_text()
