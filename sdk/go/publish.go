@@ -58,6 +58,12 @@ func WithIdempotencyKey(key string) PublishOption {
 	return func(e *Envelope) error { e.IdempotencyKey = &key; return nil }
 }
 
+// WithOrderingKey sets ordering_key: tasks of one key on a queue run one at a
+// time, in the order they joined it (docs/protocol.md section 20).
+func WithOrderingKey(key string) PublishOption {
+	return func(e *Envelope) error { e.OrderingKey = &key; return nil }
+}
+
 // WithPriority sets priority (0-255; see BucketFor for the streams).
 func WithPriority(priority int) PublishOption {
 	return func(e *Envelope) error { e.Priority = priority; return nil }
