@@ -201,7 +201,7 @@ func (e *BatchError) Unwrap() []error {
 // one is checked, atomic and deduplicated on its own; the batch is not a
 // transaction; with RequireServed the announcements are read once).
 // It returns the stream entry ids in order ("" for a delayed task or one that
-// failed) and, when some failed, a *BatchError naming them; the others are
+// failed, Waiting for a keyed task waiting for its turn) and, when some failed, a *BatchError naming them; the others are
 // published either way.
 func (p *Producer) PublishBatch(ctx context.Context, queue string, envelopes []*Envelope) ([]string, error) {
 	ids := make([]string, len(envelopes))
