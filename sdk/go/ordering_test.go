@@ -89,7 +89,12 @@ func TestTasksOfOneKeyRunOneAtATimeInOrderAndOtherKeysInParallel(t *testing.T) {
 	}
 	e.startOrdered(func(ctx context.Context, task *Task) error {
 		log.add("start", task.TaskID)
-		time.Sleep(150 * time.Millisecond)
+		time.Sleep(100 * time.Millisecond)
+		// a1 ends once b1 started (or 3 s later): only a key of its own lets b1 start meanwhile.
+		for deadline := time.Now().Add(3 * time.Second); task.TaskID == "a1" && !log.has("start b1") &&
+			time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
 		log.add("end", task.TaskID)
 		return nil
 	})
