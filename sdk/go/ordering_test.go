@@ -13,6 +13,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // orderLog records in Redis what the handler of "jobs.run" did, one list
@@ -272,5 +274,30 @@ func TestABigKeyedTaskIsWrittenAsPlainJSONAndRegistersItsQueue(t *testing.T) {
 	}
 	if order := e.client.LLen(ctx, e.q.Order("k")).Val(); order != 2 {
 		t.Fatalf("the key's order holds %d tasks, want 2", order)
+	}
+}
+
+func TestAKeyedEntryNotDueYetKeepsItsPlaceInTheDelayedSet(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	log := orderLog{e}
+	// The head, in its stream ahead of its schedule_time (its publisher's clock is behind).
+	early := New("jobs.run", nil)
+	key, later := "k", NewTimestamp(time.Now().Add(300*time.Millisecond).UTC())
+	early.TaskID, early.OrderingKey, early.ScheduleTime = "s1", &key, &later
+	e.client.RPush(ctx, e.q.Order(key), early.TaskID)
+	e.client.XAdd(ctx, &redis.XAddArgs{Stream: e.q.Stream(Normal),
+		Values: []string{"v", "1", "enc", "json", "body", string(early.JSON())}})
+	if id := e.publishKeyed("s2", key); id != Waiting {
+		t.Fatalf("the task behind the head answered %q, want %q", id, Waiting)
+	}
+	e.startOrdered(func(ctx context.Context, task *Task) error {
+		log.add("start", task.TaskID)
+		log.add("end", task.TaskID)
+		return nil
+	})
+	e.waitFor("s2 to end", func() bool { return log.has("end s2") })
+	if got, want := log.of("s"), "start s1, end s1, start s2, end s2"; got != want {
+		t.Fatalf("ran %s, want %s: moving the head to the delayed set gave its key's turn away", got, want)
 	}
 }
