@@ -52,15 +52,17 @@ func malformed(kind, format string, args ...any) *MalformedEntry {
 func MaxBodyBytes(limits Limits) int { return limits.MaxPayloadBytes + BodyOverheadBytes }
 
 // EncodeBody returns (enc, body) for e, gzip-compressed when its JSON has at
-// least gzipMin bytes (gzipMin <= 0: never). An Envelope whose JSON exceeds
-// MaxBodyBytes is refused.
+// least gzipMin bytes (gzipMin <= 0: never), except for an Envelope with an
+// ordering_key, always plain JSON: the scripts read the key from the body
+// (docs/protocol.md section 20). An Envelope whose JSON exceeds MaxBodyBytes
+// is refused.
 func EncodeBody(e *Envelope, gzipMin int, limits Limits) (string, []byte, error) {
 	body := e.JSON()
 	if limit := MaxBodyBytes(limits); len(body) > limit {
 		return "", nil, &ValidationError{[]Violation{{"envelope", "max_bytes",
 			fmt.Sprintf("the Envelope is %d bytes of JSON, above the limit of %d", len(body), limit)}}}
 	}
-	if gzipMin <= 0 || len(body) < gzipMin {
+	if gzipMin <= 0 || len(body) < gzipMin || e.OrderingKey != nil {
 		return EncJSON, body, nil
 	}
 	var buf bytes.Buffer

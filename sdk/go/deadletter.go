@@ -113,7 +113,7 @@ type ReplayOptions struct {
 // Replay publishes a dead-lettered task again with replay.lua: the entry is
 // removed and a replay record (<prefix>:{<queue>}:replayed) added in the same
 // step, so two operators replaying one entry publish it once. It returns the
-// new stream entry id; ErrGone when the entry is gone, a *MalformedEntry when
+// new stream entry id (Waiting for a keyed task whose turn has not come); ErrGone when the entry is gone, a *MalformedEntry when
 // it holds no valid Envelope, a *ValidationError when the edit broke it or the
 // payload breaks its schema. The task record says queued again.
 func (d *DeadLetters) Replay(ctx context.Context, queue, id string, opts ReplayOptions) (string, error) {

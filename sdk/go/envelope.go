@@ -18,16 +18,17 @@ import (
 
 // Field defaults and bounds of docs/protocol.md section 1.
 const (
-	PriorityMin        = 0
-	PriorityMax        = 255
-	PriorityDefault    = 100
-	MaxRetriesDefault  = 3
-	MaxSafeInteger     = 1<<53 - 1
-	maxExtDepth        = 64
-	maxTaskIDChars     = 255
-	maxTaskTypeChars   = 255
-	maxTraceIDChars    = 128
-	maxIdempotencyKeys = 512
+	PriorityMin         = 0
+	PriorityMax         = 255
+	PriorityDefault     = 100
+	MaxRetriesDefault   = 3
+	MaxSafeInteger      = 1<<53 - 1
+	maxExtDepth         = 64
+	maxTaskIDChars      = 255
+	maxTaskTypeChars    = 255
+	maxTraceIDChars     = 128
+	maxIdempotencyKeys  = 512
+	maxOrderingKeyChars = 255
 )
 
 var (
@@ -69,6 +70,7 @@ type Envelope struct {
 	TraceID        string
 	CreatedAt      Timestamp
 	IdempotencyKey *string
+	OrderingKey    *string // tasks of one key on a queue run one at a time, in order (section 20)
 	Headers        map[string]string
 	Ext            []ExtEntry
 }
@@ -217,6 +219,10 @@ func (e *Envelope) Clone() *Envelope {
 		v := *e.IdempotencyKey
 		c.IdempotencyKey = &v
 	}
+	if e.OrderingKey != nil {
+		v := *e.OrderingKey
+		c.OrderingKey = &v
+	}
 	c.Headers = make(map[string]string, len(e.Headers))
 	for k, v := range e.Headers {
 		c.Headers[k] = v
@@ -266,6 +272,10 @@ func (e *Envelope) JSON() []byte {
 	if e.IdempotencyKey != nil {
 		b = append(b, `,"idempotency_key":`...)
 		b = AppendString(b, *e.IdempotencyKey)
+	}
+	if e.OrderingKey != nil {
+		b = append(b, `,"ordering_key":`...)
+		b = AppendString(b, *e.OrderingKey)
 	}
 	b = append(b, `,"headers":{`...)
 	names := make([]string, 0, len(e.Headers))
@@ -402,6 +412,11 @@ func FromValue(root *Value, limits Limits) (*Envelope, error) {
 			e.IdempotencyKey = &s
 		}
 	}
+	if v := root.Get("ordering_key"); v != nil && v.Kind != Null {
+		if s := c.token(v, "ordering_key", maxOrderingKeyChars); s != "" {
+			e.OrderingKey = &s
+		}
+	}
 	if v := root.Get("headers"); v != nil {
 		if v.Kind != Object {
 			c.add("headers", "type", "must be an object of string to string, not %s", v.Kind)
@@ -448,7 +463,7 @@ var knownFields = map[string]bool{
 	"task_id": true, "task_type": true, "payload_version": true, "payload": true,
 	"schedule_time": true, "timeout_ms": true, "expires": true, "max_retries": true, "retry_count": true,
 	"priority": true, "trace_id": true, "created_at": true, "idempotency_key": true,
-	"headers": true, "ext": true,
+	"ordering_key": true, "headers": true, "ext": true,
 }
 
 // str checks a string field's type and length (in characters).
@@ -465,7 +480,8 @@ func (c *checker) str(v *Value, field string, minLen, maxLen int) (string, bool)
 	return v.Text, true
 }
 
-// token checks a string of printable ASCII without spaces (task_id, trace_id).
+// token checks a string of printable ASCII without spaces (task_id, trace_id,
+// ordering_key); it answers "" when the string breaks a rule.
 func (c *checker) token(v *Value, field string, maxLen int) string {
 	s, ok := c.str(v, field, 1, maxLen)
 	if !ok {

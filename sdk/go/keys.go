@@ -150,3 +150,27 @@ func (q QueueKeys) Running(taskType string) string { return q.Base() + ":running
 // Breaker is the hash of the circuit breaker of taskType (state closed, open or
 // half_open, since in ms...), written only by read.lua (section 19).
 func (q QueueKeys) Breaker(taskType string) string { return q.Base() + ":breaker:" + taskType }
+
+// Order is the list of the task ids of one ordering key in the order they
+// joined it; the head's turn it is (docs/protocol.md section 20).
+func (q QueueKeys) Order(key string) string { return q.Base() + ":order:" + key }
+
+// OrderWaiting is the hash of the tasks of an ordering key waiting for their
+// turn, task id -> "<bucket>\n<enc>\n<body>" (section 20).
+func (q QueueKeys) OrderWaiting(key string) string { return q.Base() + ":order-waiting:" + key }
+
+// OrderAdvanced is the list of ordering keys whose head was settled, from which
+// promote.lua releases the next head (section 20).
+func (q QueueKeys) OrderAdvanced() string { return q.Base() + ":order-advanced" }
+
+// OrderHeld is the sorted set of ordering keys held by runs acknowledged before
+// they end, "<key>\n<task_id>\n<stream>\n<entry id>" scored by deadline in ms (section 20).
+func (q QueueKeys) OrderHeld() string { return q.Base() + ":order-held" }
+
+// OrderPolicy is the hash of what a dead-lettered head does to its ordering key,
+// field <task_type> -> advance (the default) or halt (section 20).
+func (q QueueKeys) OrderPolicy() string { return q.Base() + ":order-policy" }
+
+// OrderHalted is the hash of halted ordering keys, key -> task id of the
+// dead-lettered head the key waits for (section 20).
+func (q QueueKeys) OrderHalted() string { return q.Base() + ":order-halted" }

@@ -55,7 +55,11 @@ func NewProducer(client redis.UniversalClient, prefix string, scripts Scripts) *
 // with RequireServed, that a worker serves it) and stores it with its task record: enqueue.lua into
 // its priority stream when due (removing a delayed copy of the same task_id),
 // SADD <prefix>:queues then schedule.lua into the delayed set otherwise.
-// It returns the stream entry id, or "" when the task was delayed.
+// It returns the stream entry id, "" when the task was delayed, or Waiting
+// when it has an ordering_key whose turn has not come: it is stored, in no
+// stream yet, and a promoter releases it when the task before it is settled
+// (a keyed task registers its queue in <prefix>:queues first, as a delayed
+// one does, so that promoters serve it; docs/protocol.md section 20).
 //
 // While Redis is away or failing over (IsOutage) the publish is retried for
 // about 15 s with one publish token, so it is stored once however many tries
@@ -152,6 +156,13 @@ func (p *Producer) store(ctx context.Context, queue string, e *Envelope, now tim
 	}
 	var id string
 	err = retryOutage(ctx, p.Client, log, "publish", IsOutage, func() error {
+		// The registry first, on its own (section 2): promoters serve the queue's
+		// delayed tasks, and release the keyed ones in their turn (section 20).
+		if !due || e.OrderingKey != nil {
+			if err := p.Client.SAdd(ctx, p.Keys.Queues(), queue).Err(); err != nil {
+				return err
+			}
+		}
 		if due {
 			return p.Durability.write(ctx, p.Client, keys.Stream(bucket), log, func(c redis.Cmdable) error {
 				var err error
@@ -161,9 +172,6 @@ func (p *Producer) store(ctx context.Context, queue string, e *Envelope, now tim
 				id, err = p.Scripts.Get("enqueue").Run(ctx, c, k, args...).Text()
 				return err
 			})
-		}
-		if err := p.Client.SAdd(ctx, p.Keys.Queues(), queue).Err(); err != nil {
-			return err
 		}
 		return p.Durability.write(ctx, p.Client, keys.Delayed(), log, func(c redis.Cmdable) error {
 			_, err := c.Pipelined(ctx, func(pipe redis.Pipeliner) error {
@@ -205,6 +213,10 @@ func storeDelayed(ctx context.Context, pipe redis.Pipeliner, scripts Scripts, ks
 			token, PublishDedupeMS}, 8)
 	scripts.Get("schedule").Eval(ctx, pipe, keys, args...)
 }
+
+// Waiting is the entry id Publish answers for a keyed task stored to wait for
+// its turn (docs/protocol.md section 20).
+const Waiting = "waiting"
 
 // PublishDedupeMS is how long enqueue.lua and schedule.lua remember a publish
 // token (docs/protocol.md section 4).

@@ -58,6 +58,12 @@ func WithIdempotencyKey(key string) PublishOption {
 	return func(e *Envelope) error { e.IdempotencyKey = &key; return nil }
 }
 
+// WithOrderingKey sets ordering_key: tasks of one key on a queue run one at a
+// time, in the order they joined it (docs/protocol.md section 20).
+func WithOrderingKey(key string) PublishOption {
+	return func(e *Envelope) error { e.OrderingKey = &key; return nil }
+}
+
 // WithPriority sets priority (0-255; see BucketFor for the streams).
 func WithPriority(priority int) PublishOption {
 	return func(e *Envelope) error { e.Priority = priority; return nil }
@@ -195,7 +201,7 @@ func (e *BatchError) Unwrap() []error {
 // one is checked, atomic and deduplicated on its own; the batch is not a
 // transaction; with RequireServed the announcements are read once).
 // It returns the stream entry ids in order ("" for a delayed task or one that
-// failed) and, when some failed, a *BatchError naming them; the others are
+// failed, Waiting for a keyed task waiting for its turn) and, when some failed, a *BatchError naming them; the others are
 // published either way.
 func (p *Producer) PublishBatch(ctx context.Context, queue string, envelopes []*Envelope) ([]string, error) {
 	ids := make([]string, len(envelopes))

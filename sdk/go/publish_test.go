@@ -12,13 +12,13 @@ func TestPublishTaskOptionsAndTheTraceIDOfTheContext(t *testing.T) {
 	ctx := ContextWithTraceID(context.Background(), "4bf92f3577b34da6a3ce929d0e0e4736")
 	at := time.Date(2030, 9, 11, 12, 45, 0, 0, time.FixedZone("", 8*3600))
 	e, err := NewTask(ctx, "order.close", map[string]any{"order_id": "1"}, WithScheduleTime(at),
-		WithIdempotencyKey("order:1"), WithPriority(9), WithMaxRetries(-1), WithTieredRetries(),
+		WithIdempotencyKey("order:1"), WithOrderingKey("order:1"), WithPriority(9), WithMaxRetries(-1), WithTieredRetries(),
 		WithTimeout(1500*time.Millisecond), WithPayloadVersion(2))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if e.TraceID != "4bf92f3577b34da6a3ce929d0e0e4736" || e.ScheduleTime.String() != "2030-09-11T12:45:00+08:00" ||
-		*e.IdempotencyKey != "order:1" || e.Priority != 9 || e.MaxRetries != nil ||
+		*e.IdempotencyKey != "order:1" || *e.OrderingKey != "order:1" || e.Priority != 9 || e.MaxRetries != nil ||
 		!AsksForTiered(e) || *e.TimeoutMS != 1500 || e.PayloadVersion != 2 || string(e.Payload) != `{"order_id":"1"}` {
 		t.Fatalf("envelope: %s", e.JSON())
 	}

@@ -154,11 +154,15 @@ func TestKeyLayout(t *testing.T) {
 	q := k.Queue("orders")
 	got := []string{q.Stream(High), q.Stream(Normal), q.Stream(Low), q.Delayed(), q.DelayedData(),
 		q.Dead(), k.Cancelled(), k.Queues(), k.Consumer("c1"), k.Idempotency("order.close_timeout", "42"),
-		k.Retrying("order.close_timeout"), k.Wakeup()}
+		k.Retrying("order.close_timeout"), k.Wakeup(), q.Order("order:42"), q.OrderWaiting("order:42"),
+		q.OrderAdvanced(), q.OrderHeld(), q.OrderPolicy(), q.OrderHalted()}
 	want := []string{"envelope:{orders}:high", "envelope:{orders}:normal", "envelope:{orders}:low",
 		"envelope:{orders}:delayed", "envelope:{orders}:delayed:data", "envelope:{orders}:dead",
 		"envelope:cancelled", "envelope:queues", "envelope:consumer:c1",
-		"envelope:idem:order.close_timeout:42", "envelope:retrying:order.close_timeout", "envelope:wakeup"}
+		"envelope:idem:order.close_timeout:42", "envelope:retrying:order.close_timeout", "envelope:wakeup",
+		"envelope:{orders}:order:order:42", "envelope:{orders}:order-waiting:order:42",
+		"envelope:{orders}:order-advanced", "envelope:{orders}:order-held", "envelope:{orders}:order-policy",
+		"envelope:{orders}:order-halted"}
 	for i := range want {
 		if got[i] != want[i] {
 			t.Errorf("got %s, want %s", got[i], want[i])
@@ -343,6 +347,17 @@ func TestEncodeDecodeRoundTrip(t *testing.T) {
 	small := New("a", nil)
 	if fields, _ := EncodeEntry(small, GzipMinBytes, DefaultLimits); fields[3] != EncJSON {
 		t.Fatal("a small body is compressed")
+	}
+	keyed := e.Clone()
+	key := "order:1"
+	keyed.OrderingKey = &key
+	fields, err = EncodeEntry(keyed, GzipMinBytes, DefaultLimits)
+	if err != nil || fields[3] != EncJSON || fields[5] != string(keyed.JSON()) {
+		t.Fatalf("a %d-byte keyed body is compressed (the scripts read its key): %v %v", len(keyed.JSON()), fields[3], err)
+	}
+	got, err = DecodeEntry(map[string]string{"v": fields[1], "enc": fields[3], "body": fields[5]}, DefaultLimits)
+	if err != nil || got.OrderingKey == nil || *got.OrderingKey != key || got.Clone().OrderingKey == got.OrderingKey {
+		t.Fatalf("the ordering_key did not round-trip (or Clone shares it): %v", err)
 	}
 }
 

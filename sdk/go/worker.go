@@ -1667,7 +1667,10 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 }
 
 // ack acknowledges a task that ended in state (succeeded or cancelled, with
-// reason: "" for a plain success), writing its record in the same MULTI.
+// reason: "" for a plain success), writing its record in the same MULTI. Such
+// a task is settled for good: a keyed one moves its ordering key on in that
+// MULTI, and the promoters are woken to release the key's next task
+// (docs/protocol.md section 20).
 func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
 	fields := map[string]string{"finished_at": recordTime(time.Now())}
 	if reason != "" {
@@ -1682,6 +1685,10 @@ func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
 				p.XDel(ctx, e.stream, e.id)
 				e.freeSlot(ctx, p)
 				rec.hset(ctx, p, state, false)
+				if key := e.env.OrderingKey; key != nil {
+					p.LRem(ctx, e.q.Order(*key), 1, e.env.TaskID)
+					p.RPush(ctx, e.q.OrderAdvanced(), *key)
+				}
 				return nil
 			})
 			if err == nil && acked.Val() == 0 {
@@ -1690,6 +1697,14 @@ func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
 			return err
 		})
 	})
+	if e.env.OrderingKey == nil {
+		return
+	}
+	// Best effort: a promoter that misses it looks again within its MaxIdle.
+	if err := w.client.Publish(ctx, w.keys.Wakeup(), 0).Err(); err != nil {
+		e.log.Warn("waking the promoters failed; they release the next task of the key when they look again",
+			"error", err.Error())
+	}
 }
 
 // failure describes a dead-letter entry (docs/protocol.md section 7); message

@@ -11,7 +11,8 @@ package main
 //
 // TASK is {"task_id", "task_type", "payload", "schedule_time", "expires",
 // "max_retries" (absent: 3, null: unlimited), "retry_policy", "idempotency_key",
-// "headers" (string values, e.g. traceparent and tracestate)}.
+// "ordering_key", "headers" (string values, e.g. traceparent and tracestate)};
+// a member it does not know fails the command rather than being dropped.
 // The workers also run limits.task (docs/protocol.md section 19's matrix case):
 // {"sleep_ms": N} sleeps N ms and appends {"language", "task_id", "start_ms",
 // "end_ms"} (unix ms, fractional) to <prefix>:mx:spans; --concurrency runs
@@ -22,6 +23,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -50,7 +52,17 @@ type matrixTask struct {
 	MaxRetries     json.RawMessage   `json:"max_retries"` // empty: absent; "null": unlimited
 	RetryPolicy    string            `json:"retry_policy"`
 	IdempotencyKey string            `json:"idempotency_key"`
+	OrderingKey    string            `json:"ordering_key"`
 	Headers        map[string]string `json:"headers"`
+}
+
+// UnmarshalJSON refuses members it does not know, so that a field the suite
+// sends never silently misses the Envelope.
+func (t *matrixTask) UnmarshalJSON(data []byte) error {
+	type plain matrixTask
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	return dec.Decode((*plain)(t))
 }
 
 // matrixCommand is one line of stdin.
@@ -163,7 +175,7 @@ func matrix(args []string) error {
 func (m *matrixPeer) answer(line []byte) map[string]any {
 	var cmd matrixCommand
 	if err := json.Unmarshal(line, &cmd); err != nil {
-		return map[string]any{"ok": false, "error": "command is not JSON: " + err.Error()}
+		return map[string]any{"ok": false, "error": "command is not JSON or has an unknown member: " + err.Error()}
 	}
 	reply := map[string]any{"id": cmd.ID, "ok": true}
 	var err error
@@ -248,6 +260,9 @@ func (t matrixTask) envelope() (*envelope.Envelope, error) {
 	}
 	if t.IdempotencyKey != "" {
 		e.IdempotencyKey = &t.IdempotencyKey
+	}
+	if t.OrderingKey != "" {
+		e.OrderingKey = &t.OrderingKey
 	}
 	return e, nil
 }
@@ -353,9 +368,11 @@ func header(t *envelope.Task, name string) *string {
 // matrixHandler is matrix.task, the same in every language (tests/apps/matrix_app.py):
 // it records the attempt in <prefix>:mx:attempts:<task_id> ("go:<retry_count>")
 // and the trace headers it came with in <prefix>:mx:trace:<task_id> (JSON
-// {"language", "traceparent", "tracestate", "trace_id"}), with hold_ms records
-// <prefix>:mx:started:<task_id> and waits, fails while "fail" is true or for
-// the first fail_times attempts, and otherwise records its effect in
+// {"language", "traceparent", "tracestate", "trace_id"}); with "log" it then
+// appends "start <task_id>" to <prefix>:mx:log:<log>; with hold_ms it records
+// <prefix>:mx:started:<task_id> and waits; it fails while "fail" is true or for
+// the first fail_times attempts, and otherwise (with "log", after appending
+// "end <task_id>" to that list) records its effect in
 // <prefix>:mx:effect:<task_id> ("go:<unix ms>"), publishes each task of "then"
 // ({"queue", "task_id", "then"}) as a matrix.task whose payload's "then" is the
 // nested one, with producer and the handler's ctx (so it continues the trace),
@@ -367,6 +384,7 @@ func matrixHandler(client *redis.Client, prefix string, producer *envelope.Produ
 			FailTimes int64        `json:"fail_times"`
 			Fail      bool         `json:"fail"`
 			Then      []matrixNext `json:"then"`
+			Log       string       `json:"log"`
 		}
 		if err := t.DecodePayload(&p); err != nil {
 			return nil, envelope.InvalidPayload(err)
@@ -375,9 +393,19 @@ func matrixHandler(client *redis.Client, prefix string, producer *envelope.Produ
 			return nil, envelope.InvalidPayload(err)
 		}
 		key := func(what string) string { return prefix + ":mx:" + what + ":" + t.TaskID }
+		// logged appends "<what> <task_id>" to the payload's log, when it names one.
+		logged := func(what string) error {
+			if p.Log == "" {
+				return nil
+			}
+			return client.RPush(ctx, prefix+":mx:log:"+p.Log, what+" "+t.TaskID).Err()
+		}
 		attempt, err := client.RPush(ctx, key("attempts"),
 			fmt.Sprintf("%s:%d", envelope.Language, t.RetryCount)).Result()
 		if err != nil {
+			return nil, envelope.Transient(err)
+		}
+		if err := logged("start"); err != nil {
 			return nil, envelope.Transient(err)
 		}
 		seen, err := json.Marshal(matrixTrace{Language: envelope.Language, TraceID: t.TraceID,
@@ -400,6 +428,9 @@ func matrixHandler(client *redis.Client, prefix string, producer *envelope.Produ
 		}
 		if p.Fail || attempt <= p.FailTimes {
 			return nil, &MatrixFailure{attempt}
+		}
+		if err := logged("end"); err != nil {
+			return nil, envelope.Transient(err)
 		}
 		effect := fmt.Sprintf("%s:%d", envelope.Language, time.Now().UnixMilli())
 		if err := client.RPush(ctx, key("effect"), effect).Err(); err != nil {
