@@ -157,6 +157,13 @@ func (d *DeadLetters) Replay(ctx context.Context, queue, id string, opts ReplayO
 	if operator == "" {
 		operator = defaultOperator()
 	}
+	if checked.OrderingKey != nil {
+		// Its key's next tasks are released by promoters (protocol section 20): the
+		// queue is registered first, on its own (section 2).
+		if err := d.Client.SAdd(ctx, d.Keys.Queues(), queue).Err(); err != nil {
+			return "", err
+		}
+	}
 	q := d.Keys.Queue(queue)
 	keys, args := newRecords(d.TaskRecordRetention).activeStep(q, checked.TaskID, time.Time{},
 		published(checked, queue)).script(

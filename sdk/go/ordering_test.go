@@ -187,8 +187,12 @@ func TestADeadLetteredHeadMovesItsKeyOnOrHaltsIt(t *testing.T) {
 	if err != nil || len(entries) != 2 || entries[1].Envelope.TaskID != "h1" {
 		t.Fatalf("dead letters %v %v", entries, err)
 	}
+	e.client.Del(ctx, e.keys.Queues()) // a lost registry: the keyed replay lists it again
 	if _, err := dead.Replay(ctx, e.queue, entries[1].ID, ReplayOptions{}); err != nil {
 		t.Fatal(err)
+	}
+	if ok, _ := e.client.SIsMember(ctx, e.keys.Queues(), e.queue).Result(); !ok {
+		t.Fatalf("the keyed replay did not register %s in %s", e.queue, e.keys.Queues())
 	}
 	e.waitFor("h2 to end", func() bool { return log.has("end h2") })
 	if got, want := log.of("h"), "start h1, fail h1, start h1, end h1, start h2, end h2"; got != want {
