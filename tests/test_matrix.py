@@ -875,7 +875,7 @@ def test_ordering_keys_hold_across_every_language_with_failures_and_a_kill(
     on a queue every language works, each key published by one language in turn, one task
     in ten failing once (retried under the tiered policy), the Go worker SIGKILLed mid-run:
     per key, every task ran alone and in publish order (from the key's log of starts and
-    ends), and each had its effect exactly once."""
+    ends), and each had its effect once, but for the killed worker's unsettled ones."""
     queue = f"mx.order.{uuid.uuid4().hex[:6]}"
     workers = worked_by_all(matrix, queue)
     rng = random.Random(20)
@@ -907,22 +907,28 @@ def test_ordering_keys_hold_across_every_language_with_failures_and_a_kill(
         logs = {key: [e.decode() for e in matrix.client.lrange(f"{matrix.prefix}:mx:log:{key}",
                                                                 0, -1)]
                 for key in order}
-        done = sum(e.startswith("end ") for entries in logs.values() for e in entries)
-        return logs if done >= tasks else None
+        done = {e for entries in logs.values() for e in entries if e.startswith("end ")}
+        return logs if len(done) >= tasks else None
 
     logs = wait_for(ended, timeout=SETTLE_S + tasks / 50, interval=0.5, message=matrix.logs)
+    effects = matrix.records.effects(all_ids)
+    # A task the killed worker ran to its effect but had not settled runs again, still in
+    # its turn: the at-least-once window between an effect and its done marker.
+    again = {t for t, langs in effects.items() if len(langs) == 2 and langs[0] == "go"}
+    assert len(again) <= LIMITED_CONCURRENCY, again
+    assert all(len(langs) == 1 for t, langs in effects.items() if t not in again), \
+        {t: langs for t, langs in effects.items() if len(langs) != 1}
     wrong = {}
     for key, entries in logs.items():
         expected, at = order[key], 0
         for entry in entries:
             what, tid = entry.split(" ", 1)
+            if at and tid == expected[at - 1] and tid in again:
+                continue  # its run again, before the next task of its key started
             if at >= len(expected) or tid != expected[at]:
-                wrong[key] = (entry, expected[at] if at < len(expected) else None)
+                wrong[key] = {"out of turn": entry, "log": entries, "publish order": expected}
                 break
             at += what == "end"
-    assert not wrong, f"key -> (entry out of order, task whose turn it was): {wrong}"
-    effects = matrix.records.effects(all_ids)
-    assert all(len(e) == 1 for e in effects.values()), \
-        {t: e for t, e in effects.items() if len(e) != 1}
+    assert not wrong, f"keys whose log breaks their publish order: {wrong}"
     wait_for(lambda: queue_drained(matrix.client, matrix.prefix, queue), timeout=10,
              message=matrix.logs)
