@@ -830,7 +830,10 @@ def test_a_rate_holds_across_every_language(matrix: Matrix, seconds: int) -> Non
     ran = wait_spans(matrix, ids, timeout=seconds * 1.5 + SETTLE_S)
     starts = sorted(s.start_ms for s in ran)
     span_s = (starts[-1] - starts[0]) / 1000
-    assert seconds * 0.9 <= span_s <= seconds * 1.1, span_s
+    # Within 10 %; over the 3 s smoke run, plus the 0.5 s a loaded machine may take to get
+    # one start going (one late start stretches a short span past 10 %).
+    slack_s = 0.5 if seconds < 10 else 0.0
+    assert seconds * 0.9 <= span_s <= seconds * 1.1 + slack_s, span_s
     assert len({s.language for s in ran}) == 4, {s.language for s in ran}
 
 
