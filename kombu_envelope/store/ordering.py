@@ -21,6 +21,7 @@ from kombu_envelope.errors import InvalidEnvelope, Violation
 from kombu_envelope.keys import QueueKeys
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.replication import execute, write_pipeline
+from kombu_envelope.store.replies import as_text
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +114,7 @@ class OrderingKeys:
 
     def policy(self, queue: str, task_type: str) -> OnDeadLetter:
         """What a dead-lettered head of ``task_type`` does to its key on ``queue``."""
-        value = self.client.hget(self._keys(queue).order_policy, task_type)
-        return OnDeadLetter.HALT if value in (b"halt", "halt") else OnDeadLetter.ADVANCE
+        return _stored_policy(self.client.hget(self._keys(queue).order_policy, task_type))
 
     def set_policy(self, queue: str, task_type: str, policy: OnDeadLetter | str) -> None:
         """Store ``policy`` (``advance`` or ``halt``) for ``task_type`` on ``queue``."""
@@ -129,8 +129,7 @@ class OrderingKeys:
     def policies(self, queue: str) -> dict[str, OnDeadLetter]:
         """Every task type with a stored policy on ``queue``."""
         stored = self.client.hgetall(self._keys(queue).order_policy)
-        return {_text(t): OnDeadLetter.HALT if _text(v) == "halt" else OnDeadLetter.ADVANCE
-                for t, v in stored.items()}
+        return {as_text(t): _stored_policy(v) for t, v in stored.items()}
 
     # ---------------------------------------------------------- operators
 
@@ -142,8 +141,8 @@ class OrderingKeys:
         pipe.hlen(keys.order_waiting(key))
         pipe.hget(keys.order_halted, key)
         head, waiting, halted = pipe.execute()
-        return KeyState(key, _text(head) if head is not None else None, int(waiting),
-                        _text(halted) if halted is not None else None)
+        return KeyState(key, as_text(head) if head is not None else None, int(waiting),
+                        as_text(halted) if halted is not None else None)
 
     def keys(self, queue: str, count: int = 1000) -> list[KeyState]:
         """The keys of ``queue`` that have tasks (at most ``count``), by a ``SCAN``."""
@@ -151,7 +150,7 @@ class OrderingKeys:
         prefix = len(pattern) - 1
         found = []
         for name in self.client.scan_iter(match=pattern, count=500):
-            found.append(self.state(queue, _text(name)[prefix:]))
+            found.append(self.state(queue, as_text(name)[prefix:]))
             if len(found) >= count:
                 break
         return sorted(found, key=lambda state: state.key)
@@ -163,12 +162,14 @@ class OrderingKeys:
         if head is None:
             return None
         pipe = write_pipeline(self.client, self.settings, transaction=True, key=keys.order(key))
-        add_advance(pipe, keys, key, _text(head))
+        add_advance(pipe, keys, key, as_text(head))
         pipe.hdel(keys.order_halted, key)
         execute(pipe, self.settings, "ordering key")
         wake_promoters(self.client, self.settings)
-        return _text(head)
+        return as_text(head)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _stored_policy(value: Any) -> OnDeadLetter:
+    """The policy an ``order-policy`` value names: ``halt``, else the default."""
+    return OnDeadLetter.HALT if value is not None and as_text(value) == "halt" \
+        else OnDeadLetter.ADVANCE
