@@ -209,9 +209,10 @@ class Settler:
             record.add_to(pipe)
         for key, member in slots or ():
             pipe.zrem(key, member)
-        queue_keys = self.settings.keys.queue(self.queue_of_stream(first))
-        for key, task_id in advanced or ():
-            add_advance(pipe, queue_keys, key, task_id)
+        if advanced:
+            queue_keys = self.settings.keys.queue(self.queue_of_stream(first))
+            for key, task_id in advanced:
+                add_advance(pipe, queue_keys, key, task_id)
         stats, queue = process_buffer(self.settings), self.queue_of_stream(first)
         counted = stats.add_to(pipe, queue) if records else {}
         try:
