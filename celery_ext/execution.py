@@ -58,6 +58,7 @@ import random
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
@@ -654,6 +655,17 @@ def shell_enabled(app: Any) -> bool:
     return bool(app.conf.get(ENABLED_SETTING, True))
 
 
+#: The apps whose tasks this process runs in the shell (installed at worker start).
+_apps_in_shell: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def runs_in_shell(app: Any) -> bool:
+    """Whether this process runs ``app``'s tasks in the shell: its worker installed it.
+    Not so in a process that merely imports the app (a plain kombu consumer there frees
+    its slots with its acknowledgements)."""
+    return app in _apps_in_shell
+
+
 def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | None:
     """``worker_init`` receiver: run every task of the worker's app through the shell.
 
@@ -670,6 +682,7 @@ def install_execution_shell(sender: Any = None, **_: Any) -> ExecutionShell | No
     for task in tasks:
         shell.retries_for(task)  # raises on a bad policy before anything is wrapped
     installed = [task.name for task in tasks if shell.install(task)]
+    _apps_in_shell.add(app)
     logger.debug("reliable execution for %d tasks: %s", len(installed), ", ".join(installed))
     return shell
 

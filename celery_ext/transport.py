@@ -7,7 +7,7 @@ from typing import Any
 from celery import current_app
 from celery.worker import state
 
-from celery_ext.execution import shell_enabled
+from celery_ext.execution import runs_in_shell
 from celery_ext.outbox import outbox_sink
 from celery_ext.protocol import CeleryAdapter
 from celery_ext.readiness import announced_concurrency, announced_tasks
@@ -55,8 +55,9 @@ class Transport(EnvelopeTransport):
                 for request in list(state.reserved_requests)]
 
     def runner_frees_slots(self) -> bool:
-        """True: the execution shell frees a task's slot when its run ends."""
-        return shell_enabled(current_app)
+        """True in a worker that runs tasks in the execution shell: the shell frees a
+        task's slot when its run ends."""
+        return runs_in_shell(current_app._get_current_object())
 
     def outbox_sink(self) -> OutboxSink | None:
         """An explicit ``divert_to``'s sink, else the outbox of the current app's

@@ -7,24 +7,30 @@ held by a prefetched task. What ran when is read from the spans the tasks record
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
 import redis
 from apps.limits_app import create_app
 from celery import Celery
+from kombu import Consumer, Queue
 from support import wait_for
-from support.envelope_streams import envelope_url
+from support.envelope_streams import connect, envelope_url
 from support.spans import Span, max_overlap, spans
 from support.workers import PROJECT_ROOT, TESTS_DIR, CeleryWorker
 
+from kombu_envelope import Envelope, Publisher
+from kombu_envelope.kombu.delivery_info import INFO_TASK_ID
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
 
@@ -196,3 +202,33 @@ def test_a_breaker_opens_on_a_failing_downstream_and_closes_when_it_recovers(
     # The probe alone, then the rest once its success was counted.
     assert all(s.start_ms >= first.end_ms for s in ran if s is not first)
     assert limits.breaker_state(queue, "limits.flaky") == "closed"
+
+
+def test_a_plain_kombu_consumer_in_a_celery_app_process_frees_its_slot_with_its_ack(
+        redis_url: str, redis_client: redis.Redis) -> None:
+    """This process imports a Celery app (``envelope://`` is Celery's transport here) but
+    runs no worker, so no execution shell frees slots: a plain kombu consumer's
+    acknowledgement does, and each task parked behind a cap of one is delivered in turn."""
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    settings = Settings(key_prefix=prefix)
+    TaskLimits(redis_client, settings).set("plain", "plain.task", TaskLimit(concurrency=1))
+    publisher = Publisher(redis_client, settings)
+    tasks = [Envelope.new(task_type="plain.task", payload={}) for _ in range(3)]
+    for task in tasks:
+        publisher.publish("plain", task)
+    running = settings.keys.queue("plain").running("plain.task")
+    got: list[str] = []
+
+    def on_message(_body: Any, message: Any) -> None:
+        assert redis_client.zcard(running) == 1  # its own slot, and no other
+        got.append(message.delivery_info[INFO_TASK_ID])
+        message.ack()
+
+    with connect(redis_url, prefix) as conn, Consumer(conn, [Queue("plain")],
+                                                       callbacks=[on_message]):
+        deadline = time.monotonic() + 20
+        while len(got) < 3 and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                conn.drain_events(timeout=1)
+    assert got == [task.task_id for task in tasks]
+    assert redis_client.zcard(running) == 0
