@@ -243,6 +243,36 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.ok(!lines.some((l) => /taken over/.test(l.msg)), 'an expected 0 from the release is no takeover');
   });
 
+  test('idempotency: two entries of one task read at once by one consumer run one at a time; one effect', async () => {
+    const prefix = prefixFor();
+    const qk = new KeySpace(prefix).queue(QUEUE);
+    await new Producer(redis, { prefix }).publish(QUEUE, { task_type: 'jobs.twice', idempotency_key: 'twice-1' });
+    // A failover that lost an ack or a promotion: the same Envelope twice in the stream.
+    const [[, fields]] = await redis.xrangeBuffer(qk.stream('normal'), '-', '+');
+    await redis.xadd(qk.stream('normal'), '*', ...fields);
+    let running = 0;
+    let most = 0;
+    let ran = 0;
+    let deferredWhileRunning = 0;
+    const { worker, lines } = await startWorker(prefix, { concurrency: 2 }, (w) => {
+      w.register('jobs.twice', async () => {
+        running += 1;
+        most = Math.max(most, running);
+        await sleep(300);
+        deferredWhileRunning = w.stats.deferred;
+        ran += 1;
+        running -= 1;
+      });
+    });
+    await waitFor(() => worker.stats.duplicates === 1, { timeoutMs: 5000, message: 'the deferred entry found the key done' });
+    assert.equal(ran, 1, 'the effect happened once');
+    assert.equal(most, 1, 'never two attempts of the key at once');
+    assert.ok(deferredWhileRunning >= 1, 'the second entry was deferred while the first ran');
+    assert.ok(lines.some((l) => l.msg === 'an attempt of this idempotency key still runs on this consumer; deferred'));
+    await waitFor(async () => (await pendingOf(prefix)) === 0 && (await redis.zcard(qk.delayed)) === 0, { message: 'the queue drains' });
+    assert.deepEqual(await dead(prefix), []);
+  });
+
   test('entries of a dead consumer are taken over after the lease and run', async () => {
     const prefix = prefixFor();
     const ks = new KeySpace(prefix);
