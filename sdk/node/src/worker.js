@@ -20,7 +20,9 @@
 //     acknowledges cancelled ones without running them (the marks stay);
 //   - then, per entry: acknowledges expired tasks without running them,
 //     dead-letters unknown task types and unaccepted payload versions, claims
-//     the idempotency key, takes a retry slot for retries, runs the handler
+//     the idempotency key (marked in memory until settled: another attempt of
+//     the key here is deferred; a claim Redis failed is released before the
+//     entry is left pending), takes a retry slot for retries, runs the handler
 //     with a timeout, acknowledges only on success, and otherwise applies the
 //     retry rules; an attempt abandoned at its timeout keeps its idempotency
 //     claim until its handler's promise settles (abandoned.js);
@@ -291,7 +293,7 @@ export class Worker extends EventEmitter {
     // QueueKeys -> what its last read.lua answered: limited (the queue has limits), and
     // readAgainAt (ms; null when nothing is parked), when entries parked may start.
     this.readState = new Map();
-    this.claiming = new Set(); // idempotency keys claimed by attempts running here
+    this.claiming = new Set(); // idempotency keys claimed by attempts running here, until settled
     this.abandoned = new AbandonedClaims({
       renew: async (claim) => (await this.scripts.run('idem_begin', [claim.key], [claim.holder, claim.claimMs, '']))[0],
       finish: (claim, how, log) => this.finishClaim(claim, how, log), // retried while Redis is away (section 9)
@@ -791,7 +793,8 @@ export class Worker extends EventEmitter {
     }
     // The claim is re-entrant for this consumer: it defers another entry of the same key while
     // an attempt of it runs here (a retry of an abandoned attempt, or a second entry of the task
-    // after a failover lost a promotion or a delivery).
+    // after a failover lost a promotion or a delivery). Checked and marked with no await between,
+    // before idem_begin.lua; an abandoned attempt's mark is this.abandoned, until its claim is settled.
     const key = this.keys.idempotency(env.task_type, env.idempotency_key);
     if (this.abandoned.holds(key) || this.claiming.has(key)) {
       await this.defer(entry, env, log, 'an attempt of this idempotency key still runs on this consumer; deferred');
@@ -1040,6 +1043,12 @@ export class Worker extends EventEmitter {
 
   // ---------------------------------------------------------------- idempotency
 
+  /**
+   * idem_begin.lua for `env` (section 9), taking over a dead holder's claim.
+   * When Redis fails it (an error, or away past outageToleranceMs) the claim may
+   * have landed all the same (a lost reply): it is released with this attempt's
+   * holder, under the key's mark, before the error goes on and the entry is left pending.
+   */
   async claim(env, log) {
     const key = this.keys.idempotency(env.task_type, env.idempotency_key);
     const holder = `${this.consumer} ${env.task_id}`;
@@ -1047,12 +1056,31 @@ export class Worker extends EventEmitter {
     const claimMs = env.timeout_ms !== null ? env.timeout_ms + this.opts.leaseMs : this.opts.idemClaimMs;
     // idem_begin.lua is re-entrant for its holder: safe to repeat.
     const begin = (replacing) => this.retrying('idempotency claim', log, () => this.scripts.run('idem_begin', [key], [holder, claimMs, replacing]));
-    let [state, value] = await begin('');
-    if (state === 'busy' && (await this.holderIsDead(value, log))) {
-      log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
-      [state, value] = await begin(value);
+    try {
+      let [state, value] = await begin('');
+      if (state === 'busy' && (await this.holderIsDead(value, log))) {
+        log.warn('the idempotency claim is held by a dead consumer; taking it over', { holder: value });
+        [state, value] = await begin(value);
+      }
+      return { state, value, key, holder, claimMs };
+    } catch (err) {
+      log.warn('the idempotency claim failed (Redis answered with an error or not at all); releasing what may have landed', { err });
+      await this.releaseUnanswered({ key, holder, claimMs }, log);
+      throw err;
     }
-    return { state, value, key, holder, claimMs };
+  }
+
+  /**
+   * Release a claim whose idem_begin.lua Redis failed. Its answer 0 is expected
+   * (the claim never landed), no takeover; a release that fails too is logged
+   * and the claim left to expire.
+   */
+  async releaseUnanswered(claim, log) {
+    try {
+      await this.settleClaim(claim, 'release', log);
+    } catch (err) {
+      log.error('could not release the idempotency claim that Redis failed; it expires after its claim time', { err });
+    }
   }
 
   /**
@@ -1077,18 +1105,27 @@ export class Worker extends EventEmitter {
     return trusted;
   }
 
+  /** Settle the claim of an attempt that ran: whether the replicas took it (a 0 answer is a takeover, logged). */
   async finishClaim(claim, how, log) {
+    const { settled, replicated } = await this.settleClaim(claim, how, log);
+    if (settled === 0) {
+      log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
+    }
+    return replicated;
+  }
+
+  /**
+   * idem_finish.lua `how` for `claim`, retried while Redis is away, then WAIT for
+   * replicas: its answer (0: another holder had the claim) and whether they took it.
+   */
+  async settleClaim(claim, how, log) {
     const args = how === 'done'
       ? [claim.holder, 'done', this.opts.idemDoneTtlMs, Timestamp.now().toString()]
       : [claim.holder, 'release'];
     // Part of settling: a done marker lost with its primary would let the task run again.
     const what = `idempotency ${how}`;
-    const settled = await this.retrying(what, log, () => this.scripts.run('idem_finish', [claim.key], args));
-    const replicated = await this.waitForReplicas(what, claim.key, log);
-    if (Number(settled) === 0) {
-      log.warn('the idempotency claim had been taken over while this attempt ran: the task may have run twice', { how });
-    }
-    return replicated;
+    const settled = Number(await this.retrying(what, log, () => this.scripts.run('idem_finish', [claim.key], args)));
+    return { settled, replicated: await this.waitForReplicas(what, claim.key, log) };
   }
 
   // ---------------------------------------------------------------- settling entries

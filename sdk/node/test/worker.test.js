@@ -211,6 +211,68 @@ describe('worker', { skip, concurrency: false }, () => {
     assert.equal(await pendingOf(prefix), 0);
   });
 
+  test('idempotency: a claim whose reply is lost is released before its entry is left pending; it then runs once', async () => {
+    const prefix = prefixFor();
+    const idemKey = new KeySpace(prefix).idempotency('order.close_timeout', 'lost-1');
+    const { worker, lines } = await startWorker(prefix, { outageToleranceMs: 300 });
+    // idem_begin.lua runs on Redis, but the worker's client sees its connection close instead of the reply.
+    const begin = worker.cmd.envelope_idem_begin;
+    const landed = [];
+    let losing = true;
+    worker.cmd.envelope_idem_begin = async function (...args) {
+      const reply = await begin.apply(this, args);
+      if (!losing) return reply;
+      landed.push(reply[0]);
+      throw new Error('Connection is closed.');
+    };
+    const { taskId } = await new Producer(redis, { prefix }).publish(QUEUE, {
+      task_type: 'order.close_timeout', payload: { order_id: 'LOST1' }, idempotency_key: 'lost-1',
+    });
+    await waitFor(() => lines.some((l) => l.msg.startsWith('could not settle the entry') && l.task_id === taskId),
+      { timeoutMs: 5000, message: 'the failed claim was not handed back' });
+    assert.ok(landed.length >= 1 && landed.every((state) => state === 'acquired'), 'the claim landed, its replies lost');
+    assert.equal(await redis.exists(idemKey), 0, 'the claim was released before the hand-back');
+    assert.equal(await effects(prefix, 'LOST1'), null, 'not run');
+    assert.equal(await pendingOf(prefix), 1, 'left pending');
+    losing = false;
+    await waitFor(async () => (await effects(prefix, 'LOST1')) === '1', { timeoutMs: 5000, message: 'it runs once Redis answers' });
+    await waitFor(async () => (await pendingOf(prefix)) === 0);
+    assert.match(await redis.get(idemKey), new RegExp(`^done ${taskId} `));
+    assert.equal(worker.stats.succeeded, 1);
+    assert.deepEqual(await dead(prefix), []);
+    assert.ok(!lines.some((l) => /taken over/.test(l.msg)), 'an expected 0 from the release is no takeover');
+  });
+
+  test('idempotency: two entries of one task read at once by one consumer run one at a time; one effect', async () => {
+    const prefix = prefixFor();
+    const qk = new KeySpace(prefix).queue(QUEUE);
+    await new Producer(redis, { prefix }).publish(QUEUE, { task_type: 'jobs.twice', idempotency_key: 'twice-1' });
+    // A failover that lost an ack or a promotion: the same Envelope twice in the stream.
+    const [[, fields]] = await redis.xrangeBuffer(qk.stream('normal'), '-', '+');
+    await redis.xadd(qk.stream('normal'), '*', ...fields);
+    let running = 0;
+    let most = 0;
+    let ran = 0;
+    let deferredWhileRunning = 0;
+    const { worker, lines } = await startWorker(prefix, { concurrency: 2 }, (w) => {
+      w.register('jobs.twice', async () => {
+        running += 1;
+        most = Math.max(most, running);
+        await sleep(300);
+        deferredWhileRunning = w.stats.deferred;
+        ran += 1;
+        running -= 1;
+      });
+    });
+    await waitFor(() => worker.stats.duplicates === 1, { timeoutMs: 5000, message: 'the deferred entry found the key done' });
+    assert.equal(ran, 1, 'the effect happened once');
+    assert.equal(most, 1, 'never two attempts of the key at once');
+    assert.ok(deferredWhileRunning >= 1, 'the second entry was deferred while the first ran');
+    assert.ok(lines.some((l) => l.msg === 'an attempt of this idempotency key still runs on this consumer; deferred'));
+    await waitFor(async () => (await pendingOf(prefix)) === 0 && (await redis.zcard(qk.delayed)) === 0, { message: 'the queue drains' });
+    assert.deepEqual(await dead(prefix), []);
+  });
+
   test('entries of a dead consumer are taken over after the lease and run', async () => {
     const prefix = prefixFor();
     const ks = new KeySpace(prefix);
