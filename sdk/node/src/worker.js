@@ -847,9 +847,12 @@ export class Worker extends EventEmitter {
     const slotKey = this.keys.retrying(env.task_type);
     let slot = false;
     if (env.retry_count > 0 && asksForTiered(env)) { // the cap belongs to the tiered policy
+      // A slot Redis fails to answer for: the attempt runs without one (the cap limits load,
+      // not correctness; section 9) and still removes what the call may have set.
       const got = await this.scripts.run('retry_slot', [slotKey],
-        [env.task_id, this.opts.retryConcurrency, env.timeout_ms ?? this.opts.retrySlotHoldMs]);
-      if (Number(got) === 0) {
+        [env.task_id, this.opts.retryConcurrency, env.timeout_ms ?? this.opts.retrySlotHoldMs])
+        .catch((err) => { log.warn('retry slot check failed; running anyway', { err }); return null; });
+      if (got !== null && Number(got) === 0) {
         if (claim) await this.finishClaim(claim, 'release', log);
         // The backoff tier computed with next = retry_count: the count does not change.
         const delayMs = backoffDelayMs(env.retry_count, fastRetriesTaken(env.headers), this.opts);
