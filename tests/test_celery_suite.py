@@ -20,7 +20,7 @@ import pytest
 
 from bench.celery_suite.explained import DOC, ExplanationError, explanations
 from bench.celery_suite.junit import CaseResult, Outcome, read_junit
-from bench.celery_suite.rerun import rerun_differences
+from bench.celery_suite.rerun import rerun_differences, with_session_worker
 from bench.celery_suite.run import BROKERS, SUITES, BrokerRun, node_id, run_broker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,6 +203,14 @@ def test_no_reruns_on_a_broker_with_more_one_broker_failures_than_the_limit() ->
 
     assert rerun_differences(stock, envelope, rerun, reruns=1, max_tests=2) == \
         {"redis": [], "envelope": []}
+
+
+def test_a_rerun_of_a_test_that_needs_the_session_worker_starts_it_first() -> None:
+    needs, fail = ("test_tasks.py::test_trace_log_arguments::test_task_success",
+                   "test_tasks.py::test_tasks::test_fail")
+    assert with_session_worker((needs, fail)) == \
+        ("test_tasks.py::test_tasks::test_basic_task", needs, fail)
+    assert with_session_worker((fail,)) == (fail,)
 
 
 def test_node_ids_of_test_ids() -> None:
