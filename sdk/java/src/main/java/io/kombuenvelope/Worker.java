@@ -966,7 +966,7 @@ public final class Worker implements AutoCloseable {
 
     /**
      * Claims the idempotency key {@code key}, marked for this attempt; answers the holder when the
-     * task should run, else null (the entry is settled or handed back).
+     * task should run, else null (the entry is settled or handed back, the claim released).
      */
     @SuppressWarnings("unchecked")
     private String claim(Entry e, Envelope env, String key) {
@@ -980,7 +980,11 @@ public final class Worker implements AutoCloseable {
                 res = link.write(key, node -> Scripts.run(node, "idem_begin", ScriptOutputType.MULTI, List.of(key),
                         holder, claimFor, replacing));
             } catch (RuntimeException ex) {
-                LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
+                // The claim may have landed all the same (a lost reply, a failed WAIT): under the
+                // key's mark no other attempt here holds it, so the release undoes only this one.
+                LOG.warn("idempotency claim failed; releasing it and handing the entry back: {}", ex.toString());
+                link.recover(ex);
+                settleClaim(key, holder, "release");
                 replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
                 return null;
             }
@@ -1077,16 +1081,22 @@ public final class Worker implements AutoCloseable {
         });
     }
 
+    /** Settles the claim of {@code env} that ran (or was kept) with {@code how}; 0 means it was taken over. */
     private void finishIdem(Envelope env, String holder, String how) {
-        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
-        settle("idem_finish " + how, () -> {
-            Long n = link.write(key, node -> Scripts.run(node, "idem_finish", ScriptOutputType.INTEGER, List.of(key),
-                    holder, how, cfg.idemDoneTtl.toMillis(), Timestamp.now().toString()));
-            if (n != null && n == 0) {
-                LOG.warn("the idempotency claim had been taken over: the task may have run twice");
-            }
-            return n;
-        });
+        Long n = settleClaim(keys.idempotency(env.taskType(), env.idempotencyKey()), holder, how);
+        if (n != null && n == 0) {
+            LOG.warn("the idempotency claim had been taken over: the task may have run twice");
+        }
+    }
+
+    /**
+     * idem_finish.lua {@code how} ({@code done} or {@code release}) on {@code key} for {@code holder},
+     * then the WAIT of the claim, retried while Redis is away; its answer, null when given up.
+     */
+    private Long settleClaim(String key, String holder, String how) {
+        return settle("idem_finish " + how, () -> link.write(key, node -> Scripts.run(node, "idem_finish",
+                ScriptOutputType.INTEGER, List.of(key), holder, how, cfg.idemDoneTtl.toMillis(),
+                Timestamp.now().toString())));
     }
 
     // --- failures and retries (section 8) ---------------------------------------------------
