@@ -17,9 +17,8 @@ import org.slf4j.LoggerFactory;
 /**
  * Idempotency claims of attempts a worker abandoned at their deadline while their handlers still
  * run (docs/protocol.md section 8, "A timed-out attempt that cannot be stopped"). Each claim is
- * renewed until its handler really returns and then settled ({@code done} or {@code release}).
- * A claim is re-entrant for its holder, so the worker asks {@link #holds} before claiming and
- * defers its own retries of a kept key.
+ * renewed until its handler really returns and then settled ({@code done} or {@code release});
+ * the worker keeps the key's mark meanwhile, so its own retries of a kept key are deferred.
  */
 final class AbandonedClaims {
     private static final Logger LOG = LoggerFactory.getLogger(AbandonedClaims.class);
@@ -56,11 +55,6 @@ final class AbandonedClaims {
                 settled.complete(null);
             }
         });
-    }
-
-    /** Whether an abandoned attempt of this worker holds {@code key}. */
-    boolean holds(String key) {
-        return kept.containsKey(key);
     }
 
     /** How many claims are kept now. */

@@ -110,6 +110,8 @@ public final class Worker implements AutoCloseable {
     private volatile long lastForget;
     private volatile boolean recoverPending = true;
     private final Set<String> inFlightIds = java.util.concurrent.ConcurrentHashMap.newKeySet();
+    /** The idempotency keys an attempt of this consumer claims, from before idem_begin.lua until settled (section 9). */
+    private final Set<String> claiming = java.util.concurrent.ConcurrentHashMap.newKeySet();
     /** The concurrency slots of the entries held from queues with limits (section 19). */
     private final Slots slots;
     /** What the last read.lua call of each queue said about its limits. */
@@ -768,14 +770,32 @@ public final class Worker implements AutoCloseable {
         }
         int redeliveries = intField(e, "n") + intField(e, "r");
         Task task = new Task(env, e.queue(), e.stream(), e.id(), redeliveries);
-
-        String holder = null;
-        if (env.idempotencyKey() != null) {
-            holder = claim(e, env);
-            if (holder == null) {
-                return;
+        if (env.idempotencyKey() == null) {
+            runAttempt(e, env, h, task, null);
+            return;
+        }
+        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
+        if (!claiming.add(key)) {
+            LOG.info("another attempt of this idempotency key runs here; deferred");
+            replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
+            return;
+        }
+        boolean kept = false;
+        try {
+            String holder = claim(e, env, key);
+            kept = holder != null && runAttempt(e, env, h, task, holder);
+        } finally {
+            if (!kept) {
+                claiming.remove(key);
             }
         }
+    }
+
+    /**
+     * Runs the task, its idempotency key claimed by {@code holder} (null: it has none), and settles
+     * it; answers whether an abandoned attempt keeps the claim, and so its mark, until it returns.
+     */
+    private boolean runAttempt(Entry e, Envelope env, Handler h, Task task, String holder) {
         String slot = null;
         if (env.retryCount() > 0 && env.asksForTieredRetries()) {
             slot = keys.retrying(env.taskType());
@@ -790,7 +810,7 @@ public final class Worker implements AutoCloseable {
                     Duration delay = cfg.retryPolicy.backoffDelay(env.retryCount(), RetryPolicy.fastRetriesTaken(env));
                     LOG.info("retry slots of {} are all taken; rescheduled in {} ms", env.taskType(), delay.toMillis());
                     replace(e, env, deferred(env, delay), delay, "scheduled", null);
-                    return;
+                    return false;
                 }
             } catch (RuntimeException ex) {
                 LOG.warn("retry slot check failed; running anyway: {}", ex.toString());
@@ -800,7 +820,7 @@ public final class Worker implements AutoCloseable {
         Tracing.Attempt span = tracing.process(e.queue(), env);
         try {
             recordStart(e, env);
-            LOG.info("task started: retry_count={} redelivered={}", env.retryCount(), redeliveries);
+            LOG.info("task started: retry_count={} redelivered={}", env.retryCount(), task.redeliveries());
             Timestamp since = env.scheduleTime() != null ? env.scheduleTime() : env.createdAt();
             stats.waited(e.queue(), env.taskType(), Duration.between(since.toInstant(), Instant.now()).toNanos());
             long started = System.nanoTime();
@@ -826,16 +846,18 @@ public final class Worker implements AutoCloseable {
                 stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.SUCCEEDED);
                 ack(e, env, "succeeded", null);
                 LOG.info("task succeeded (outcome=success duration_ms={})", ms);
-                return;
+                return false;
             }
             stats.count(e.queue(), env.taskType(), WorkerStats.Outcome.FAILED);
             span.fail(err);
-            if (holder != null && attempt.stillRunning() != null) {
+            boolean kept = holder != null && attempt.stillRunning() != null;
+            if (kept) {
                 keepClaimUntilReturned(env, holder, attempt.stillRunning());
             } else if (holder != null) {
                 finishIdem(env, holder, "release");
             }
             fail(e, env, err);
+            return kept;
         } finally {
             span.end();
             if (slot != null) {
@@ -942,17 +964,14 @@ public final class Worker implements AutoCloseable {
 
     // --- idempotency (section 9) ------------------------------------------------------------
 
-    /** Claims the idempotency key; answers the holder when the task should run, else null. */
+    /**
+     * Claims the idempotency key {@code key}, marked for this attempt; answers the holder when the
+     * task should run, else null (the entry is settled or handed back, the claim released).
+     */
     @SuppressWarnings("unchecked")
-    private String claim(Entry e, Envelope env) {
-        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
+    private String claim(Entry e, Envelope env, String key) {
         String holder = consumer + " " + env.taskId();
         long claimFor = claimTime(env);
-        if (abandoned.holds(key)) {
-            LOG.info("an abandoned attempt of this idempotency key still runs here; deferred");
-            replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
-            return null;
-        }
         String replace = "";
         for (int round = 0; round < 2; round++) {
             List<Object> res;
@@ -961,7 +980,11 @@ public final class Worker implements AutoCloseable {
                 res = link.write(key, node -> Scripts.run(node, "idem_begin", ScriptOutputType.MULTI, List.of(key),
                         holder, claimFor, replacing));
             } catch (RuntimeException ex) {
-                LOG.warn("idempotency claim failed; handing the entry back: {}", ex.toString());
+                // The claim may have landed all the same (a lost reply, a failed WAIT): under the
+                // key's mark no other attempt here holds it, so the release undoes only this one.
+                LOG.warn("idempotency claim failed; releasing it and handing the entry back: {}", ex.toString());
+                link.recover(ex);
+                settleClaim(key, holder, "release");
                 replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
                 return null;
             }
@@ -1048,6 +1071,7 @@ public final class Worker implements AutoCloseable {
                 LOG.info("an abandoned attempt returned; its idempotency claim is settled with {}", how);
                 finishIdem(env, holder, how);
             } finally {
+                claiming.remove(key);
                 if (before != null) {
                     MDC.setContextMap(before);
                 } else {
@@ -1057,16 +1081,22 @@ public final class Worker implements AutoCloseable {
         });
     }
 
+    /** Settles the claim of {@code env} that ran (or was kept) with {@code how}; 0 means it was taken over. */
     private void finishIdem(Envelope env, String holder, String how) {
-        String key = keys.idempotency(env.taskType(), env.idempotencyKey());
-        settle("idem_finish " + how, () -> {
-            Long n = link.write(key, node -> Scripts.run(node, "idem_finish", ScriptOutputType.INTEGER, List.of(key),
-                    holder, how, cfg.idemDoneTtl.toMillis(), Timestamp.now().toString()));
-            if (n != null && n == 0) {
-                LOG.warn("the idempotency claim had been taken over: the task may have run twice");
-            }
-            return n;
-        });
+        Long n = settleClaim(keys.idempotency(env.taskType(), env.idempotencyKey()), holder, how);
+        if (n != null && n == 0) {
+            LOG.warn("the idempotency claim had been taken over: the task may have run twice");
+        }
+    }
+
+    /**
+     * idem_finish.lua {@code how} ({@code done} or {@code release}) on {@code key} for {@code holder},
+     * then the WAIT of the claim, retried while Redis is away; its answer, null when given up.
+     */
+    private Long settleClaim(String key, String holder, String how) {
+        return settle("idem_finish " + how, () -> link.write(key, node -> Scripts.run(node, "idem_finish",
+                ScriptOutputType.INTEGER, List.of(key), holder, how, cfg.idemDoneTtl.toMillis(),
+                Timestamp.now().toString())));
     }
 
     // --- failures and retries (section 8) ---------------------------------------------------

@@ -343,6 +343,33 @@ class RoundTripTest extends RedisFixture {
     }
 
     @Test
+    void twoEntriesOfOneTaskOnOneConsumerNeverRunAtOnce() throws Exception {
+        AtomicInteger running = new AtomicInteger();
+        AtomicInteger most = new AtomicInteger();
+        AtomicInteger effects = new AtomicInteger();
+        List<Envelope> duplicates = new CopyOnWriteArrayList<>();
+        Envelope env = Envelope.builder("settle").idempotencyKey("settle-1").build();
+        try (Producer p = producer()) {
+            // two entries of one task (a failover lost an ack or a promotion): one read takes both
+            p.publish(env);
+            p.publish(env);
+        }
+        try (Worker w = worker().deferDelay(Duration.ofMillis(300)).onDuplicate(duplicates::add)
+                .handler("settle", t -> {
+                    most.accumulateAndGet(running.incrementAndGet(), Math::max);
+                    Thread.sleep(500);
+                    effects.incrementAndGet();
+                    running.decrementAndGet();
+                }).build().start()) {
+            await("both entries settled", () -> effects.get() + duplicates.size() == 2 && streamLength() == 0
+                    && redis.zcard(keys.delayed(queue)) == 0);
+        }
+        assertEquals(1, most.get(), "two attempts of one idempotency key ran at once");
+        assertEquals(1, effects.get());
+        assertEquals(1, duplicates.size(), "the deferred entry was not acknowledged as a duplicate");
+    }
+
+    @Test
     void idempotencyKeyDoneMeansADuplicateDoesNotRun() throws Exception {
         AtomicInteger ran = new AtomicInteger();
         List<Envelope> duplicates = new CopyOnWriteArrayList<>();
