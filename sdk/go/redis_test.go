@@ -10,9 +10,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -372,6 +374,105 @@ func TestBusyIdempotencyKeyIsDeferredThenTakenOverFromADeadHolder(t *testing.T) 
 	}
 }
 
+// lostClaims is a redis.Hook that, while on, answers the idem_begin.lua calls with a
+// connection error: after Redis ran them (their reply is lost), or with drop unsent.
+type lostClaims struct {
+	sha  string
+	drop bool
+	on   atomic.Bool
+	lost atomic.Int32
+}
+
+func (h *lostClaims) DialHook(next redis.DialHook) redis.DialHook { return next }
+
+func (h *lostClaims) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+func (h *lostClaims) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if args := cmd.Args(); !h.on.Load() || cmd.Name() != "evalsha" || len(args) < 2 || args[1] != h.sha {
+			return next(ctx, cmd)
+		}
+		if !h.drop {
+			if err := next(ctx, cmd); err != nil {
+				return err
+			}
+		}
+		h.lost.Add(1)
+		err := &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}
+		cmd.SetErr(err)
+		return err
+	}
+}
+
+// A claim whose reply is lost may have landed: it is released before the entry is
+// deferred, so that no other consumer finds the key busy on this live one until it
+// expires. A release that finds the claim never landed (another consumer's claim is
+// there) deletes nothing and is not a takeover.
+func TestAClaimThatFailedIsReleasedBeforeTheTaskIsDeferred(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		drop  bool   // the request is lost, not its reply
+		other string // a claim of another live consumer, there before the task
+	}{
+		{name: "reply lost"},
+		{name: "request lost while another consumer holds the key", drop: true, other: "running other task-0"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newEnv(t)
+			ctx := context.Background()
+			var runs atomic.Int32
+			w := e.worker(func(c *Config) { c.DeferDelay = time.Second })
+			w.Handle("jobs.run", func(ctx context.Context, task *Task) error { runs.Add(1); return nil })
+			idemKey := e.keys.Idempotency("jobs.run", "k1")
+			if c.other != "" {
+				e.client.Set(ctx, e.keys.Consumer("other"), "h 1 go", time.Minute)
+				e.client.Set(ctx, idemKey, c.other, time.Minute)
+			}
+			fault := &lostClaims{sha: e.scripts.Get("idem_begin").Hash(), drop: c.drop}
+			fault.on.Store(true)
+			e.client.AddHook(fault)
+			task := New("jobs.run", nil)
+			k := "k1"
+			task.IdempotencyKey = &k
+			e.publish(task)
+			e.start(w)
+
+			e.waitFor("the task to be deferred", func() bool {
+				n, _ := e.client.ZScore(ctx, e.q.Delayed(), task.TaskID).Result()
+				return n > 0
+			})
+			if fault.lost.Load() == 0 || runs.Load() != 0 {
+				t.Fatalf("%d claims lost, %d runs: want a lost claim and no run", fault.lost.Load(), runs.Load())
+			}
+			if v, err := e.client.Get(ctx, idemKey).Result(); c.other == "" && !errors.Is(err, redis.Nil) {
+				t.Fatalf("the claim whose reply was lost was kept: %q", v)
+			} else if c.other != "" && v != c.other {
+				t.Fatalf("the other consumer's claim is %q, want %q", v, c.other)
+			}
+
+			fault.on.Store(false)
+			if c.other != "" {
+				e.client.Del(ctx, idemKey) // the other consumer released it
+			}
+			e.waitFor("the task to run", func() bool { return runs.Load() == 1 })
+			e.waitFor("the queue to drain", e.drained)
+			time.Sleep(300 * time.Millisecond)
+			if n := runs.Load(); n != 1 {
+				t.Fatalf("%d runs, want 1", n)
+			}
+			if v, _ := e.client.Get(ctx, idemKey).Result(); !strings.HasPrefix(v, "done "+task.TaskID+" ") {
+				t.Fatalf("marker %q", v)
+			}
+			if out := e.logs.String(); strings.Contains(out, "taken over") ||
+				!strings.Contains(out, "idempotency claim failed; releasing it and deferring") {
+				t.Fatalf("want the failed claim logged and no takeover:\n%s", out)
+			}
+		})
+	}
+}
+
 // withRetrySlotTaken is a worker running jobs.run (counting its runs) that allows one
 // retry of it at a time, the one slot being held by another consumer.
 func withRetrySlotTaken(t *testing.T) (*env, *Worker, *atomic.Int32, string) {
@@ -669,11 +770,18 @@ func TestShutdownPutsUnstartedEntriesBackAndDeletesTheLivenessKey(t *testing.T) 
 	}
 }
 
+// An abandoned attempt keeps its claim and its key's mark until it returns: its
+// retry, and a second entry of the task (a failover lost an ack) read in the same
+// batch by the same consumer, are deferred meanwhile, never run beside it.
 func TestAnAbandonedAttemptKeepsItsIdempotencyClaimUntilItReturns(t *testing.T) {
 	e := newEnv(t)
-	var effects atomic.Int32
-	w := e.worker(nil)
+	var effects, running atomic.Int32
+	w := e.worker(func(c *Config) { c.Concurrency, c.Prefetch = 2, 2 })
 	w.Handle("jobs.overrun", func(ctx context.Context, task *Task) error {
+		if running.Add(1) > 1 {
+			t.Error("two attempts of the task ran at once")
+		}
+		defer running.Add(-1)
 		time.Sleep(1500 * time.Millisecond) // ignores its deadline: abandoned at 100 ms
 		effects.Add(1)
 		return nil
@@ -682,7 +790,12 @@ func TestAnAbandonedAttemptKeepsItsIdempotencyClaimUntilItReturns(t *testing.T) 
 	task := tiered(New("jobs.overrun", nil)) // the timeout is retried once, 100-400 ms later
 	task.MaxRetries, task.TimeoutMS, task.IdempotencyKey = &one, &timeout, &key
 	e.publish(task)
-	e.start(w)
+	fields, err := EncodeEntry(task, GzipMinBytes, DefaultLimits)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.client.XAdd(context.Background(), &redis.XAddArgs{Stream: e.q.Stream(Normal), Values: fields})
+	e.start(w) // one read of Prefetch 2 takes both entries
 
 	idemKey := e.keys.Idempotency("jobs.overrun", key)
 	e.waitFor("the abandoned attempt to mark the key done", func() bool {
@@ -693,6 +806,9 @@ func TestAnAbandonedAttemptKeepsItsIdempotencyClaimUntilItReturns(t *testing.T) 
 	time.Sleep(300 * time.Millisecond)
 	if n := effects.Load(); n != 1 {
 		t.Fatalf("%d effects: the retry ran while the abandoned attempt still held the key", n)
+	}
+	if !strings.Contains(e.logs.String(), "another attempt of this consumer holds the idempotency key; deferred") {
+		t.Fatal("the second entry was not deferred by the mark of its key")
 	}
 	if dead := e.dead(); len(dead) != 0 {
 		t.Fatalf("dead-lettered: %v", dead)

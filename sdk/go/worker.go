@@ -213,10 +213,12 @@ type Worker struct {
 	stop     chan struct{} // closed by Shutdown
 	runs     sync.WaitGroup
 
-	// Idempotency keys (Redis keys) held by this consumer's abandoned attempts. A claim
-	// is re-entrant for its holder, so this consumer defers their retries itself.
-	overrunMu sync.Mutex
-	overrun   map[string]bool
+	// Idempotency keys (Redis keys) an attempt of this consumer claims, from just before
+	// idem_begin.lua until the claim is settled (for an abandoned attempt, once its
+	// handler returned). A claim is re-entrant for its holder, so this consumer defers
+	// an attempt whose key is marked itself (docs/protocol.md section 9).
+	claimedMu sync.Mutex
+	claimed   map[string]bool
 	abandoned sync.WaitGroup // abandoned attempts still running: the consumer stays alive
 
 	limitStates map[string]limitState // by queue, from its last read (read and consume loop only)
@@ -283,7 +285,7 @@ func newWorker(client redis.UniversalClient, scripts Scripts, cfg Config, handle
 	w := &Worker{
 		cfg: cfg, client: client, scripts: scripts, keys: keys, byStream: map[string]QueueKeys{}, watch: watch,
 		handlers: handlers, results: res, schemas: schemas, records: newRecords(cfg.TaskRecordRetention),
-		stats: &Stats{Keys: keys}, stop: make(chan struct{}), overrun: map[string]bool{},
+		stats: &Stats{Keys: keys}, stop: make(chan struct{}), claimed: map[string]bool{},
 		log:  cfg.Logger.With("consumer", cfg.Consumer, cfg.queueAttr()),
 		host: hostname(), pid: strconv.Itoa(os.Getpid()), limitStates: map[string]limitState{},
 	}
@@ -1183,13 +1185,20 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 	task := &Task{Envelope: env, Queue: e.q.Queue, Stream: e.stream, EntryID: e.id, Log: e.log}
 	task.Redelivered, _ = strconv.Atoi(e.fields[FieldRedeliver])
 
-	holder := ""
+	holder, keepMark := "", false
 	if env.IdempotencyKey != nil {
 		var proceed bool
 		holder, proceed = w.claim(ctx, e, task)
 		if !proceed {
 			return
 		}
+		// Every way out below settles the claim first; an abandoned attempt keeps its mark
+		// until its handler returned (finishIdemWhenReturned clears it).
+		defer func() {
+			if !keepMark {
+				w.unmark(w.idemKey(env))
+			}
+		}()
 	}
 
 	if env.RetryCount > 0 && AsksForTiered(env) { // the cap belongs to the tiered policy
@@ -1245,6 +1254,7 @@ func (w *Worker) handle(ctx context.Context, e *entry) {
 	}
 	switch {
 	case holder != "" && late != nil:
+		keepMark = true
 		w.finishIdemWhenReturned(e, holder, late)
 	case late != nil: // no claim to keep, but the consumer stays alive until it returns
 		w.abandoned.Add(1)
@@ -1292,21 +1302,15 @@ func (w *Worker) recordStart(ctx context.Context, e *entry) {
 }
 
 // finishIdemWhenReturned keeps (renews) the idempotency claim of an abandoned attempt
-// until its handler really returns, then settles it (docs/protocol.md section 8): a
-// retry meanwhile is deferred, so the effect the abandoned code may still have happens once.
+// and its mark until its handler really returns, then settles it and clears the mark
+// (docs/protocol.md section 8): a retry meanwhile is deferred, so the effect the
+// abandoned code may still have happens once.
 func (w *Worker) finishIdemWhenReturned(e *entry, holder string, late <-chan handlerReturn) {
-	key := w.keys.Idempotency(e.env.TaskType, *e.env.IdempotencyKey)
-	w.overrunMu.Lock()
-	w.overrun[key] = true
-	w.overrunMu.Unlock()
+	key := w.idemKey(e.env)
 	w.abandoned.Add(1)
 	go func() {
 		defer w.abandoned.Done()
-		defer func() {
-			w.overrunMu.Lock()
-			delete(w.overrun, key)
-			w.overrunMu.Unlock()
-		}()
+		defer w.unmark(key)
 		claimFor := w.claimTime(e.env)
 		renew := time.NewTicker(claimFor / 3)
 		defer renew.Stop()
@@ -1349,17 +1353,23 @@ func (w *Worker) notRun(e *entry, class, reason string) failure {
 }
 
 // claim applies docs/protocol.md section 9; it answers the holder and whether to run.
-func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool) {
+// The key stays marked when it runs: the caller clears the mark once the claim is settled.
+func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (holder string, run bool) {
 	env := e.env
-	key := w.keys.Idempotency(env.TaskType, *env.IdempotencyKey)
-	holder := w.cfg.Consumer + " " + env.TaskID
+	key := w.idemKey(env)
+	holder = w.cfg.Consumer + " " + env.TaskID
 	claimFor := w.claimTime(env)
-	if w.overrunning(key) {
-		e.log.Info("an abandoned attempt of this task still runs; deferred",
+	if !w.mark(key) {
+		e.log.Info("another attempt of this consumer holds the idempotency key; deferred",
 			"delay_ms", w.cfg.DeferDelay.Milliseconds())
 		w.deferTask(ctx, e, w.cfg.DeferDelay)
 		return "", false
 	}
+	defer func() {
+		if !run { // no claim of this attempt is left to settle
+			w.unmark(key)
+		}
+	}()
 	replace := ""
 	for round := 0; round < 2; round++ {
 		// With Durability the claim waits for replicas, like the settle steps: a
@@ -1372,7 +1382,8 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 			return err
 		})
 		if err != nil || len(res) == 0 {
-			e.log.Warn("idempotency claim failed; deferring", "error", fmt.Sprint(err))
+			e.log.Warn("idempotency claim failed; releasing it and deferring", "error", fmt.Sprint(err))
+			w.releaseFailedClaim(ctx, e, holder)
 			w.deferTask(ctx, e, w.cfg.DeferDelay)
 			return "", false
 		}
@@ -1409,19 +1420,38 @@ func (w *Worker) claim(ctx context.Context, e *entry, task *Task) (string, bool)
 	return "", false
 }
 
+// finishIdem settles the claim of an attempt that ran or may still run: done or release.
 func (w *Worker) finishIdem(ctx context.Context, e *entry, holder, how string) {
-	key := w.keys.Idempotency(e.env.TaskType, *e.env.IdempotencyKey)
-	w.settle(e, "idem_finish "+how, func() error {
+	w.settle(e, "idem_finish "+how, w.idemFinish(ctx, e, holder, how, true))
+}
+
+// releaseFailedClaim releases the claim of an attempt whose idem_begin.lua failed: it
+// may have landed all the same (its reply was lost). An answer 0 means it never did;
+// a release Redis refuses, not away, is logged and the claim left to expire.
+func (w *Worker) releaseFailedClaim(ctx context.Context, e *entry, holder string) {
+	err := retryOutage(ctx, w.client, e.log, "idem_finish release", IsOutage,
+		w.idemFinish(ctx, e, holder, "release", false))
+	if err != nil {
+		e.log.Error("releasing the failed idempotency claim failed; it is left to expire",
+			"error", err.Error())
+	}
+}
+
+// idemFinish is the step of idem_finish.lua how for the holder's claim, followed by the
+// Durability WAIT; with takenOver it logs an answer 0 as the takeover it then is.
+func (w *Worker) idemFinish(ctx context.Context, e *entry, holder, how string, takenOver bool) func() error {
+	key := w.idemKey(e.env)
+	return func() error {
 		return w.cfg.Durability.write(ctx, w.client, key, e.log, func(c redis.Cmdable) error {
 			n, err := w.scripts.Get("idem_finish").Run(ctx, c, []string{key},
 				holder, how, w.cfg.IdemDoneTTL.Milliseconds(), Now().String()).Int()
-			if err == nil && n == 0 {
+			if err == nil && n == 0 && takenOver {
 				e.log.Warn("the idempotency claim had been taken over: the task may have run twice",
 					"idempotency_key", *e.env.IdempotencyKey)
 			}
 			return err
 		})
-	})
+	}
 }
 
 // holderGone looks whether the liveness key of owner, the holder of a busy
@@ -1450,11 +1480,27 @@ func (w *Worker) claimTime(env *Envelope) time.Duration {
 	return w.cfg.IdemClaim
 }
 
-// overrunning reports whether an abandoned attempt of this consumer holds key.
-func (w *Worker) overrunning(key string) bool {
-	w.overrunMu.Lock()
-	defer w.overrunMu.Unlock()
-	return w.overrun[key]
+// idemKey is the Redis key of env's idempotency key.
+func (w *Worker) idemKey(env *Envelope) string {
+	return w.keys.Idempotency(env.TaskType, *env.IdempotencyKey)
+}
+
+// mark marks key claimed by an attempt of this consumer; false when one already had.
+func (w *Worker) mark(key string) bool {
+	w.claimedMu.Lock()
+	defer w.claimedMu.Unlock()
+	if w.claimed[key] {
+		return false
+	}
+	w.claimed[key] = true
+	return true
+}
+
+// unmark clears the mark of key once its claim is settled.
+func (w *Worker) unmark(key string) {
+	w.claimedMu.Lock()
+	defer w.claimedMu.Unlock()
+	delete(w.claimed, key)
 }
 
 // handlerReturn is what a handler returned.
