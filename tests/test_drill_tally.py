@@ -6,11 +6,15 @@ written out by hand, one story per order, so that every count can be checked exa
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from bench.drill.brokers import DeadLetterRecord
+from bench.drill.config import SMALL_CLUSTER
+from bench.drill.faults import Timeline
 from bench.drill.ledger import KINDS
 from bench.drill.producer import NotPublished, Planned, Published
+from bench.drill.report import DrillReport
 from bench.drill.tally import tally
 
 KILLED_AT = 100.0  # when the drill SIGKILLed worker "w2"
@@ -149,3 +153,31 @@ def test_a_peer_handler_that_returned_then_was_killed_is_a_kill_not_a_broken_pro
         "node": {"starts": 1, "effects": 1, "duplicate_effects": 0},
         "python": {"starts": 2, "effects": 2, "duplicate_effects": 2},
     }
+
+
+def test_a_cluster_drill_allows_a_rerun_only_when_its_done_marker_was_in_a_lost_window() -> None:
+    """Without WAIT a SIGSTOPped primary loses the writes it took before its demotion:
+    a done marker and acknowledgement among them make the redelivery run the task again.
+    That duplicate is one of the window's, like a publish lost then; any other fails."""
+    published = [Published(Planned(n, f"order-{n}", f"task-{n}", None, 100,
+                                   queue="drill-1" if n else "drill"), 1.0, 0.01)
+                 for n in range(2)]
+    story = Story()
+    for n in range(2):  # each ran to its effect and success at 50, then again at 60
+        story.attempt(n, "w1", 11, 50.0)
+        story.attempt(n, "w2", 21, 60.0)
+
+    def report(stall: tuple[float, float], queues: list[str]) -> DrillReport:
+        return DrillReport(
+            SMALL_CLUSTER, "envelope", tally(published, [], story.records, [], {}, {}),
+            Timeline(), 70.0, 5.0, published, [], [], {}, [], [], Counter(),
+            fault_spans={"primary-stall": stall}, lossy_queues={"primary-stall": queues})
+
+    during = report((49.5, 55.0), ["drill-1"])  # order-1's queue was on the stalled primary
+    assert (during.duplicated_in_window(), during.duplicated_outside_window()) == \
+        (["order-1"], ["order-0"])
+    assert not during.passed
+    assert report((49.5, 55.0), ["drill", "drill-1"]).passed
+    after = report((58.0, 62.0), ["drill", "drill-1"])  # the first effects came before it
+    assert after.duplicated_outside_window() == ["order-0", "order-1"]
+    assert not after.passed

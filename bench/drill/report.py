@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from bench.drill.brokers import DeadLetterRecord
@@ -93,36 +94,63 @@ class DrillReport:
 
         On a Cluster, without ``WAIT``, the writes a SIGKILLed primary had not yet sent
         to its replica are lost with it, and those a SIGSTOPped one took before its
-        demotion: the drill passes when every lost task is one of those
-        (:meth:`lost_outside_window` is empty) and no effect was duplicated.
-        On Sentinel without WAIT a loss is reported, not failed (the replicas may not
-        have copied the last writes), and any worker that exited fails the drill.
+        demotion: a publish (the task is lost) or a done marker with its acknowledgement
+        (the redelivery runs the task again). The drill passes when every lost task and
+        every duplicated effect is one of those (:meth:`lost_outside_window` and
+        :meth:`duplicated_outside_window` are empty). On Sentinel without WAIT a loss is
+        reported, not failed (the replicas may not have copied the last writes), and any
+        worker that exited fails the drill.
         """
         tally = self.tally
-        if self.harness_errors or tally.duplicate_effects != tally.duplicates_after_kill:
+        if self.harness_errors:
             return False
         if self.fault_spans:
-            return not self.lost_outside_window()
+            return not self.lost_outside_window() and not self.duplicated_outside_window()
+        if tally.duplicate_effects != tally.duplicates_after_kill:
+            return False
         if self.config.sentinel:
             return not self.exited and (self.config.loss_allowed or not tally.lost)
         return tally.passed
 
+    def _in_window(self, order: str, at: float) -> bool:
+        """Whether a write for ``order`` at ``at`` went to a queue of the SIGKILLed or
+        SIGSTOPped primary from :data:`LOSS_LOOKBACK_S` before that fault until the
+        Cluster was whole again (the no-WAIT window: writes its replica had not copied,
+        or that it took while stalled)."""
+        published = self.published_by_order.get(order)
+        return published is not None and any(
+            fault in self.fault_spans and published.task.queue in queues
+            and self.fault_spans[fault][0] - LOSS_LOOKBACK_S <= at <= self.fault_spans[fault][1]
+            for fault, queues in self.lossy_queues.items())
+
+    @cached_property
+    def published_by_order(self) -> dict[str, Published]:
+        """Each published task, by its order id."""
+        return {p.task.order_id: p for p in self.published}
+
     def lost_in_window(self) -> list[str]:
-        """Lost orders of a queue of the SIGKILLed or SIGSTOPped primary, published from
-        :data:`LOSS_LOOKBACK_S` before the fault until the Cluster was whole again (the
-        no-WAIT window: writes its replica had not copied, or that it took while stalled)."""
-        by_order = {p.task.order_id: p for p in self.published}
+        """Lost orders published in the no-WAIT window of a primary's loss."""
         return [order for order in self.tally.lost
-                if any(fault in self.fault_spans
-                       and by_order[order].task.queue in queues
-                       and self.fault_spans[fault][0] - LOSS_LOOKBACK_S
-                       <= by_order[order].at <= self.fault_spans[fault][1]
-                       for fault, queues in self.lossy_queues.items())]
+                if self._in_window(order, self.published_by_order[order].at)]
 
     def lost_outside_window(self) -> list[str]:
         """Lost orders no primary's death explains."""
         explained = set(self.lost_in_window())
         return [order for order in self.tally.lost if order not in explained]
+
+    def duplicated_in_window(self) -> list[str]:
+        """Orders duplicated otherwise than by a kill after the effect, every earlier
+        effect of which came in the no-WAIT window of a primary's loss: its done marker
+        and acknowledgement, written then, may be lost with the primary."""
+        return [d.order_id for d in self.tally.duplicates if d.extra > d.after_kill
+                and all(self._in_window(d.order_id, e["t"]) for e in d.effects[:-1])]
+
+    def duplicated_outside_window(self) -> list[str]:
+        """Orders duplicated otherwise than by a kill after the effect, that no
+        primary's death explains."""
+        explained = set(self.duplicated_in_window())
+        return [d.order_id for d in self.tally.duplicates
+                if d.extra > d.after_kill and d.order_id not in explained]
 
     def whole_again_s(self) -> dict[str, float]:
         """Per Cluster fault: seconds from its start to the Cluster whole again."""
@@ -151,7 +179,10 @@ class DrillReport:
             "by_language": self.tally.by_language(self.languages),
             **({"whole_again_s": self.whole_again_s(),
                 "lost_with_primary": len(self.lost_in_window()),
-                "lost_otherwise": len(self.lost_outside_window())} if self.fault_spans else {}),
+                "lost_otherwise": len(self.lost_outside_window()),
+                "duplicated_with_primary": len(self.duplicated_in_window()),
+                "duplicated_otherwise": len(self.duplicated_outside_window())}
+               if self.fault_spans else {}),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -206,7 +237,9 @@ class DrillReport:
             f"fault {f['replication_lag_bytes'] or '-'} bytes"
             + (" (loss reported, not failed: no WAIT)" if self.config.loss_allowed else ""),
             *([f"  Cluster: {f['lost_with_primary']} lost with the SIGKILLed primary (the "
-               f"replication window), {f['lost_otherwise']} lost otherwise; whole again after "
+               f"replication window), {f['lost_otherwise']} lost otherwise; "
+               f"{f['duplicated_with_primary']} duplicated with it, "
+               f"{f['duplicated_otherwise']} otherwise; whole again after "
                + ", ".join(f"{kind} {s} s" for kind, s in f["whole_again_s"].items())]
               if self.fault_spans else []),
             "  by language: " + "; ".join(
