@@ -223,6 +223,23 @@ def test_the_type_comes_from_field_t_else_from_a_plain_body(client, settings,
         f"{stream} {first}".encode(), f"{stream} {counted}".encode()]  # the high one holds it
 
 
+@pytest.mark.parametrize("layout", [
+    '{{"task_id": "{id}", "task_type" : "{t}", "payload": {{}}}}',
+    '{{"payload": {{"task_type": "other"}}, "task_id": "{id}", "task_type": "{t}"}}',
+    '{{"payload": {{"note": "\\"task_type\\""}}, "task_type":"{t}", "task_id": "{id}"}}',
+], ids=["spaced", "payload-has-the-key", "payload-quotes-it"])
+def test_the_type_of_a_plain_body_is_its_own_task_type_whatever_the_layout(
+        client, settings, streams, layout: str) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    stream = settings.keys.queue(QUEUE).stream(Bucket.NORMAL)
+    ids = [client.xadd(stream, {"v": "1", "enc": "json", "body": layout.format(
+        id=uuid.uuid4().hex, t=task_type)}).decode() for task_type in ("slow", "slow", "fast")]
+    taken, _, _ = read(client, streams, "c1")
+    assert taken == [ids[0], ids[2]]  # the second "slow" waits; "fast" has no limit
+    assert client.lrange(settings.keys.queue(QUEUE).parked("slow"), 0, -1) == [
+        f"{stream} {ids[1]}".encode()]
+
+
 def test_a_takeover_leaves_parked_entries_alone(client, settings, streams) -> None:
     TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
     ids = [add(client, settings, "slow") for _ in range(3)]

@@ -125,6 +125,13 @@ local function task_type(fields)
         if name == 'enc' then enc = fields[i + 1] elseif name == 'body' then body = fields[i + 1] end
     end
     if enc ~= 'json' or not body then return nil end
+    -- A key "task_type" found once is the Envelope's own: read its value without
+    -- decoding the body, unless the value holds an escape (then decode, below).
+    local _, key_end = string.find(body, '"task_type"', 1, true)
+    if key_end and not string.find(body, '"task_type"', key_end + 1, true) then
+        local value = string.match(body, '^%s*:%s*"([^"\\]*)"', key_end + 1)
+        if value then return value end
+    end
     local quoted = false
     for _, name in ipairs(names) do
         if string.find(body, '"' .. name .. '"', 1, true) then quoted = true break end
