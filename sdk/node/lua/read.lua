@@ -260,7 +260,7 @@ local function wait_for(t)
 end
 
 -- The slots and rate tokens taken, written once per type before the script returns.
-local new_slots, slot_types, tat_taken, rate_types = {}, {}, {}, {}
+local new_slots, tat_taken = {}, {}
 local function take(t, stream, id)
     local limit = limits[t]
     if limit.breaker and breakers[t].state == 'half_open' then
@@ -270,18 +270,13 @@ local function take(t, stream, id)
         if b.probes_started >= limit.breaker.probes then b.wait = POLL_MS end
     end
     if limit.concurrency then
-        local members = new_slots[t]
-        if not members then
-            members = {}
-            new_slots[t] = members
-            slot_types[#slot_types + 1] = t
-        end
+        local members = new_slots[t] or {}
+        new_slots[t] = members
         members[#members + 1] = now + lease_ms
         members[#members + 1] = stream .. ' ' .. id
         running[t] = running[t] + 1
     end
     if limit.interval then
-        if not tat_taken[t] then rate_types[#rate_types + 1] = t end
         tat_taken[t] = true
         tat[t] = math.max(tat[t], now) + limit.interval
     end
@@ -361,15 +356,15 @@ for _, key in ipairs(KEYS) do
 end
 
 local SLOTS_PER_ZADD = 500  -- score and member: 1,000 arguments a call at most
-for _, t in ipairs(slot_types) do
-    local members = new_slots[t]
+for _, t in ipairs(names) do
+    local members = new_slots[t] or {}
     for first = 1, #members, 2 * SLOTS_PER_ZADD do
         redis.call('ZADD', running_key(t),
                    unpack(members, first, math.min(first + 2 * SLOTS_PER_ZADD - 1, #members)))
     end
-end
-for _, t in ipairs(rate_types) do
-    redis.call('SET', rate_key(t), tostring(tat[t]), 'PX', math.ceil(tat[t] - now) + 1000)
+    if tat_taken[t] then
+        redis.call('SET', rate_key(t), tostring(tat[t]), 'PX', math.ceil(tat[t] - now) + 1000)
+    end
 end
 
 local wait_ms = -1
