@@ -560,12 +560,20 @@ class Channel(virtual.Channel):
         self._buffer.extend(messages)
         return bool(messages)
 
-    def _waits_itself(self, queue: str, share: int) -> bool:
-        """Whether ``queue``'s parked entries want it read again within ``SHORT_WAIT_S``:
-        then no blocking read is sent; the channel reads it with read.lua once that time
-        has come (the poller wakes up for it: see ``next_read_at``)."""
+    def _short_wait_ends(self, queue: str) -> float | None:
+        """When (monotonic seconds) ``queue``'s parked entries want it read again, if
+        that is within ``SHORT_WAIT_S``: a wait the channel times itself."""
         again = self._read_again_at.get(queue)
-        if queue not in self._limited or again is None or again - monotonic() >= SHORT_WAIT_S:
+        if queue in self._limited and again is not None and again - monotonic() < SHORT_WAIT_S:
+            return again
+        return None
+
+    def _waits_itself(self, queue: str, share: int) -> bool:
+        """Whether ``queue`` has a short wait (``_short_wait_ends``): then no blocking
+        read is sent; the channel reads it with read.lua once the wait is over (the
+        poller wakes up for it: see ``next_read_at``)."""
+        again = self._short_wait_ends(queue)
+        if again is None:
             return False
         if again <= monotonic():
             self._buffer.extend(self.inbox.messages(self._read_now(queue, share)))
@@ -576,8 +584,8 @@ class Channel(virtual.Channel):
         read again, or None: the poller must come back by then."""
         if not self.consuming or self._buffer or self._room() <= 0:
             return None  # start_blocking_reads reads nothing now
-        due = [again for queue, again in self._read_again_at.items()
-               if queue in self._limited and again - monotonic() < SHORT_WAIT_S
+        due = [again for queue in self._read_again_at
+               if (again := self._short_wait_ends(queue)) is not None
                and not (queue in self._readers and self._readers[queue].reading)]
         return min(due, default=None)
 
