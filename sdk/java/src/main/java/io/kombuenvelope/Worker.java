@@ -777,7 +777,7 @@ public final class Worker implements AutoCloseable {
         String key = keys.idempotency(env.taskType(), env.idempotencyKey());
         if (!claiming.add(key)) {
             LOG.info("another attempt of this idempotency key runs here; deferred");
-            replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
+            deferNow(e, env);
             return;
         }
         boolean kept = false;
@@ -964,6 +964,11 @@ public final class Worker implements AutoCloseable {
 
     // --- idempotency (section 9) ------------------------------------------------------------
 
+    /** Hands the entry back unrun, the same Envelope due {@code deferDelay} later (a deferral, section 8). */
+    private void deferNow(Entry e, Envelope env) {
+        replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
+    }
+
     /**
      * Claims the idempotency key {@code key}, marked for this attempt; answers the holder when the
      * task should run, else null (the entry is settled or handed back, the claim released).
@@ -985,7 +990,7 @@ public final class Worker implements AutoCloseable {
                 LOG.warn("idempotency claim failed; releasing it and handing the entry back: {}", ex.toString());
                 link.recover(ex);
                 settleClaim(key, holder, "release");
-                replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
+                deferNow(e, env);
                 return null;
             }
             String answer = Redis.s(res.get(0));
@@ -1019,7 +1024,7 @@ public final class Worker implements AutoCloseable {
             }
             break;
         }
-        replace(e, env, deferred(env, cfg.deferDelay), cfg.deferDelay, "scheduled", null);
+        deferNow(e, env);
         return null;
     }
 
