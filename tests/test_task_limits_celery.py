@@ -7,13 +7,11 @@ held by a prefetched task. What ran when is read from the spans the tasks record
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +23,7 @@ from apps.limits_app import create_app
 from celery import Celery
 from kombu import Consumer, Queue
 from support import wait_for
-from support.envelope_streams import connect, envelope_url
+from support.envelope_streams import connect, drain_until, envelope_url
 from support.spans import Span, max_overlap, spans
 from support.workers import PROJECT_ROOT, TESTS_DIR, CeleryWorker
 
@@ -226,9 +224,6 @@ def test_a_plain_kombu_consumer_in_a_celery_app_process_frees_its_slot_with_its_
 
     with connect(redis_url, prefix) as conn, Consumer(conn, [Queue("plain")],
                                                        callbacks=[on_message]):
-        deadline = time.monotonic() + 20
-        while len(got) < 3 and time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
-                conn.drain_events(timeout=1)
+        drain_until(conn, lambda: len(got) == 3, timeout=20)
     assert got == [task.task_id for task in tasks]
     assert redis_client.zcard(running) == 0

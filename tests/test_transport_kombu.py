@@ -26,6 +26,7 @@ from support import wait_for
 from support.envelope_streams import (
     connect,
     dead_letters,
+    drain_until,
     envelope_url,
     pending_count,
     stream_entries,
@@ -62,19 +63,6 @@ class Collector:
 
     def __len__(self) -> int:
         return len(self.messages)
-
-
-def drain_until(conn: kombu.Connection, done: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Call ``drain_events`` until ``done()`` is true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not done():
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(f"condition not met within {timeout:.1f}s of drain_events")
-        try:
-            conn.drain_events(timeout=min(remaining, 1.0))
-        except TimeoutError:
-            pass
 
 
 def assert_nothing_delivered(conn: kombu.Connection, seconds: float = QUIET_S) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -13,6 +15,7 @@ from kombu_envelope.keys import KeySpace
 __all__ = [
     "connect",
     "dead_letters",
+    "drain_until",
     "envelope_url",
     "pending_count",
     "stream_entries",
@@ -25,6 +28,19 @@ def envelope_url(redis_url: str, scheme: str = "envelope") -> str:
     parts = urlsplit(redis_url)
     db = parts.path.strip("/") or "0"
     return f"{scheme}://{parts.hostname or '127.0.0.1'}:{parts.port or 6379}/{db}"
+
+
+def drain_until(conn: kombu.Connection, done: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Call ``drain_events`` until ``done()`` is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"condition not met within {timeout:.1f}s of drain_events")
+        try:
+            conn.drain_events(timeout=min(remaining, 1.0))
+        except TimeoutError:
+            pass
 
 
 def connect(redis_url: str, key_prefix: str, **options: Any) -> kombu.Connection:
