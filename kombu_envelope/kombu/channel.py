@@ -71,11 +71,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Waits for parked entries shorter than this are made by the channel itself, not by a
-#: blocking read: Redis ends a blocking command's timeout only on its timer tick (every
-#: 1000 / hz ms, 100 ms at the default hz 10), so a 20 ms ``XREAD BLOCK`` lasts up to 100 ms.
-SHORT_WAIT_S = 0.1
-
 
 class QoS(virtual.QoS):
     """Prefetch accounting; ack, reject and restore act on the stream entries.
@@ -545,8 +540,7 @@ class Channel(virtual.Channel):
             share = room // len(idle) if idle else 0
             # Too little credit for every queue: one entry each for the first ones.
             for queue in idle if share else idle[:max(room, 0)]:
-                if not (self._took_without_waiting(queue, max(share, 1))
-                        or self._waits_itself(queue, max(share, 1))):
+                if not self._took_without_waiting(queue, max(share, 1)):
                     self._start_read(queue, max(share, 1))
         return [(fd, reader) for reader in self._readers.values()
                 if (fd := reader.fileno()) is not None]
@@ -559,35 +553,6 @@ class Channel(virtual.Channel):
         messages = self.inbox.messages(self._read_now(queue, share))
         self._buffer.extend(messages)
         return bool(messages)
-
-    def _short_wait_ends(self, queue: str) -> float | None:
-        """When (monotonic seconds) ``queue``'s parked entries want it read again, if
-        that is within ``SHORT_WAIT_S``: a wait the channel times itself."""
-        again = self._read_again_at.get(queue)
-        if queue in self._limited and again is not None and again - monotonic() < SHORT_WAIT_S:
-            return again
-        return None
-
-    def _waits_itself(self, queue: str, share: int) -> bool:
-        """Whether ``queue`` has a short wait (``_short_wait_ends``): then no blocking
-        read is sent; the channel reads it with read.lua once the wait is over (the
-        poller wakes up for it: see ``next_read_at``)."""
-        again = self._short_wait_ends(queue)
-        if again is None:
-            return False
-        if again <= monotonic():
-            self._buffer.extend(self.inbox.messages(self._read_now(queue, share)))
-        return True
-
-    def next_read_at(self) -> float | None:
-        """When (monotonic seconds) a queue this channel waits on itself is due to be
-        read again, or None: the poller must come back by then."""
-        if not self.consuming or self._buffer or self._room() <= 0:
-            return None  # start_blocking_reads reads nothing now
-        due = [again for queue in self._read_again_at
-               if (again := self._short_wait_ends(queue)) is not None
-               and not (queue in self._readers and self._readers[queue].reading)]
-        return min(due, default=None)
 
     def _start_read(self, queue: str, share: int) -> None:
         streams = self.keys.queue(queue).all_streams

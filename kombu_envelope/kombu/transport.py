@@ -100,9 +100,6 @@ class Poller:
         self._always_readable: tuple[socket.socket, socket.socket] | None = None
         #: Whether channels batch their acks until the next arm().
         self.defer_acks = False
-        #: When (monotonic seconds) a channel must read a queue it waits on itself: the
-        #: loop comes back by then (set by arm()).
-        self.wake_at: float | None = None
 
     def add(self, channel: Channel) -> None:
         """Poll ``channel`` from now on."""
@@ -147,18 +144,7 @@ class Poller:
         fds = list(self._fd_to_reader)
         if come_back:
             fds.append(self._ready_fd())
-        self.wake_at = min((at for channel in self.channels
-                            if (at := channel.next_read_at()) is not None), default=None)
         return fds
-
-    def wait_s(self, remaining: float | None) -> float | None:
-        """How long the loop may wait for a reply now: ``remaining`` (None: no limit),
-        shortened to when a channel must read a queue it waits on itself (``wake_at``,
-        set by ``arm``)."""
-        if self.wake_at is None:
-            return remaining
-        until = max(self.wake_at - monotonic(), 0)
-        return until if remaining is None else min(remaining, until)
 
     def _ready_fd(self) -> int:
         if self._always_readable is None:
@@ -336,18 +322,9 @@ class Transport(virtual.Transport):
             loop.remove_reader(fd)  # armed again on the next tick
             poller.on_readable(fd)
 
-        woken_at: list[float] = []  # the wake-up timer set, if one is still to fire
-
-        def on_wake() -> None:
-            woken_at.clear()  # the loop ticks again: on_poll_start reads what is due
-
         def on_poll_start() -> None:
             for fd in poller.arm():
                 add_reader(fd, on_readable, fd)
-            wake = poller.wake_at
-            if wake is not None and not (woken_at and woken_at[0] <= wake):
-                woken_at[:] = [wake]
-                loop.call_later(max(wake - monotonic(), 0), on_wake)
 
         loop.on_tick.add(on_poll_start)
 
@@ -359,13 +336,12 @@ class Transport(virtual.Transport):
         while True:
             fds = self.poller.arm()
             remaining = None if deadline is None else max(deadline - monotonic(), 0)
-            wait = self.poller.wait_s(remaining)
             if not fds:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError()
-                select.select([], [], [], min(wait if wait is not None else 1, 1))
+                select.select([], [], [], min(remaining if remaining is not None else 1, 1))
                 continue
-            readable, _, _ = select.select(fds, [], [], wait)
+            readable, _, _ = select.select(fds, [], [], remaining)
             delivered = sum(self.poller.on_readable(fd) for fd in readable)
             if delivered:
                 return
