@@ -83,9 +83,12 @@ SCENARIOS = (
              run_limits, {"n": 5_000, "rounds": 20}, {"n": 200, "rounds": 3}),
     Scenario("dispatcher", "Dispatcher HTTP API against the Python SDK",
              "Single POST /tasks at a fixed rate (p50/p99) and POST /tasks:batch of 1,000 "
-             "(tasks/s), next to Publisher.publish at the same rate and publish_many of 1,000.",
-             run_dispatcher, {"rate": 500, "seconds": 4, "batches": 10},
-             {"rate": 100, "seconds": 0.5, "batches": 1}),
+             "(tasks/s), through one process and through --workers processes on several "
+             "connections, next to Publisher.publish at the same rate and publish_many of "
+             "1,000.",
+             run_dispatcher, {"rate": 500, "seconds": 4, "batches": 10, "workers": 2,
+                              "connections": 4},
+             {"rate": 100, "seconds": 0.5, "batches": 1, "workers": 2, "connections": 2}),
     Scenario("cluster", "Redis Cluster (three shards) against one Redis",
              "N Envelopes spread over queues on every shard: bulk publish, consume+ack by "
              "one consumer of every queue, and publish-to-start at a fixed rate; the same "

@@ -103,7 +103,8 @@ def scheduler(ctx: click.Context, batch: int) -> None:
 @click.pass_context
 def dispatcher(ctx: click.Context, options: tuple[str, ...]) -> None:
     """Run the HTTP dispatcher on the app's broker (options: --host, --port,
-    --tokens-file, --max-body-bytes, --batch-max, --rate, --burst; see docs/dispatcher.md).
+    --tokens-file, --max-body-bytes, --batch-max, --rate, --burst, --workers; see
+    docs/dispatcher.md).
     Needs the ``dispatcher`` extra."""
     import argparse
 

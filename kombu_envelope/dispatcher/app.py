@@ -71,7 +71,7 @@ def create_app(client: Any, settings: Settings | None = None,
                   docs_url=None, redoc_url=None)
     app.state.config = config
     app.state.stores = Stores(client, settings or Settings())
-    app.state.limiter = RateLimiter(config.rate_per_s, config.rate_burst)
+    app.state.limiter = RateLimiter(*config.rate_per_process)
     problems.install(app)
     for module in (health, whoami, tasks, delayed, periodic, dead_letters, schemas, task_limits,
                    workers, metrics):

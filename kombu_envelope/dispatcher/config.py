@@ -129,17 +129,25 @@ class DispatcherConfig:
     rate_burst: int = 2000
     #: Most items a list endpoint returns.
     list_max: int = 1000
+    #: Processes serving the port (forked after the Redis client is made; each makes its
+    #: own connections). Each enforces ``1 / workers`` of the rate and burst.
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if not self.tokens and not is_loopback(self.host):
             raise ValueError(f"host {self.host!r}: without a token configured the dispatcher "
                              "listens on a loopback address only (configure tokens with "
                              f"--tokens-file or ${TOKENS_ENV})")
-        for name in ("max_body_bytes", "batch_max", "rate_burst", "list_max"):
+        for name in ("max_body_bytes", "batch_max", "rate_burst", "list_max", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)!r}")
         if self.rate_per_s <= 0:
             raise ValueError(f"rate_per_s must be above 0, not {self.rate_per_s!r}")
+
+    @property
+    def rate_per_process(self) -> tuple[float, int]:
+        """(rate per second, burst) one of the ``workers`` processes allows a caller."""
+        return self.rate_per_s / self.workers, max(1, self.rate_burst // self.workers)
 
     def token(self, secret: str) -> Token | None:
         """The token whose secret is ``secret`` (compared in constant time), or None."""

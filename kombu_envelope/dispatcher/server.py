@@ -4,9 +4,14 @@ and ``celery -A proj envelope dispatcher``, and the OpenAPI document under docs/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
-from collections.abc import Sequence
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +49,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=defaults.rate_per_s,
                         help="requests per second per token")
     parser.add_argument("--burst", type=int, default=defaults.rate_burst)
+    parser.add_argument("--workers", type=int, default=defaults.workers,
+                        help="processes serving the port (e.g. one per core)")
 
 
 def config_from(args: argparse.Namespace) -> DispatcherConfig:
@@ -51,11 +58,11 @@ def config_from(args: argparse.Namespace) -> DispatcherConfig:
     return DispatcherConfig(host=args.host, port=args.port,
                             tokens=tuple(load_tokens(args.tokens_file)),
                             max_body_bytes=args.max_body_bytes, batch_max=args.batch_max,
-                            rate_per_s=args.rate, rate_burst=args.burst)
+                            rate_per_s=args.rate, rate_burst=args.burst, workers=args.workers)
 
 
 def serve(client: Any, settings: Settings, config: DispatcherConfig) -> None:
-    """Serve until interrupted (SIGINT or SIGTERM)."""
+    """Serve until interrupted (SIGINT or SIGTERM), in ``config.workers`` processes."""
     import uvicorn
 
     if config.tokens:
@@ -66,8 +73,104 @@ def serve(client: Any, settings: Settings, config: DispatcherConfig) -> None:
                        "on %s:%d (loopback) only", config.host, config.port)
     # h11, not httptools: uvicorn's httptools protocol drops the body of a request that
     # also asks for an h2c upgrade, which java.net.http's default client does.
-    uvicorn.run(create_app(client, settings, config), host=config.host, port=config.port,
-                http="h11", log_level="error", access_log=False, server_header=False)
+    options: dict[str, Any] = {"host": config.host, "port": config.port, "http": "h11",
+                               "log_level": "error", "access_log": False,
+                               "server_header": False}
+    if config.workers == 1:
+        uvicorn.run(create_app(client, settings, config), **options)
+        return
+    try:
+        listening = listen(config.host, config.port, config.workers)
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+
+    def serve_here(index: int) -> None:
+        for other in listening:
+            if other is not listening[index]:
+                other.close()
+        server = uvicorn.Server(uvicorn.Config(create_app(client, settings, config), **options))
+        server.run(sockets=[listening[index]])
+
+    Workers(serve_here, config.workers).run()
+
+
+def listen(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets listening on ``host:port`` before any process starts (a port in use
+    fails here, once): one each with ``SO_REUSEPORT``, so that the kernel spreads the
+    connections over the processes, else one shared by all (a process whose event loop is
+    free accepts)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    reuse_port = getattr(socket, "SO_REUSEPORT", None)
+    sockets = []
+    for _ in range(count if reuse_port is not None else 1):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port is not None:
+            sock.setsockopt(socket.SOL_SOCKET, reuse_port, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+        sockets.append(sock)
+    return sockets * (count // len(sockets))
+
+
+class Workers:
+    """``count`` forked processes, the i-th running ``serve(i)`` (each its own Redis
+    connections: redis-py opens new ones in a forked process), supervised until SIGINT or
+    SIGTERM, which is passed on to them. A process that ends on its own is logged and
+    replaced by one with its index, a second later."""
+
+    def __init__(self, serve: Callable[[int], None], count: int) -> None:
+        if not hasattr(os, "fork"):
+            raise ValueError("--workers above 1 needs os.fork (not on this platform)")
+        self.serve, self.count = serve, count
+        #: The index of each process running.
+        self.pids: dict[int, int] = {}
+        self.stopping = False
+
+    def run(self) -> None:
+        """Start them, and return once every one has ended after a stop."""
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._stop)
+        for index in range(self.count):
+            self._start(index)
+        while self.pids:
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                break
+            index = self.pids.pop(pid, None)
+            if index is not None and not self.stopping:
+                logger.error("dispatcher process %d ended (%s); starting another", pid,
+                             _describe(status))
+                time.sleep(1.0)
+                if not self.stopping:
+                    self._start(index)
+
+    def _start(self, index: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (runs in the child, seen through its answers)
+            code = 1
+            try:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(signum, signal.SIG_DFL)
+                self.serve(index)
+                code = 0
+            finally:
+                os._exit(code)
+        self.pids[pid] = index
+
+    def _stop(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+        for pid in list(self.pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
+def _describe(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
