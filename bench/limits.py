@@ -5,7 +5,7 @@ is reused.
   same kind of queue whose task type has a concurrency cap far above what runs (limits
   configured, not binding): the paired ratio is the price of the check in ``read.lua``.
 * Slot reuse: a concurrency of one held by another worker, a task of that type parked
-  behind it and a consumer waiting; the time from the other worker's ``ZREM`` to the
+  behind it and a consumer waiting; the time from the other worker's settle freeing it to the
   parked task's delivery.
 """
 
@@ -30,6 +30,7 @@ from bench.kombu_level import (
 from bench.payload import TASK_TYPE
 from bench.stats import percentile
 from kombu_envelope import Publisher, Settings
+from kombu_envelope.store.slots import free_slot
 from kombu_envelope.store.task_limits import TaskLimit, TaskLimits
 
 #: A cap no benchmark reaches: configured, never binding.
@@ -75,7 +76,8 @@ def run_limits(ctx: Context, result: ScenarioResult) -> None:
         "The consumer is a kombu consumer of the plain transport. For slot reuse, a slot of "
         "the only one is held by a member no consumer holds (another worker, as far as "
         "Redis can tell); a task is published, read and parked behind it while the "
-        "consumer waits, and 100 ms later the slot is freed with a `ZREM`.")
+        "consumer waits, and 100 ms later the slot is freed as a settle frees it (`ZREM` and the "
+        "append to `slot-freed`, one `MULTI`).")
 
 
 def _slot_reuse(ctx: Context, rounds: int) -> list[float]:
@@ -115,7 +117,9 @@ def _slot_reuse(ctx: Context, rounds: int) -> list[float]:
                 publisher.publish(queue.name, new_envelope())
                 sleep(0.1)  # read, parked, and the consumer waiting again
                 freed = perf_counter()
-                client.zrem(running, OTHER)
+                pipe = client.pipeline(transaction=True)
+                free_slot(pipe, running, OTHER)  # as the other worker's settle does
+                pipe.execute()
                 if not delivered.wait(10):
                     raise RuntimeError("the parked task was not delivered after its slot freed")
                 waits.append((at[-1] - freed) * 1000)

@@ -112,6 +112,7 @@ from kombu_envelope.store.ordering import OrderingKeys, held_member
 from kombu_envelope.store.replacing import PendingAttempt, Replaced, next_attempt_replaces
 from kombu_envelope.store.replication import execute, write_pipeline
 from kombu_envelope.store.retry_slots import RetrySlots
+from kombu_envelope.store.slots import free_slot
 from kombu_envelope.store.task_records import RecordWrite, TaskState, record_write, skip_write
 from kombu_envelope.store.worker_stats import StatsBuffer, observation, wait_seconds
 from kombu_envelope.trace_context import process_span
@@ -369,8 +370,10 @@ class ExecutionShell:
         delivery = attempt.delivery
         if delivery.slot is None:
             return
+        pipe = write_pipeline(self.client, self.settings, transaction=True, key=delivery.slot)
+        free_slot(pipe, delivery.slot, f"{delivery.stream} {delivery.entry_id}")
         try:
-            self.client.zrem(delivery.slot, f"{delivery.stream} {delivery.entry_id}")
+            execute(pipe, self.settings, "free slot")
         except BROKER_ERRORS as exc:
             logger.warning("task %s: freeing its concurrency slot failed (it expires on its "
                            "own): %r", _name(attempt), exc)

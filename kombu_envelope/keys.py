@@ -170,6 +170,12 @@ class QueueKeys:
         scored by deadline in ms (section 19)."""
         return f"{self.base}:running:{task_type}"
 
+    @property
+    def slot_freed(self) -> str:
+        """STREAM of at most one entry, appended to when a slot frees; exists only while
+        entries wait for a slot (section 19)."""
+        return f"{self.base}:slot-freed"
+
     def breaker(self, task_type: str) -> str:
         """HASH of the circuit breaker of ``task_type``: state, since... (section 19)."""
         return f"{self.base}:breaker:{task_type}"

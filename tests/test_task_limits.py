@@ -1,25 +1,33 @@
 """Limits per task type in read.lua and the scripts that settle (docs/protocol.md, section 19).
 
-These call the scripts as every SDK does, on the session's real Redis; the Celery worker
-and the other languages are in test_task_limits_celery.py and test_task_limits_matrix.py.
+These call the scripts as every SDK does, on the session's real Redis (and watch the plain
+transport wait for a slot); the Celery worker and the other languages are in
+test_task_limits_celery.py and test_matrix.py.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import threading
 import time
 import uuid
 from typing import Any
 
 import pytest
 import redis
+from kombu import Consumer, Queue
+from support.envelope_streams import connect, drain_until
+from support.monitor import Commands
 
+from kombu_envelope import Envelope, Publisher
 from kombu_envelope.errors import InvalidTaskLimit
 from kombu_envelope.keys import Bucket
+from kombu_envelope.kombu.delivery_info import INFO_TASK_ID
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.lease import reclaim_dead_consumers, renew
 from kombu_envelope.store.scripts import script
+from kombu_envelope.store.slots import free_slot
 from kombu_envelope.store.task_limits import Breaker, TaskLimit, TaskLimits
 
 QUEUE = "limited"
@@ -50,23 +58,31 @@ def add(client: redis.Redis, settings: Settings, task_type: str, *,
     return client.xadd(settings.keys.queue(QUEUE).stream(bucket), fields).decode()
 
 
-def read(client: redis.Redis, streams: list[str], consumer: str, count: int = 10,
-         capacity: int | None = None, lease_ms: int = LEASE_MS) -> tuple[list[str], int, int]:
-    """(ids handed out, wait_ms, limited) of one read.lua call with the extra ARGV."""
+def read_all(client: redis.Redis, streams: list[str], consumer: str, count: int = 10,
+             capacity: int | None = None,
+             lease_ms: int = LEASE_MS) -> tuple[list[str], int, int, str]:
+    """(ids handed out, wait_ms, limited, freed_after) of one read.lua call with the
+    extra ARGV."""
     args: list[Any] = [GROUP, consumer, count, lease_ms]
     if capacity is not None:
         args.append(capacity)
-    reply, wait_ms, limited = script(client, "read")(keys=streams, args=args)
+    reply, wait_ms, limited, freed_after = script(client, "read")(keys=streams, args=args)
     ids = [entry_id.decode() for _s, entries in reply for entry_id, _f in entries]
-    return ids, wait_ms, limited
+    return ids, wait_ms, limited, freed_after.decode()
+
+
+def read(client: redis.Redis, streams: list[str], consumer: str, count: int = 10,
+         capacity: int | None = None, lease_ms: int = LEASE_MS) -> tuple[list[str], int, int]:
+    """(ids handed out, wait_ms, limited) of one read.lua call with the extra ARGV."""
+    return read_all(client, streams, consumer, count, capacity, lease_ms)[:3]
 
 
 def ack(client: redis.Redis, settings: Settings, stream: str, entry_id: str,
         task_type: str) -> None:
-    """A success's acknowledgement, with the ZREM of its slot in the same MULTI."""
+    """A success's acknowledgement, freeing its slot in the same MULTI."""
     pipe = client.pipeline(transaction=True)
     pipe.xack(stream, GROUP, entry_id).xdel(stream, entry_id)
-    pipe.zrem(settings.keys.queue(QUEUE).running(task_type), f"{stream} {entry_id}")
+    free_slot(pipe, settings.keys.queue(QUEUE).running(task_type), f"{stream} {entry_id}")
     pipe.execute()
 
 
@@ -130,31 +146,97 @@ def test_a_slot_comes_back_after_its_deadline_unless_renewed(client, settings,
     assert read(client, streams, "other")[0] == [third]
 
 
+def test_a_freed_slot_wakes_the_consumers_waiting_for_one(client, settings, streams,
+                                                          redis_url) -> None:
+    TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
+    keys = settings.keys.queue(QUEUE)
+    stream = keys.stream(Bucket.NORMAL)
+    first, second = add(client, settings, "slow"), add(client, settings, "slow")
+    fast = add(client, settings, "fast")
+    assert read_all(client, streams, "c1", count=1)[3] == ""  # nothing parked yet
+    assert not client.exists(keys.slot_freed)
+    taken, _wait, _limited, freed_after = read_all(client, streams, "c1")
+    assert taken == [fast] and freed_after  # second waits for first's slot
+    waiter = redis.Redis.from_url(redis_url)
+    assert waiter.xread({keys.slot_freed: freed_after}, block=1) == []  # no slot freed yet
+    woken: list[Any] = []
+    waiting = threading.Thread(target=lambda: woken.extend(
+        waiter.xread({keys.slot_freed: freed_after}, block=10_000)))
+    waiting.start()
+    time.sleep(0.2)  # blocked by now (were it not, the id still finds the append)
+    ack(client, settings, stream, first, "slow")
+    waiting.join(15)
+    ((_key, [(_id, fields)]),) = woken
+    assert fields == {b"t": b"slow"}
+    taken, wait_ms, _limited, freed_after = read_all(client, streams, "c2")
+    assert (taken, wait_ms, freed_after) == ([second], -1, "")
+    assert not client.exists(keys.slot_freed)  # nothing waits: gone
+    ack(client, settings, stream, second, "slow")
+    assert not client.exists(keys.slot_freed)  # and a free then appends nothing
+
+
+def test_the_transport_waits_for_a_slot_on_slot_freed(client, redis_url, key_prefix) -> None:
+    """A kombu consumer whose task is parked behind another worker's slot has the queue's
+    slot-freed stream in its blocking wait (seen with MONITOR), from the id read.lua
+    answered, so the settle that frees the slot ends the wait: no timer tick to wait for."""
+    settings = Settings(key_prefix=key_prefix)
+    TaskLimits(client, settings).set("waits", "slow", TaskLimit(concurrency=1))
+    keys = settings.keys.queue("waits")
+    running = keys.running("slow")
+    client.zadd(running, {"another worker": 2**50})
+    task = Envelope.new(task_type="slow", payload={})
+    Publisher(client, settings).publish("waits", task)
+    got: list[str] = []
+
+    def on_message(_body: Any, message: Any) -> None:
+        got.append(message.delivery_info[INFO_TASK_ID])
+        message.ack()
+
+    with (Commands(redis_url, lambda c: c.startswith("XREAD ") and keys.slot_freed in c) as waits,
+          connect(redis_url, key_prefix) as conn,
+          Consumer(conn, [Queue("waits")], callbacks=[on_message])):
+        drain_until(conn, lambda: bool(waits.seen))
+        ((created, _fields),) = client.xrange(keys.slot_freed)  # by read.lua, parking it
+        assert waits.seen[0].split()[-1] == created.decode()
+        pipe = client.pipeline(transaction=True)
+        free_slot(pipe, running, "another worker")  # as the other worker's settle frees it
+        pipe.execute()
+        drain_until(conn, lambda: bool(got))
+    assert got == [task.task_id]
+
+
 def test_the_settle_scripts_free_the_slot(client, settings, streams) -> None:
     TaskLimits(client, settings).set(QUEUE, "slow", TaskLimit(concurrency=1))
     keys = settings.keys.queue(QUEUE)
     stream, running = keys.stream(Bucket.NORMAL), keys.running("slow")
     for _ in range(4):
         add(client, settings, "slow")
+    freed_after = ""
 
     def held() -> str:
-        (entry_id,) = read(client, streams, "c1")[0]
-        assert client.zcard(running) == 1
+        nonlocal freed_after
+        (entry_id,), _wait, _limited, freed_after = read_all(client, streams, "c1")
+        assert client.zcard(running) == 1 and freed_after  # the others wait for its slot
         return entry_id
+
+    def freed() -> None:
+        assert client.zcard(running) == 0
+        ((entry_id, fields),) = client.xrevrange(keys.slot_freed, count=1)
+        assert entry_id.decode() != freed_after and fields == {b"t": b"slow"}
 
     entry_id = held()
     script(client, "dead_letter")(keys=[stream, keys.dead], args=[GROUP, entry_id, "reason", "x"])
-    assert client.zcard(running) == 0
+    freed()
     entry_id = held()
     script(client, "requeue")(keys=[stream, stream, keys.dead],
                               args=[GROUP, entry_id, "", 0, 0, 0, "2026-01-01T00:00:00Z"])
-    assert client.zcard(running) == 0
+    freed()
     entry_id = held()
     body = json.dumps({"task_id": "t", "task_type": "slow"})
     script(client, "retry")(keys=[stream, stream, keys.delayed, keys.delayed_data],
                             args=[GROUP, entry_id, "t", 0, "normal", "json", body,
                                   settings.keys.wakeup_channel])
-    assert client.zcard(running) == 0
+    freed()
 
 
 def test_a_rate_spaces_starts_and_a_burst_lets_some_through_at_once(client, settings,

@@ -177,6 +177,9 @@ class Channel(virtual.Channel):
         self._limits_known: set[str] = set()
         #: Per queue with parked entries: read it again by then (monotonic seconds).
         self._read_again_at: dict[str, float] = {}
+        #: Per queue with entries waiting for a slot: the id after which its slot-freed
+        #: stream says a slot freed (the wait on the queue includes that stream).
+        self._freed_after: dict[str, str] = {}
         self._registered_liveness = False
         self._started_at = utcnow()
         self.queues = Queues(self.client, self.settings)
@@ -400,8 +403,13 @@ class Channel(virtual.Channel):
 
     def _note_limits(self, queue: str, answer: list[Any]) -> list[Any]:
         """The entries of a read.lua answer, remembering whether ``queue`` has limits and
-        when its parked entries want it read again (docs/protocol.md, section 19)."""
-        reply, wait_ms, limited = answer
+        when its parked entries want it read again and whether they wait for a slot
+        (docs/protocol.md, section 19)."""
+        reply, wait_ms, limited, freed_after = answer
+        if freed_after:
+            self._freed_after[queue] = as_text(freed_after)
+        else:
+            self._freed_after.pop(queue, None)
         self._limits_known.add(queue)
         if limited:
             self._limited.add(queue)
@@ -562,9 +570,13 @@ class Channel(virtual.Channel):
         count = share // len(streams)
         try:
             if count < 1 or queue in self._limited or queue not in self._limits_known:
+                waited, ids = list(streams), self._last_delivered_ids(list(streams))
+                if queue in self._freed_after:
+                    waited.append(self.keys.queue(queue).slot_freed)
+                    ids.append(self._freed_after[queue])
                 command: tuple[Any, ...] = (
                     "XREAD", "COUNT", 1, "BLOCK", self._block_ms(queue),
-                    "STREAMS", *streams, *self._last_delivered_ids(list(streams)))
+                    "STREAMS", *waited, *ids)
                 reserved, wait_only = 0, True
             else:
                 command = ("XREADGROUP", "GROUP", self.settings.consumer_group,

@@ -42,6 +42,7 @@ from kombu_envelope.store.dead_letters import dead_letter_pending
 from kombu_envelope.store.ordering import add_advance, wake_promoters
 from kombu_envelope.store.replication import execute, run_script, write_pipeline
 from kombu_envelope.store.replies import as_text
+from kombu_envelope.store.slots import free_slot
 from kombu_envelope.store.task_records import (
     RecordWrite,
     TaskState,
@@ -208,7 +209,7 @@ class Settler:
         for record in records:
             record.add_to(pipe)
         for key, member in slots or ():
-            pipe.zrem(key, member)
+            free_slot(pipe, key, member)
         if advanced:
             queue_keys = self.settings.keys.queue(self.queue_of_stream(first))
             for key, task_id in advanced:

@@ -27,10 +27,13 @@
 -- Other entries are parked in the same call: claimed by the consumer "parked" and
 -- listed in <prefix>:{<queue>}:parked:<task_type>, in order, behind which later entries
 -- of that type wait. Parked entries are handed out first, as soon as their type may
--- start. Returns {reply, wait_ms, limited}: reply in the shape above; wait_ms the
--- longest the caller may wait before reading again while entries are parked (-1:
+-- start. Returns {reply, wait_ms, limited, freed_after}: reply in the shape above; wait_ms
+-- the longest the caller may wait before reading again while entries are parked (-1:
 -- none are); limited 1 when the queue has limits (then never take entries with a
--- blocking XREADGROUP: wait with XREAD BLOCK and read with this script).
+-- blocking XREADGROUP: wait with XREAD BLOCK and read with this script); freed_after,
+-- while entries wait for a free slot, the id after which the stream
+-- <prefix>:{<queue>}:slot-freed gets an entry when a slot frees (add it to that XREAD),
+-- else ''. That stream exists only while entries wait for a slot.
 
 local PARKED = 'parked'
 local POLL_MS = 20
@@ -64,25 +67,26 @@ local function here(key)
     local answer = redis.pcall('EXISTS', key)
     return not (type(answer) == 'table' and answer.err)
 end
-if not here(base .. ':limits') then return {read_plain(), -1, 1} end
+if not here(base .. ':limits') then return {read_plain(), -1, 1, ''} end
 local configured = redis.call('HGETALL', base .. ':limits')
 if not here(base .. ':parked-types') then
-    if #configured == 0 then return {read_plain(), -1, 1} end
-    return {{}, POLL_MS, 1}
+    if #configured == 0 then return {read_plain(), -1, 1, ''} end
+    return {{}, POLL_MS, 1, ''}
 end
 -- Without limits, and with nothing parked (entries parked before the last limit was
 -- removed are handed out below), a plain read.
 if #configured == 0 and redis.call('EXISTS', base .. ':parked-types') == 0 then
-    return {read_plain(), -1, 0}
+    redis.call('DEL', base .. ':slot-freed')  -- left by entries that waited before
+    return {read_plain(), -1, 0, ''}
 end
 
 for i = 1, #configured, 2 do
     local t = configured[i]
     for _, suffix in ipairs({':running:', ':rate:', ':parked:', ':breaker:', ':breaker-samples:'}) do
-        if not here(base .. suffix .. t) then return {{}, POLL_MS, 1} end
+        if not here(base .. suffix .. t) then return {{}, POLL_MS, 1, ''} end
     end
 end
-if not here(base .. ':stats') then return {{}, POLL_MS, 1} end
+if not here(base .. ':stats') or not here(base .. ':slot-freed') then return {{}, POLL_MS, 1, ''} end
 
 local lease_ms = tonumber(ARGV[4])
 local left = tonumber(ARGV[3])
@@ -367,13 +371,26 @@ for _, t in ipairs(names) do
     end
 end
 
-local wait_ms = -1
+local wait_ms, wants_slot = -1, false
 for _, t in ipairs(redis.call('SMEMBERS', base .. ':parked-types')) do
     local wait = limits[t] and wait_for(t) or 0
     if wait == 0 then wait = POLL_MS end
     if wait_ms < 0 or wait < wait_ms then wait_ms = wait end
+    local limit = limits[t]
+    if limit and limit.concurrency and running[t] and running[t] >= limit.concurrency then
+        wants_slot = true
+    end
+end
+
+-- The stream a settle that frees a slot appends to (NOMKSTREAM: only while it exists).
+local freed, freed_after = base .. ':slot-freed', ''
+if wants_slot then
+    local last = redis.call('XREVRANGE', freed, '+', '-', 'COUNT', 1)
+    freed_after = last[1] and last[1][1] or redis.call('XADD', freed, '*', 't', '')
+else
+    redis.call('DEL', freed)
 end
 
 local reply = {}
 for _, stream in ipairs(order) do reply[#reply + 1] = {stream, taken[stream]} end
-return {reply, wait_ms, 1}
+return {reply, wait_ms, 1, freed_after}

@@ -147,6 +147,10 @@ func (q QueueKeys) Limits() string { return q.Base() + ":limits" }
 // "<stream> <entry id>", scored by the slot's deadline in ms (section 19).
 func (q QueueKeys) Running(taskType string) string { return q.Base() + ":running:" + taskType }
 
+// SlotFreed is the stream a settle that frees a slot appends to; it exists only
+// while entries wait for a slot (section 19, "Waking on a freed slot").
+func (q QueueKeys) SlotFreed() string { return q.Base() + ":slot-freed" }
+
 // Breaker is the hash of the circuit breaker of taskType (state closed, open or
 // half_open, since in ms...), written only by read.lua (section 19).
 func (q QueueKeys) Breaker(taskType string) string { return q.Base() + ":breaker:" + taskType }

@@ -2,6 +2,7 @@ package envelope
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -12,23 +13,26 @@ import (
 // limitState is what the last read.lua call of a queue answered about the
 // limits of its task types (docs/protocol.md section 19).
 type limitState struct {
-	limited bool  // the queue has limits: its entries may hold concurrency slots
-	waitMS  int64 // read again within this many ms: entries are parked; -1 when none are
+	limited    bool   // the queue has limits: its entries may hold concurrency slots
+	waitMS     int64  // read again within this many ms: entries are parked; -1 when none are
+	freedAfter string // entries wait for a slot: wait on slot-freed from this id; "" when none do
 }
 
-// parseRead reads read.lua's reply {reply, wait_ms, limited}.
+// parseRead reads read.lua's reply {reply, wait_ms, limited, freed_after}.
 func parseRead(reply any) ([]redis.XStream, limitState, error) {
 	parts, ok := reply.([]any)
-	if !ok || len(parts) != 3 {
+	if !ok || len(parts) != 4 {
 		return nil, limitState{}, fmt.Errorf("read.lua: unexpected reply %v", reply)
 	}
 	waitMS, ok := parts[1].(int64)
 	limited, ok2 := parts[2].(int64)
-	if !ok || !ok2 {
-		return nil, limitState{}, fmt.Errorf("read.lua: unexpected wait_ms %v or limited %v", parts[1], parts[2])
+	freedAfter, ok3 := parts[3].(string)
+	if !ok || !ok2 || !ok3 {
+		return nil, limitState{}, fmt.Errorf("read.lua: unexpected wait_ms %v, limited %v or freed_after %v",
+			parts[1], parts[2], parts[3])
 	}
 	streams, err := parseStreams(parts[0])
-	return streams, limitState{limited: limited == 1, waitMS: waitMS}, err
+	return streams, limitState{limited: limited == 1, waitMS: waitMS, freedAfter: freedAfter}, err
 }
 
 // pollAfter is how soon the consumer reads again without new entries: the
@@ -100,7 +104,24 @@ func (w *Worker) holdSlot(e *entry) {
 func (e *entry) freeSlot(ctx context.Context, p redis.Pipeliner) {
 	if e.slot != nil {
 		p.ZRem(ctx, e.slot.key, e.slot.member)
+		p.XAdd(ctx, &redis.XAddArgs{Stream: e.slot.q.SlotFreed(), NoMkStream: true, MaxLen: 1,
+			Values: []any{"t", e.env.TaskType}})
 	}
+}
+
+// withoutFreedNil is the first error of a MULTI's commands other than the nil
+// answer of the XADD NOMKSTREAM that freeSlot adds (slot-freed does not exist
+// while nothing waits for a slot), which go-redis reports as redis.Nil.
+func withoutFreedNil(cmds []redis.Cmder, err error) error {
+	if !errors.Is(err, redis.Nil) {
+		return err
+	}
+	for _, cmd := range cmds {
+		if e := cmd.Err(); e != nil && !errors.Is(e, redis.Nil) {
+			return e
+		}
+	}
+	return nil
 }
 
 // renewSlots pushes the deadline of every slot held to now + lease, one MULTI

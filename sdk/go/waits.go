@@ -9,7 +9,8 @@ import (
 // waits are a consumer's blocking waits, one per queue and each on a
 // connection of its own (go-redis takes one from the pool for every command in
 // flight; on a Cluster, from the pool of the node of the queue's slot). A wait
-// still in flight when the consumer reads again stays armed for the next round.
+// still in flight when the consumer reads again stays armed for the next round
+// (with the slot-freed id it was sent with: section 19).
 type waits struct {
 	w        *Worker
 	inFlight []bool
@@ -37,7 +38,8 @@ func (ws *waits) any(ctx context.Context, poll time.Duration) error {
 			continue
 		}
 		ws.inFlight[i] = true
-		ws.running.Go(func() { ws.woke <- woke{i, ws.w.wait(ctx, q)} })
+		freedAfter := ws.w.limitStates[q.Queue].freedAfter // read here: limitStates is the loop's
+		ws.running.Go(func() { ws.woke <- woke{i, ws.w.wait(ctx, q, freedAfter)} })
 	}
 	var timeout <-chan time.Time
 	if poll > 0 {

@@ -601,11 +601,13 @@ func (w *Worker) readOwnPending(ctx context.Context) ([]redis.XStream, error) {
 }
 
 // wait blocks up to Block until one of q's task streams has entries the group
-// has not delivered yet. It takes none (XREAD from the group's last-delivered
-// ids, not XREADGROUP), so the next read.lua takes exactly the credit whatever
-// the Redis version and however many streams have entries; so the waits of
-// several queues in flight at once take nothing from the credit either.
-func (w *Worker) wait(ctx context.Context, q QueueKeys) error {
+// has not delivered yet, or, while entries of q wait for a slot (freedAfter
+// not empty), until a settle frees one (section 19). It takes none (XREAD from
+// the group's last-delivered ids, not XREADGROUP), so the next read.lua takes
+// exactly the credit whatever the Redis version and however many streams have
+// entries; so the waits of several queues in flight at once take nothing from
+// the credit either.
+func (w *Worker) wait(ctx context.Context, q QueueKeys, freedAfter string) error {
 	streams := q.TaskStreams()
 	cmds := make([]*redis.XInfoGroupsCmd, len(streams))
 	_, err := w.client.Pipelined(ctx, func(p redis.Pipeliner) error {
@@ -629,6 +631,10 @@ func (w *Worker) wait(ctx context.Context, q QueueKeys) error {
 			return fmt.Errorf("NOGROUP: group %s is missing on %s", w.cfg.Group, streams[i])
 		}
 		args = append(args, last)
+	}
+	if freedAfter != "" {
+		args = slices.Insert(args, len(streams), q.SlotFreed())
+		args = append(args, freedAfter)
 	}
 	err = w.client.XRead(ctx, &redis.XReadArgs{Streams: args, Count: 1, Block: w.cfg.Block}).Err()
 	if errors.Is(err, redis.Nil) || (err != nil && ctx.Err() != nil) {
@@ -1697,7 +1703,7 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 			return err
 		}
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
-			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			cmds, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
 				storeDelayed(ctx, p, w.scripts, w.keys, e.q.Queue, e.env.TaskID, e.env.DueMS(now), bucket,
 					e.fields[FieldEncoding], []byte(e.fields[FieldBody]), "entry:"+e.id, rec)
 				p.XAck(ctx, e.stream, w.cfg.Group, e.id)
@@ -1705,7 +1711,7 @@ func (w *Worker) reschedule(ctx context.Context, e *entry, now time.Time) {
 				e.freeSlot(ctx, p)
 				return nil
 			})
-			return err
+			return withoutFreedNil(cmds, err)
 		})
 	})
 	e.log.Info("task not due yet; moved to the delayed set", "outcome", "scheduled",
@@ -1726,7 +1732,7 @@ func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
 	w.settle(e, "ack", func() error {
 		return w.cfg.Durability.write(ctx, w.client, e.stream, e.log, func(c redis.Cmdable) error {
 			var acked *redis.IntCmd
-			_, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
+			cmds, err := c.TxPipelined(ctx, func(p redis.Pipeliner) error {
 				acked = p.XAck(ctx, e.stream, w.cfg.Group, e.id)
 				p.XDel(ctx, e.stream, e.id)
 				e.freeSlot(ctx, p)
@@ -1737,6 +1743,7 @@ func (w *Worker) ack(ctx context.Context, e *entry, state, reason string) {
 				}
 				return nil
 			})
+			err = withoutFreedNil(cmds, err)
 			if err == nil && acked.Val() == 0 {
 				e.log.Warn("ack answered 0: the entry was taken over while this consumer looked dead")
 			}

@@ -56,7 +56,11 @@ local function free_slot(stream, id, fields)
         -- Called before the script writes anything: while Redis Cluster migrates the
         -- slot, a running key not on this node may abort the script (a redirect the
         -- caller follows), which then has done nothing.
-        redis.pcall('ZREM', string.match(stream, '^(.*):[^:]+$') .. ':running:' .. t, stream .. ' ' .. id)
+        local base = string.match(stream, '^(.*):[^:]+$')
+        if redis.pcall('ZREM', base .. ':running:' .. t, stream .. ' ' .. id) == 1 then
+            -- Wakes consumers waiting for a slot, if any wait (section 19).
+            redis.pcall('XADD', base .. ':slot-freed', 'MAXLEN', '1', 'NOMKSTREAM', '*', 't', t)
+        end
     end
 end
 

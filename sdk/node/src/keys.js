@@ -99,6 +99,11 @@ export class QueueKeys {
     return `${this.base}:running:${taskType}`;
   }
 
+  /** The stream a settle that frees a slot appends to, while entries wait for one (section 19). */
+  get slotFreed() {
+    return `${this.base}:slot-freed`;
+  }
+
   /** The task_ids of ordering key `key` in the order they joined; the head's turn (section 20). */
   order(key) {
     return `${this.base}:order:${key}`;

@@ -556,9 +556,13 @@ export class Worker extends EventEmitter {
     for (const qk of this.queues) {
       if (entries.length >= credit) break;
       const capacity = Math.max(0, this.opts.concurrency - this.held.size - entries.length);
-      const [reply, waitMs, limited] = await this.scripts.runBuffer('read', qk.taskStreams,
+      const [reply, waitMs, limited, freedAfter] = await this.scripts.runBuffer('read', qk.taskStreams,
         [this.opts.group, this.consumer, credit - entries.length, this.opts.leaseMs, capacity]);
-      const state = { limited: Number(limited) === 1, readAgainAt: Number(waitMs) >= 0 ? Date.now() + Number(waitMs) : null };
+      const state = {
+        limited: Number(limited) === 1,
+        readAgainAt: Number(waitMs) >= 0 ? Date.now() + Number(waitMs) : null,
+        freedAfter: text(freedAfter), // entries wait for a slot: wait on slot-freed from here
+      };
       this.readState.set(qk, state);
       for (const entry of Worker.entriesOf(reply)) entries.push({ ...entry, limited: state.limited });
     }
@@ -600,10 +604,13 @@ export class Worker extends EventEmitter {
   /**
    * XREAD BLOCK on the streams of one queue from the group's last-delivered
    * ids: it takes nothing, so the next read.lua takes exactly the credit
-   * whatever the Redis version and however many streams have entries.
+   * whatever the Redis version and however many streams have entries. While
+   * entries of the queue wait for a slot, slot-freed is in it too, from the id
+   * the last read.lua answered, so a settle freeing one ends it (section 19).
    * @param {QueueKeys} qk
    */
   async waitOn(qk) {
+    const freedAfter = this.readState.get(qk)?.freedAfter ?? '';
     const streams = qk.taskStreams;
     const pipeline = this.cmd.pipeline();
     for (const stream of streams) pipeline.xinfo('GROUPS', stream);
@@ -614,7 +621,9 @@ export class Worker extends EventEmitter {
       if (!group) throw new Error(`NOGROUP: group ${this.opts.group} is missing on ${streams[i]}`);
       ids.push(text(group['last-delivered-id']));
     }
-    await this.readers.get(qk).xread('COUNT', 1, 'BLOCK', this.opts.blockMs, 'STREAMS', ...streams, ...ids);
+    const watched = freedAfter ? [...streams, qk.slotFreed] : streams;
+    if (freedAfter) ids.push(freedAfter);
+    await this.readers.get(qk).xread('COUNT', 1, 'BLOCK', this.opts.blockMs, 'STREAMS', ...watched, ...ids);
   }
 
   /** After an error: entries this consumer read but did not settle are handled again, queue by queue. */
@@ -1181,7 +1190,10 @@ export class Worker extends EventEmitter {
     const key = keepsOrder ? null : entry.env.ordering_key;
     const replies = await this.settle('ack', entry.stream, log, async () => {
       const multi = this.cmd.multi().xack(entry.stream, this.opts.group, entry.id).xdel(entry.stream, entry.id);
-      if (entry.slotType) multi.zrem(qk.running(entry.slotType), `${entry.stream} ${entry.id}`);
+      if (entry.slotType) {
+        multi.zrem(qk.running(entry.slotType), `${entry.stream} ${entry.id}`)
+          .xadd(qk.slotFreed, 'NOMKSTREAM', 'MAXLEN', 1, '*', 't', entry.slotType);
+      }
       if (key !== null) multi.lrem(qk.order(key), 1, entry.env.task_id).rpush(qk.orderAdvanced, key);
       const r = await (record ? record.hset(multi, state) : multi).exec();
       for (const [err] of r) if (err) throw err;

@@ -55,6 +55,9 @@ public final class Keys {
     public String limits(String queue) { return base(queue) + ":limits"; }
     /** The concurrency slots of {@code taskType} in {@code queue}, scored by their deadlines (section 19). */
     public String running(String queue, String taskType) { return base(queue) + ":running:" + taskType; }
+
+    /** The stream a settle that frees a slot appends to, while entries wait for one (section 19). */
+    public String slotFreed(String queue) { return base(queue) + ":slot-freed"; }
     /** The task_ids of ordering key {@code key} in {@code queue}, in the order they joined; the head's turn (section 20). */
     public String order(String queue, String key) { return base(queue) + ":order:" + key; }
     /** The keyed tasks of {@code key} in {@code queue} waiting for their turn, field {@code task_id} (section 20). */

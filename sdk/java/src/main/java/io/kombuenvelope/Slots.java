@@ -1,5 +1,6 @@
 package io.kombuenvelope;
 
+import io.lettuce.core.XAddArgs;
 import io.lettuce.core.ZAddArgs;
 import io.lettuce.core.api.sync.RedisCommands;
 
@@ -16,10 +17,12 @@ import java.util.stream.Collectors;
  */
 final class Slots {
     /** The slot of one entry: member {@code "<stream> <entry id>"} of the running set of its type. */
-    record Slot(String queue, String key, byte[] member) {
-        /** Adds the ZREM that frees it to a MULTI of its queue. */
+    record Slot(String queue, String key, byte[] member, String freed, byte[] taskType) {
+        /** Adds the ZREM that frees it, and the append to slot-freed that wakes the consumers
+         * waiting for a slot (section 19), to a MULTI of its queue. */
         void free(RedisCommands<String, byte[]> tx) {
             tx.zrem(key, member);
+            tx.xadd(freed, XAddArgs.Builder.maxlen(1).exactTrimming().nomkstream(), Map.of("t", taskType));
         }
     }
 
@@ -35,7 +38,8 @@ final class Slots {
     /** Notes the slot entry {@code id} of {@code stream} (of type {@code taskType}) may hold. */
     void hold(String queue, String stream, String id, String taskType) {
         String member = stream + " " + id;
-        held.put(member, new Slot(queue, keys.running(queue, taskType), Redis.b(member)));
+        held.put(member, new Slot(queue, keys.running(queue, taskType), Redis.b(member), keys.slotFreed(queue),
+                Redis.b(taskType)));
     }
 
     /** The slot entry {@code id} of {@code stream} may hold, or null. */

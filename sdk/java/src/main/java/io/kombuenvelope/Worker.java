@@ -534,9 +534,12 @@ public final class Worker implements AutoCloseable {
     /** An entry read from a stream of {@code queue}. */
     private record Entry(String queue, String stream, String id, Map<String, byte[]> fields) {}
 
-    /** What read.lua last said of a queue: how soon to read it again (-1: no hurry), whether it has limits. */
-    private record ReadState(long waitMs, boolean limited) {
-        static final ReadState UNKNOWN = new ReadState(-1, false);
+    /**
+     * What read.lua last said of a queue: how soon to read it again (-1: no hurry), whether it has
+     * limits, and the id of slot-freed to wait on from while entries wait for a slot ("": none do).
+     */
+    private record ReadState(long waitMs, boolean limited, String freedAfter) {
+        static final ReadState UNKNOWN = new ReadState(-1, false, "");
     }
 
     private ReadState readState(String queue) {
@@ -562,7 +565,7 @@ public final class Worker implements AutoCloseable {
     private void read(String queue, int n, List<Entry> out) {
         ReadReply reply = ReadReply.parse(Scripts.run(redis(), "read", ScriptOutputType.MULTI, keys.taskStreams(queue),
                 cfg.group, consumer, n, cfg.leaseMs, n));
-        readStates.put(queue, new ReadState(reply.waitMs(), reply.limited()));
+        readStates.put(queue, new ReadState(reply.waitMs(), reply.limited(), reply.freedAfter()));
         for (ReadReply.StreamEntry m : reply.entries()) {
             out.add(new Entry(queue, m.stream(), m.id(), m.fields()));
         }
@@ -591,7 +594,8 @@ public final class Worker implements AutoCloseable {
      * the group's last-delivered ids (then read.lua takes exactly the credit). A wait still under
      * way from the last round goes on; an error of one ends the round with that error. While a
      * queue has parked entries the round ends within the wait read.lua asked for (section 19):
-     * a slot freed or a rate token due wakes no XREAD.
+     * a rate token due wakes no XREAD. A slot freed does: while entries wait for one, the
+     * queue's wait includes slot-freed.
      */
     private void waitForEntries() throws InterruptedException {
         List<CompletableFuture<Void>> all = new ArrayList<>();
@@ -605,7 +609,8 @@ public final class Worker implements AutoCloseable {
             if (w == null || w.isDone()) {
                 Duration block = waitMs >= 0 ? Duration.ofMillis(Math.max(1, Math.min(waitMs, cfg.block.toMillis())))
                         : cfg.block;
-                w = CompletableFuture.runAsync(() -> waitOn(queue, block), waiters);
+                String freedAfter = readState(queue).freedAfter();
+                w = CompletableFuture.runAsync(() -> waitOn(queue, block, freedAfter), waiters);
                 waits.put(queue, w);
             }
             all.add(w);
@@ -620,9 +625,12 @@ public final class Worker implements AutoCloseable {
         }
     }
 
-    /** One XREAD BLOCK of at most {@code block} on the streams of {@code queue} (one slot), on that queue's connection. */
+    /**
+     * One XREAD BLOCK of at most {@code block} on the streams of {@code queue} (one slot), on that
+     * queue's connection, and on its slot-freed from {@code freedAfter} unless that is empty.
+     */
     @SuppressWarnings("unchecked")
-    private void waitOn(String queue, Duration block) {
+    private void waitOn(String queue, Duration block, String freedAfter) {
         List<XReadArgs.StreamOffset<String>> offsets = new ArrayList<>();
         for (String stream : keys.taskStreams(queue)) {
             String last = "0-0";
@@ -637,6 +645,9 @@ public final class Worker implements AutoCloseable {
                 }
             }
             offsets.add(XReadArgs.StreamOffset.from(stream, last));
+        }
+        if (!freedAfter.isEmpty()) {
+            offsets.add(XReadArgs.StreamOffset.from(keys.slotFreed(queue), freedAfter));
         }
         List<StreamMessage<String, byte[]>> ignored = blockLinks.get(queue).sync().xread(
                 XReadArgs.Builder.block(block).count(1), offsets.toArray(new XReadArgs.StreamOffset[0]));
