@@ -37,6 +37,7 @@ from support import wait_for
 from support.envelope_streams import envelope_url
 from support.matrix import (
     LANGUAGES,
+    LEASE_MS,
     CeleryPeer,
     JsonLinePeer,
     Launcher,
@@ -45,6 +46,7 @@ from support.matrix import (
     build_java_peer,
     queue_drained,
 )
+from support.monitor import Commands
 from support.peers import GO, NODE, build_go_peer, node_unavailable
 from support.spans import Span, max_overlap, spans
 from support.workers import CeleryWorker
@@ -53,6 +55,8 @@ from kombu_envelope.dead_letter_entry import parse_dead_letter_fields
 from kombu_envelope.keys import KeySpace
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.delayed import DelayedTasks
+from kombu_envelope.store.scripts import script
+from kombu_envelope.store.slots import free_slot
 from kombu_envelope.store.task_limits import Breaker, TaskLimit, TaskLimits
 from kombu_envelope.testing.dispatcher import DispatcherProcess
 
@@ -815,6 +819,54 @@ def test_a_concurrency_cap_holds_across_every_language_and_a_killed_worker(
     assert max_overlap(ran) == 3  # the cap is reached, not merely respected
     assert len(ran) == len(ids)  # each task once: none lost with the killed worker, none twice
     assert len({s.language for s in ran}) == 4, {s.language for s in ran}
+    wait_for(lambda: queue_drained(matrix.client, matrix.prefix, queue)
+             and not matrix.client.zcard(running), timeout=10, message=matrix.logs)
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_a_freed_slot_wakes_and_is_announced_by_every_language(
+        matrix: Matrix, language: str) -> None:
+    """One worker of ``language`` on a queue whose ``limits.task`` has one slot (section 19,
+    "Waking on a freed slot"). While its task waits for a slot another process holds, its
+    blocking wait has the queue's slot-freed stream in it, from the id read.lua answered
+    (seen with MONITOR); that process's settle frees the slot and the task runs. While a
+    task of its own holds the slot and another waits for it, its settle appends
+    ``t limits.task`` to slot-freed. Each task runs once."""
+    queue = f"mx.wake.{uuid.uuid4().hex[:6]}"
+    settings = Settings(key_prefix=matrix.prefix)
+    TaskLimits(matrix.client, settings).set(queue, "limits.task", TaskLimit(concurrency=1))
+    keys = KeySpace(matrix.prefix).queue(queue)
+    running = keys.running("limits.task")
+    matrix.client.zadd(running, {"another worker": 2**50})
+    with Commands(matrix.launch.redis_url, lambda c: keys.slot_freed in c) as seen:
+        worker = (matrix.launch.celery(queue) if language == "py"
+                  else matrix.launch.peer(language, queue))
+        matrix.victims.append(worker)
+        worker.wait_ready()
+        first = publish_limited(matrix, queue, 1, sleep_ms=0)
+        wait = seen.wait(lambda c: c.upper().startswith("XREAD "), message=matrix.logs)
+        ((created, _fields),) = matrix.client.xrange(keys.slot_freed)  # by read.lua, parking it
+        assert wait.split()[-1] == created.decode(), wait
+        pipe = matrix.client.pipeline(transaction=True)
+        free_slot(pipe, running, "another worker")  # as the other process's settle frees it
+        pipe.execute()
+        wait_spans(matrix, first, timeout=SETTLE_S)
+        wait_for(lambda: queue_drained(matrix.client, matrix.prefix, queue)
+                 and not matrix.client.zcard(running), timeout=10, message=matrix.logs)
+        holding = publish_limited(matrix, queue, 1, sleep_ms=1500)
+        wait_for(lambda: matrix.client.zcard(running), timeout=SETTLE_S, message=matrix.logs)
+        parked = publish_limited(matrix, queue, 1, sleep_ms=0)
+        before = len(seen.seen)
+        # Read as a consumer with room for one: the task waits for the held slot.
+        reply = script(matrix.client, "read")(keys=list(keys.task_streams), args=[
+            settings.consumer_group, "probe", 1, LEASE_MS, 1])
+        assert reply[0] == [] and reply[3], reply
+        # Nobody but the worker frees a slot now.
+        seen.wait(lambda c: c.upper().startswith("XADD ") and c.endswith(" t limits.task"),
+                  after=before, message=matrix.logs)
+        ran = wait_spans(matrix, first + holding + parked, timeout=SETTLE_S)
+    assert sorted(s.task_id for s in ran) == sorted(first + holding + parked)
+    assert {s.language for s in ran} == {language}
     wait_for(lambda: queue_drained(matrix.client, matrix.prefix, queue)
              and not matrix.client.zcard(running), timeout=10, message=matrix.logs)
 
