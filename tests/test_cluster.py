@@ -414,7 +414,7 @@ def test_read_lua_while_a_slot_migrates(setup: Setup) -> None:
         return answer
 
     for on_source in (True, False):
-        reply, _wait_ms, _limited = read_while_importing(None, on_source)
+        reply, *_rest = read_while_importing(None, on_source)
         assert sum(len(entries) for _stream, entries in reply) == 2
-        reply, _wait_ms, limited = read_while_importing('{"concurrency": 1}', on_source)
+        reply, _wait_ms, limited, _freed = read_while_importing('{"concurrency": 1}', on_source)
         assert sum(len(entries) for _stream, entries in reply) <= 1 and limited == 1
