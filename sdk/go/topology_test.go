@@ -6,7 +6,9 @@ package envelope
 import (
 	"context"
 	"fmt"
+	"net"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -26,7 +28,11 @@ func startTLSNode(t *testing.T, certs *certificates, conf string, extra ...strin
 	if _, err := exec.LookPath("redis-server"); err != nil {
 		t.Skip("redis-server is not on PATH")
 	}
-	port, err := freePort()
+	pick := freePort
+	if slices.Contains(extra, "--cluster-enabled") {
+		pick = freeClusterPort
+	}
+	port, err := pick()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,6 +42,30 @@ func startTLSNode(t *testing.T, certs *certificates, conf string, extra ...strin
 	}
 	t.Cleanup(srv.stop)
 	return srv
+}
+
+// clusterBusOffset is how far above its port a Cluster node binds its bus.
+const clusterBusOffset = 10000
+
+// freeClusterPort is a free loopback port whose cluster-bus port is free as
+// well and at most 65535 (redis-server refuses to start otherwise, and
+// freePort answers ports up to 60999 on Linux).
+func freeClusterPort() (int, error) {
+	for {
+		port, err := freePort()
+		if err != nil {
+			return 0, err
+		}
+		if port+clusterBusOffset > 65535 {
+			continue
+		}
+		bus, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port+clusterBusOffset))
+		if err != nil {
+			continue
+		}
+		bus.Close()
+		return port, nil
+	}
 }
 
 // nodeClient is a plain client of one node, closed when the test ends.

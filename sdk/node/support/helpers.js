@@ -77,6 +77,30 @@ async function freePort() {
   });
 }
 
+/** How far above its port a Cluster node binds its bus. */
+const CLUSTER_BUS_OFFSET = 10000;
+
+/** Whether nothing listens on loopback `port`. */
+async function portIsFree(port) {
+  return new Promise((resolve) => {
+    const server = net.createServer();
+    server.unref();
+    server.once('error', () => resolve(false));
+    server.listen(port, '127.0.0.1', () => server.close(() => resolve(true)));
+  });
+}
+
+/**
+ * A free port whose cluster-bus port is free as well and at most 65535: redis-server
+ * refuses to start otherwise, and freePort answers ports up to 60999 on Linux.
+ */
+async function freeClusterPort() {
+  for (;;) {
+    const port = await freePort();
+    if (port + CLUSTER_BUS_OFFSET <= 65535 && (await portIsFree(port + CLUSTER_BUS_OFFSET))) return port;
+  }
+}
+
 function onPath(command) {
   return (process.env.PATH ?? '').split(path.delimiter).some((dir) => {
     try {
@@ -356,7 +380,7 @@ export async function startCluster({ replicas = 1, tls } = {}) {
   };
   try {
     for (let i = 0; i < 3 * (1 + replicas); i += 1) {
-      const port = await freePort();
+      const port = await freeClusterPort();
       nodes.push(await startRedisServer(port, ['--cluster-enabled', 'yes', '--cluster-node-timeout', '1000',
         '--cluster-config-file', path.join(tmp.dir, `nodes-${port}.conf`), '--dir', tmp.dir,
         ...(tls ? ['--tls-cluster', 'yes'] : [])], { tls }));
