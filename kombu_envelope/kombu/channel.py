@@ -570,7 +570,8 @@ class Channel(virtual.Channel):
         count = share // len(streams)
         try:
             if count < 1 or queue in self._limited or queue not in self._limits_known:
-                waited, ids = list(streams), self._last_delivered_ids(list(streams))
+                waited = list(streams)
+                ids = self._last_delivered_ids(waited)
                 if queue in self._freed_after:
                     waited.append(self.keys.queue(queue).slot_freed)
                     ids.append(self._freed_after[queue])

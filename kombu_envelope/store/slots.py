@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = ["free_slot"]
 
+
 def free_slot(pipe: Any, running_key: str, member: str) -> None:
     """Queue, on ``pipe`` (a pipeline of the queue's slot), the commands that free the
     slot ``member`` of ``running_key`` (``<prefix>:{<queue>}:running:<task_type>``)."""
