@@ -51,7 +51,7 @@ class SentinelGroup:
     """
 
     def __init__(self, *, master_name: str = "envelope", replicas: int = 2,
-                 sentinels: int = 3, down_after_ms: int = 1000,
+                 sentinels: int = 3, down_after_ms: int = 2000,
                  failover_timeout_ms: int = 3000, password: str | None = None,
                  sentinel_password: str | None = None, appendonly: bool = False,
                  min_replicas_to_write: int = 1, tls_config: Sequence[str] = ()) -> None:

@@ -266,15 +266,17 @@ func TestSentinelRoundTripsAndFailover(t *testing.T) {
 	}
 
 	g.settled(t)
-	kill, failedOver := g.killPrimary(t)
+	kill, failedOver, sameSince := g.killPrimary(t)
 	// Both replicas: the sentinels promote the one whose offset they last saw
 	// highest, which may be a second old. The new primary has one replica, so
 	// every WAIT after the failover takes its whole timeout: keep it short.
 	h.drill("sentinel-wait", []string{"ha"}, Durability{Replicas: 2, Timeout: 100 * time.Millisecond}, kill,
 		failedOver)
+	sameSince()
 	g.settled(t)
-	kill, failedOver = g.killPrimary(t)
+	kill, failedOver, sameSince = g.killPrimary(t)
 	h.drill("sentinel", []string{"ha"}, Durability{}, kill, failedOver)
+	sameSince()
 }
 
 func TestClusterShardsRoundTripsDeadLetterCancelAndFailover(t *testing.T) {

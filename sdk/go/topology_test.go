@@ -141,7 +141,7 @@ func startSentinelGroupWith(t *testing.T, setup groupSetup) *sentinelGroup {
 			append([]string{"--replicaof", "127.0.0.1", fmt.Sprint(primary.port)}, tlsArgs...)...))
 	}
 	conf := fmt.Sprintf("sentinel monitor %[1]s 127.0.0.1 %[2]d 2\n"+
-		"sentinel down-after-milliseconds %[1]s 1000\nsentinel failover-timeout %[1]s 3000\n"+
+		"sentinel down-after-milliseconds %[1]s 2000\nsentinel failover-timeout %[1]s 3000\n"+
 		"sentinel parallel-syncs %[1]s 2\n", masterName, primary.port)
 	if setup.sentinelPassword != "" {
 		conf += "requirepass " + setup.sentinelPassword + "\n"
@@ -239,9 +239,11 @@ func (g *sentinelGroup) settled(t *testing.T) {
 }
 
 // killPrimary SIGKILLs the primary the sentinels agree on, and returns a
-// check that reports when they agree on another one.
-func (g *sentinelGroup) killPrimary(t *testing.T) (kill func(), failedOver func() bool) {
-	var killed *redisServer
+// check that reports when they agree on another one, and a check, for after
+// the drill, that they still agree on that one: a second failover (of a live
+// primary) is not what a drill of one failover measures.
+func (g *sentinelGroup) killPrimary(t *testing.T) (kill func(), failedOver func() bool, sameSince func()) {
+	var killed, promoted *redisServer
 	kill = func() {
 		if killed = g.agreedPrimary(); killed == nil {
 			t.Fatal("the sentinels agree on no primary")
@@ -250,9 +252,23 @@ func (g *sentinelGroup) killPrimary(t *testing.T) (kill func(), failedOver func(
 	}
 	failedOver = func() bool {
 		p := g.agreedPrimary()
-		return p != nil && p != killed
+		if p != nil && p != killed {
+			promoted = p
+			return true
+		}
+		return false
 	}
-	return kill, failedOver
+	sameSince = func() {
+		if p := g.agreedPrimary(); p != promoted {
+			now := "no primary"
+			if p != nil {
+				now = p.addr()
+			}
+			t.Errorf("the sentinels failed over again after promoting %s: they now agree on %s",
+				promoted.addr(), now)
+		}
+	}
+	return kill, failedOver, sameSince
 }
 
 // redisCluster is three primaries with replicas (node timeout 1 s).

@@ -257,7 +257,7 @@ function tempDir(name) {
 
 /**
  * A Sentinel group: a primary, `replicas` replicas and three sentinels (quorum 2,
- * down-after-milliseconds 1000, failover-timeout 3000) monitoring it as
+ * down-after-milliseconds 2000, failover-timeout 3000) monitoring it as
  * `masterName`; the data nodes require `password`, the sentinels
  * `sentinelPassword`; with `tls` certificates every process speaks TLS only,
  * replication and the sentinels' links included. Resolves once the replicas
@@ -291,7 +291,7 @@ export async function startSentinelGroup({
         `sentinel sentinel-pass ${sentinelPassword}`,
         `sentinel monitor ${masterName} 127.0.0.1 ${nodes[0].port} 2`,
         `sentinel auth-pass ${masterName} ${password}`,
-        `sentinel down-after-milliseconds ${masterName} 1000`,
+        `sentinel down-after-milliseconds ${masterName} 2000`,
         `sentinel failover-timeout ${masterName} 3000`,
         `sentinel parallel-syncs ${masterName} 2`,
         '',

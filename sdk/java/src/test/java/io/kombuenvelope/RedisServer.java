@@ -50,7 +50,7 @@ final class RedisServer {
 
     /**
      * A sentinel on a free port that monitors {@code masterName} at {@code masterPort}, quorum 2, with
-     * a short down-after (1 s) and failover timeout (3 s); it asks clients (and its peers) for
+     * a short down-after (2 s) and failover timeout (3 s); it asks clients (and its peers) for
      * {@code password} and logs in to the data nodes with {@code dataPassword}.
      */
     static RedisServer sentinel(String masterName, int masterPort, String dataPassword, String password)
@@ -73,7 +73,7 @@ final class RedisServer {
                     "requirepass " + password,
                     "sentinel monitor " + masterName + " 127.0.0.1 " + masterPort + " " + quorum,
                     "sentinel auth-pass " + masterName + " " + dataPassword,
-                    "sentinel down-after-milliseconds " + masterName + " 1000",
+                    "sentinel down-after-milliseconds " + masterName + " 2000",
                     "sentinel failover-timeout " + masterName + " 3000",
                     "sentinel parallel-syncs " + masterName + " 1", ""));
             return List.of(conf.toString(), "--sentinel");

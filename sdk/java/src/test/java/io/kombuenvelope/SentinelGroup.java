@@ -9,7 +9,7 @@ import java.util.function.BooleanSupplier;
 
 /**
  * A Sentinel group from the redis-server binary, on free loopback ports: a primary, two replicas
- * (or as many as asked) and three sentinels (quorum 2, down-after 1 s, failover timeout 3 s). The
+ * (or as many as asked) and three sentinels (quorum 2, down-after 2 s, failover timeout 3 s). The
  * data nodes and the sentinels ask for passwords of their own; with certificates, every process
  * speaks only TLS, replication and the sentinels' links included.
  */
