@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -13,7 +14,7 @@ from kombu_envelope.envelope import PRIORITY_DEFAULT, Envelope, utcnow
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
-from kombu_envelope.store.publisher import Publisher
+from kombu_envelope.store.publisher import FLUSH_EVERY, Publisher
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 
@@ -73,3 +74,54 @@ def test_small_and_large_bodies_of_one_batch_arrive_whole(
     Publisher(redis_client, settings).publish_many([("q", envelope) for envelope in envelopes])
     stream = settings.keys.queue("q").stream(bucket_for(PRIORITY_DEFAULT))
     assert [decode_entry(fields) for _, fields in redis_client.xrange(stream)] == envelopes
+
+
+def test_flushed_steps_run_while_the_rest_is_queued_and_every_reply_comes_in_order(
+        redis_client: redis.Redis, key_prefix: str) -> None:
+    batch = Batch(redis_client).first("sadd", f"{key_prefix}:set", "a")
+    batch.command("set", f"{key_prefix}:early", "1")
+    batch.flush()
+    deadline = time.monotonic() + 5
+    while not redis_client.exists(f"{key_prefix}:early"):  # run before execute() is called
+        assert time.monotonic() < deadline, "the flushed steps did not run"
+        time.sleep(0.01)
+    batch.command("get", f"{key_prefix}:early")
+    batch.flush()
+    batch.command("sismember", f"{key_prefix}:set", "a")
+    assert batch.execute() == [True, b"1", 1]
+
+
+def test_a_connection_lost_after_a_flush_has_every_step_sent_again_and_stored_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with PrivateRedisServer() as server:
+        client, killer = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
+        flush, killed = Batch.flush, []
+
+        def flush_then_lose_the_connection(batch: Batch) -> None:
+            flush(batch)
+            if not killed:  # the publisher's connection, once its first steps are written
+                killed.append(killer.client_kill_filter(_type="normal", skipme=True))
+
+        monkeypatch.setattr(Batch, "flush", flush_then_lose_the_connection)
+        envelopes = [Envelope.new(task_type="order.close") for _ in range(FLUSH_EVERY * 3 + 7)]
+        ids = Publisher(client).publish_many([("q", envelope) for envelope in envelopes])
+        assert killed == [1]
+        stream = Settings().keys.queue("q").stream(bucket_for(PRIORITY_DEFAULT))
+        stored = client.xrange(stream)
+        assert [entry_id.decode() for entry_id, _ in stored] == ids  # the repeats stored nothing
+        assert [decode_entry(fields).task_id for _, fields in stored] == [
+            envelope.task_id for envelope in envelopes]
+        client.close()
+        killer.close()
+
+
+def test_a_flushed_batch_given_up_gives_its_connection_back(redis_url: str,
+                                                             key_prefix: str) -> None:
+    pool = redis.BlockingConnectionPool.from_url(redis_url, max_connections=1, timeout=2)
+    client = redis.Redis(connection_pool=pool)
+    batch = Batch(client).command("set", f"{key_prefix}:given-up", "1")
+    batch.flush()
+    batch.close()
+    assert client.ping()  # the pool's one connection is back, its unread reply dropped
+    assert client.get(f"{key_prefix}:given-up") == b"1"
+    client.close()

@@ -14,7 +14,8 @@ On one Redis the batch writes its steps on a connection of the client's pool
 itself, with the client's retry on a lost connection as a pipeline has, and reads
 each reply with the client's parser: a ``publish_many`` of 1,000 spends a third of
 its CPU in redis-py's pipeline layers otherwise (packing each call's arguments once
-more, per-command bookkeeping). A
+more, per-command bookkeeping). There, :meth:`Batch.flush` writes the steps queued so
+far, so that Redis runs them while the caller builds the rest. A
 call answered ``NOSCRIPT`` (a node that never saw the script, or lost it in a
 restart or a failover) did nothing, so the script is loaded (``SCRIPT LOAD``
 reaches every primary of a Cluster) and that call alone is sent again, after the
@@ -44,7 +45,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from redis.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:
     from hiredis import pack_command as _hiredis_pack
@@ -83,6 +86,9 @@ class Batch:
         self._first_in_pipe = 0
         #: On a Cluster, the nodes the batch writes to (by name): each gets a WAIT.
         self._nodes: dict[str, Any] = {}
+        #: On one Redis, the connection :meth:`flush` wrote the first ``_written`` steps on.
+        self._connection: Any = None
+        self._written = 0
 
     @property
     def _wait(self) -> int:
@@ -131,6 +137,33 @@ class Batch:
         self._calls[self._size] = (name, keys, args)
         self._size += 1
         return self
+
+    def flush(self) -> None:
+        """Write the steps queued so far, on one Redis, so that it runs them while the
+        caller queues the rest; :meth:`execute` writes the others on the same connection
+        and reads every reply. A Cluster batch is sent by :meth:`execute` alone. A
+        connection lost here is noticed there, which writes every step again on a new
+        one (the client's retry, as for a batch sent at once). Call :meth:`close` if
+        :meth:`execute` may not follow."""
+        if self._cluster or self._written == len(self._steps):
+            return
+        if self._connection is None:
+            self._connection = self.client.connection_pool.get_connection()
+        pieces = _chunks(piece for args, _ in self._steps[self._written:]
+                         for piece in _packed(self._connection, args))
+        self._written = len(self._steps)
+        try:
+            self._connection.send_packed_command(pieces)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            self._written = 0  # disconnected by redis-py: execute() writes all again
+
+    def close(self) -> None:
+        """Give back a connection :meth:`flush` wrote on and :meth:`execute` did not read
+        (disconnected: its replies are never read)."""
+        if self._connection is not None:
+            self._connection.disconnect()
+            self.client.connection_pool.release(self._connection)
+            self._connection = None
 
     def execute(self) -> list[Any]:
         """Send everything; return the reply of each step but :meth:`first`'s, in order
@@ -187,7 +220,7 @@ class Batch:
         if not self._steps:
             return []
         pool = self.client.connection_pool
-        connection = pool.get_connection()
+        connection, self._connection = self._connection or pool.get_connection(), None
         try:
             return list(connection.retry.call_with_retry(
                 lambda: self._exchange(connection), lambda _error: connection.disconnect()))
@@ -195,8 +228,9 @@ class Batch:
             pool.release(connection)
 
     def _exchange(self, connection: Any) -> list[Any]:
+        written, self._written = self._written, 0  # a try again writes every step
         connection.send_packed_command(_chunks(
-            piece for args, _ in self._steps for piece in _packed(connection, args)))
+            piece for args, _ in self._steps[written:] for piece in _packed(connection, args)))
         replies: list[Any] = []
         for args, options in self._steps:
             try:

@@ -33,6 +33,10 @@ from kombu_envelope.store.task_records import (
 )
 from kombu_envelope.trace_context import SendSpan, send_spans
 
+#: A ``publish_many`` writes its steps this many at a time while it builds the rest, so
+#: that Redis runs the first ones meanwhile (one Redis; a Cluster batch goes at the end).
+FLUSH_EVERY = 100
+
 
 class Publisher:
     """Stores Envelopes in a queue: its priority stream when due, its delayed set otherwise."""
@@ -149,17 +153,23 @@ class Publisher:
             # lost with a Redis restart is rebuilt by the next publish.
             for queue in delayed_queues:
                 batch.first("sadd", settings.keys.queues, queue)
-        for (keys, envelope, due, enc, body), token in zip(prepared, tokens):
-            if due:
-                record_keys, record_args = _queued_record(records, keys, envelope)
-                batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
-                                         keys.delayed, keys.delayed_data,
-                                         keys.published(envelope.task_id), *record_keys],
-                             [envelope.task_id, enc, body, token, dedupe_ms, *record_args])
-            else:
-                schedule_encoded(batch, settings, keys, envelope, enc, body, token=token,
-                                 now=now)
-        replies = batch.execute()
+        try:
+            for index, ((keys, envelope, due, enc, body), token) in enumerate(
+                    zip(prepared, tokens), 1):
+                if due:
+                    record_keys, record_args = _queued_record(records, keys, envelope)
+                    batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
+                                             keys.delayed, keys.delayed_data,
+                                             keys.published(envelope.task_id), *record_keys],
+                                 [envelope.task_id, enc, body, token, dedupe_ms, *record_args])
+                else:
+                    schedule_encoded(batch, settings, keys, envelope, enc, body, token=token,
+                                     now=now)
+                if index % FLUSH_EVERY == 0:
+                    batch.flush()  # Redis runs these while the next ones are built
+            replies = batch.execute()
+        finally:
+            batch.close()
         # enqueue.lua answers the entry id; schedule.lua answers an integer.
         return [
             reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)
