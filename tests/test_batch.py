@@ -125,3 +125,15 @@ def test_a_flushed_batch_given_up_gives_its_connection_back(redis_url: str,
     assert client.ping()  # the pool's one connection is back, its unread reply dropped
     assert client.get(f"{key_prefix}:given-up") == b"1"
     client.close()
+
+
+def test_a_flush_while_redis_is_down_leaves_the_steps_to_execute() -> None:
+    with PrivateRedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        batch = Batch(client).command("set", "flushed", "1")
+        server.stop()
+        batch.flush()  # refused: nothing written, nothing raised
+        server.start()
+        batch.command("get", "flushed")
+        assert batch.execute() == [True, b"1"]
+        client.close()

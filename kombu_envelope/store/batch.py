@@ -147,12 +147,12 @@ class Batch:
         :meth:`execute` may not follow."""
         if self._cluster or self._written == len(self._steps):
             return
-        if self._connection is None:
-            self._connection = self.client.connection_pool.get_connection()
-        pieces = _chunks(piece for args, _ in self._steps[self._written:]
-                         for piece in _packed(self._connection, args))
-        self._written = len(self._steps)
         try:
+            if self._connection is None:
+                self._connection = self.client.connection_pool.get_connection()
+            pieces = _chunks(piece for args, _ in self._steps[self._written:]
+                             for piece in _packed(self._connection, args))
+            self._written = len(self._steps)
             self._connection.send_packed_command(pieces)
         except (RedisConnectionError, RedisTimeoutError, OSError):
             self._written = 0  # disconnected by redis-py: execute() writes all again
