@@ -150,10 +150,8 @@ class Batch:
         try:
             if self._connection is None:
                 self._connection = self.client.connection_pool.get_connection()
-            pieces = _chunks(piece for args, _ in self._steps[self._written:]
-                             for piece in _packed(self._connection, args))
+            self._write(self._connection, self._written)
             self._written = len(self._steps)
-            self._connection.send_packed_command(pieces)
         except (RedisConnectionError, RedisTimeoutError, OSError):
             self._written = 0  # disconnected by redis-py: execute() writes all again
 
@@ -227,10 +225,14 @@ class Batch:
         finally:
             pool.release(connection)
 
+    def _write(self, connection: Any, start: int) -> None:
+        """Write the steps from ``start`` on, packed and joined (:func:`_chunks`)."""
+        connection.send_packed_command(_chunks(
+            piece for args, _ in self._steps[start:] for piece in _packed(connection, args)))
+
     def _exchange(self, connection: Any) -> list[Any]:
         written, self._written = self._written, 0  # a try again writes every step
-        connection.send_packed_command(_chunks(
-            piece for args, _ in self._steps[written:] for piece in _packed(connection, args)))
+        self._write(connection, written)
         replies: list[Any] = []
         for args, options in self._steps:
             try:
