@@ -48,6 +48,15 @@ crash never runs an attempt twice. An entry taken over meanwhile is left to its
 new owner and nothing is published. With early acknowledgements (other pools)
 the entry is gone before the task runs, and the next attempt is published as
 a new entry, as Celery does.
+
+The task records of a run (docs/protocol.md, section 14) are sent without waiting
+for their replies (:mod:`kombu_envelope.store.write_behind`), on one Redis and
+behind Sentinel without ``wait_replicas``: the ``running`` record before the task
+runs, and a ``succeeded`` record that no acknowledgement of this process carries
+(a prefork child's). Redis writes them while the task runs. Their replies are read
+when the task's body returns or raises, and before anything else this process
+writes to the broker, so every later write about the task follows them; a write
+whose reply was lost is written again then, the usual way.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ from celery.concurrency import get_implementation
 from celery.concurrency.solo import TaskPool as SoloPool
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.exceptions import OperationalError
+from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -115,6 +125,7 @@ from kombu_envelope.store.retry_slots import RetrySlots
 from kombu_envelope.store.slots import free_slot
 from kombu_envelope.store.task_records import RecordWrite, TaskState, record_write, skip_write
 from kombu_envelope.store.worker_stats import StatsBuffer, observation, wait_seconds
+from kombu_envelope.store.write_behind import WriteBehind
 from kombu_envelope.trace_context import process_span
 
 logger = logging.getLogger(__name__)
@@ -189,14 +200,25 @@ class ExecutionShell:
         self._retries: dict[str, TaskRetries] = {}
         self._client: Any = None
         self._client_pid: int | None = None
+        self._behind: WriteBehind | None = None
 
     @property
     def client(self) -> Any:
-        """This process's Redis client on the broker (a new one after a fork)."""
+        """This process's Redis client on the broker (a new one after a fork), once the
+        records it sent without waiting have landed: whatever it writes next follows them."""
         if self._client is None or self._client_pid != os.getpid():
             self._client = broker_redis(self.app, self.settings)
             self._client_pid = os.getpid()
+            plain = not (self.settings.wait_replicas or isinstance(self._client, RedisCluster))
+            self._behind = WriteBehind(self._client) if plain else None
+        else:
+            self._records_landed()
         return self._client
+
+    def _records_landed(self) -> None:
+        """Wait for the records this process sent without waiting (their replies)."""
+        if self._behind is not None and self._client_pid == os.getpid():
+            self._behind.settle()
 
     def retries_for(self, task: Any) -> TaskRetries:
         """How ``task`` retries: the setting with its ``envelope_retry_policy`` option."""
@@ -340,11 +362,14 @@ class ExecutionShell:
             self.settings, queue, task_id, TaskState.RUNNING,
             {"started_at": started_at, "worker": attempt.delivery.consumer,
              "language": "python", "host": socket.gethostname(), "pid": os.getpid()}),
-            count_attempt=True)
+            count_attempt=True, behind=True)
         began = time.monotonic()
         try:
-            with soft_time_limit(limit):
-                result = run(*args, **kwargs)
+            try:
+                with soft_time_limit(limit):
+                    result = run(*args, **kwargs)
+            finally:  # the start record lands before any other write about the task
+                self._records_landed()
         except BaseException as exc:
             if isinstance(exc, Exception) and not isinstance(exc, Ignore):
                 self._count(attempt, {**observation("run", time.monotonic() - began),
@@ -360,7 +385,7 @@ class ExecutionShell:
         delivery = attempt.delivery
         if not (delivery.stream and delivery.entry_id and record_with_ack(
                 delivery.consumer, delivery.stream, delivery.entry_id, success)):
-            self._record(attempt, success)  # no ack of this run waits here (section 14)
+            self._record(attempt, success, behind=True)  # no ack of it waits here (section 14)
         return result
 
     def _free_slot(self, attempt: Attempt) -> None:
@@ -414,23 +439,39 @@ class ExecutionShell:
         """Add ``increments`` to the statistics of the attempt's queue and task type."""
         self._stats().add(attempt.delivery.queue, attempt.task.name, increments)
 
-    def _record(self, attempt: Attempt, record: RecordWrite, *,
-                count_attempt: bool = False) -> None:
+    def _record(self, attempt: Attempt, record: RecordWrite, *, count_attempt: bool = False,
+                behind: bool = False) -> None:
         """Write the task record of a step of the attempt (its start, its success, a
         duplicate) in one MULTI, with the statistics counted so far on its queue; a
-        Redis error is logged, never a reason to fail it."""
+        Redis error is logged, never a reason to fail it. ``behind``: sent without
+        waiting for the reply where the client allows (:mod:`kombu_envelope.store.write_behind`)."""
         if record.key is None:
             return
         stats, queue, counted = self._stats(), attempt.delivery.queue, {}
-        try:
-            pipe = write_pipeline(self.client, self.settings, transaction=True, key=record.key)
-            record.add_to(pipe, count_attempt=count_attempt)
-            counted = stats.add_to(pipe, queue)
-            execute(pipe, self.settings, "task record")
-        except BROKER_ERRORS as exc:
+
+        def failed(exc: BaseException) -> None:
             stats.give_back(queue, counted)
             logger.warning("task %s: writing its task record (%s) failed: %r", _name(attempt),
                            record.fields.get("state"), exc)
+
+        def write() -> None:
+            try:
+                execute(pipe, self.settings, "task record")
+            except BROKER_ERRORS as exc:
+                failed(exc)
+
+        try:
+            client = self.client
+            pipe = write_pipeline(client, self.settings, transaction=True, key=record.key)
+            record.add_to(pipe, count_attempt=count_attempt)
+            counted = stats.add_to(pipe, queue)
+        except BROKER_ERRORS as exc:
+            failed(exc)
+            return
+        if behind and self._behind is not None:
+            self._behind.send(pipe, redo=write, failed=failed)
+        else:
+            write()
 
     # ------------------------------------------------- claims and handing back
 

@@ -163,6 +163,25 @@ def test_a_delayed_task_reads_scheduled_running_then_succeeded(
     assert 0 < ttl <= 3_600_000
 
 
+def test_prefork_children_record_each_start_and_success_sent_without_waiting(
+        app: Celery, records: TaskRecords, redis_url: str, prefix: str) -> None:
+    # A child sends both records without waiting for their replies (they are read
+    # before its next write): every one lands, in order, from the child that ran it.
+    with CeleryWorker(APP, pool="prefork", concurrency=2, queues=["forked"],
+                      env=worker_env(redis_url, prefix)) as forked:
+        results = [app.tasks["reliable.effect"].apply_async(
+            kwargs={"order_id": uuid.uuid4().hex}, queue="forked") for _ in range(30)]
+        assert [result.get(timeout=TIMEOUT) for result in results] == [1] * 30
+        done = [reaches(records, result.id, TaskState.SUCCEEDED, "forked")
+                for result in results]
+        parent = forked.pid
+    assert {record.attempts for record in done} == {1}
+    assert all(record.finished_at is not None and record.started_at is not None
+               and record.finished_at >= record.started_at for record in done)
+    assert parent not in {record.pid for record in done}  # written by the children
+    assert 1 <= len({record.pid for record in done}) <= 2
+
+
 def test_a_promoted_task_nobody_consumes_reads_queued(
         worker: CeleryWorker, records: TaskRecords, redis_client: redis.Redis,
         settings: Settings) -> None:

@@ -1,0 +1,105 @@
+"""WriteBehind: transactions sent without waiting, replies read before the next write."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from kombu_envelope.store.write_behind import WriteBehind
+from kombu_envelope.testing.redis_server import PrivateRedisServer
+
+
+@pytest.fixture
+def server() -> Iterator[PrivateRedisServer]:
+    """A Redis of the test's own: the tests pause it and kill its clients."""
+    with PrivateRedisServer() as private:
+        yield private
+
+
+def _incr(client: redis.Redis, key: str) -> redis.client.Pipeline:
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(key, "state", "running")
+    pipe.hincrby(key, "attempts", 1)
+    return pipe
+
+
+def _held(client: redis.Redis) -> int:
+    """How many connections of the client's pool are taken (the writer keeps one)."""
+    return len(client.connection_pool._in_use_connections)  # type: ignore[attr-defined]
+
+
+def test_a_write_is_sent_without_waiting_and_has_landed_once_settled(
+        server: PrivateRedisServer) -> None:
+    client, control = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
+    behind = WriteBehind(client)
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    failures: list[BaseException] = []
+    behind.send(_incr(client, "record"), redo=lambda: failures.append(AssertionError("redo")),
+                failed=failures.append)
+    # It returned while Redis holds every write: it did not wait for the reply.
+    assert control.exists("record") == 0
+    control.execute_command("CLIENT", "UNPAUSE")
+    behind.settle()
+    assert control.hgetall("record") == {b"state": b"running", b"attempts": b"1"}
+    assert failures == [] and _held(client) == 1
+
+
+def test_the_next_write_reads_the_reply_before_it_on_the_writer_s_connection(
+        server: PrivateRedisServer) -> None:
+    client = redis.Redis.from_url(server.url)
+    behind = WriteBehind(client)
+    for _ in range(5):
+        behind.send(_incr(client, "record"), redo=pytest.fail, failed=pytest.fail)
+    behind.settle()
+    assert client.hget("record", "attempts") == b"5"
+    # The writer's connection for the five writes, and another one for the read.
+    assert _held(client) == 1 and len(client.connection_pool._available_connections) == 1
+
+
+def test_an_error_reply_goes_to_failed_and_the_connection_stays_usable(
+        server: PrivateRedisServer) -> None:
+    client = redis.Redis.from_url(server.url)
+    client.set("text", "v")
+    behind, failures = WriteBehind(client), []
+    pipe = client.pipeline(transaction=True)
+    pipe.hset("text", "f", "v")  # WRONGTYPE inside EXEC
+    pipe.set("after", "1")
+    behind.send(pipe, redo=pytest.fail, failed=failures.append)
+    behind.send(_incr(client, "record"), redo=pytest.fail, failed=failures.append)
+    behind.settle()
+    assert [type(error) for error in failures] == [redis.ResponseError]
+    assert "WRONGTYPE" in str(failures[0])
+    assert client.get("after") == b"1" and client.hget("record", "attempts") == b"1"
+
+
+def test_writes_lost_with_their_connection_are_redone_in_order_before_the_next(
+        server: PrivateRedisServer) -> None:
+    client, control = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
+    behind, done = WriteBehind(client), []
+
+    def redo(name: str, pipe: redis.client.Pipeline) -> None:
+        done.append(name)
+        pipe.execute()
+
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    first = _incr(client, "first")
+    behind.send(first, redo=lambda: redo("first", first), failed=pytest.fail)
+    # Killed while Redis held its write: it never ran.
+    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    control.execute_command("CLIENT", "UNPAUSE")
+    second = _incr(client, "second")
+    behind.send(second, redo=lambda: redo("second", second), failed=pytest.fail)
+    assert done == ["first", "second"]  # the second was not sent ahead of the first's redo
+    assert control.hget("first", "attempts") == b"1" and control.hget("second",
+                                                                      "attempts") == b"1"
+    assert _held(client) == 0  # the lost connection went back, and the redos are in the pool
+
+
+def test_a_write_that_cannot_be_sent_is_redone_at_once(server: PrivateRedisServer) -> None:
+    client = redis.Redis.from_url(server.url)
+    server.stop()
+    behind, done = WriteBehind(client), []
+    behind.send(_incr(client, "record"), redo=lambda: done.append("redo"), failed=pytest.fail)
+    assert done == ["redo"] and _held(client) == 0
