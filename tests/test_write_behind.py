@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -103,3 +105,35 @@ def test_a_write_that_cannot_be_sent_is_redone_at_once(server: PrivateRedisServe
     behind, done = WriteBehind(client), []
     behind.send(_incr(client, "record"), redo=lambda: done.append("redo"), failed=pytest.fail)
     assert done == ["redo"] and _held(client) == 0
+
+
+class _Interrupted(Exception):
+    """What a signal handler raises in the middle of a read (a soft time limit does)."""
+
+
+def test_a_read_interrupted_by_a_signal_is_redone_at_the_next_settle(
+        server: PrivateRedisServer) -> None:
+    client, control = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
+    behind, done = WriteBehind(client), []
+    pipe = _incr(client, "record")
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    behind.send(pipe, redo=lambda: done.append(pipe.execute()), failed=pytest.fail)
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(_Interrupted):
+            behind.settle()  # blocked on the reply that the pause holds back
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    control.execute_command("CLIENT", "UNPAUSE")
+    behind.settle()  # the connection is out of step: dropped, and the write redone
+    assert len(done) == 1
+    assert control.hget("record", "attempts") == b"1"  # its connection closed, unrun
+    behind.send(_incr(client, "after"), redo=pytest.fail, failed=pytest.fail)
+    behind.settle()
+    assert control.hget("after", "attempts") == b"1"  # the writer goes on in step
