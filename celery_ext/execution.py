@@ -211,8 +211,8 @@ class ExecutionShell:
             self._client_pid = os.getpid()
             plain = not (self.settings.wait_replicas or isinstance(self._client, RedisCluster))
             self._behind = WriteBehind(self._client) if plain else None
-        else:
-            self._records_landed()
+        elif self._behind is not None:
+            self._behind.settle()
         return self._client
 
     def _records_landed(self) -> None:
@@ -461,8 +461,7 @@ class ExecutionShell:
                 failed(exc)
 
         try:
-            client = self.client
-            pipe = write_pipeline(client, self.settings, transaction=True, key=record.key)
+            pipe = write_pipeline(self.client, self.settings, transaction=True, key=record.key)
             record.add_to(pipe, count_attempt=count_attempt)
             counted = stats.add_to(pipe, queue)
         except BROKER_ERRORS as exc:
