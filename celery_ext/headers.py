@@ -41,18 +41,38 @@ def is_envelope_header(name: Any, value: Any) -> bool:
     return lowered.startswith("x-") or lowered in W3C_HEADERS
 
 
-def split_headers(headers: Mapping[Any, Any], fields: Container[Any]
+def unsaid_headers(task_id: str) -> dict[str, Any]:
+    """The headers Celery writes on every task message of ``task_id`` with nothing to say
+    (no eta, group, parent, time limit or stamp; no positional argument; its own root).
+
+    ``ext.celery.headers`` leaves out a header with exactly this value (type included),
+    and delivery writes it back: a stored task is smaller, and delivered the same.
+    A fresh dict on every call: its values are handed to Celery, which may change them.
+    """
+    return {"lang": "py", "shadow": None, "eta": None, "group": None, "group_index": None,
+            "timelimit": [None, None], "root_id": task_id, "parent_id": None,
+            "argsrepr": "()", "replaced_task_nesting": 0, "stamped_headers": None,
+            "stamps": {}}
+
+
+def split_headers(headers: Mapping[Any, Any], fields: Container[Any],
+                  unsaid: Mapping[str, Any] | None = None
                   ) -> tuple[dict[Any, Any], dict[Any, Any]]:
     """``(kept, envelope)``: the headers of a task message that go to ``ext.celery.headers``
-    (all but the Envelope headers and ``fields``, the headers that become Envelope
-    fields) and its Envelope headers (see :func:`is_envelope_header`), in one pass."""
+    (all but the Envelope headers, ``fields``, the headers that become Envelope fields,
+    and those equal in value and type to their ``unsaid`` value, see
+    :func:`unsaid_headers`) and its Envelope headers (see :func:`is_envelope_header`),
+    in one pass."""
     kept: dict[Any, Any] = {}
     envelope: dict[Any, Any] = {}
+    unsaid = unsaid or {}
     for name, value in headers.items():
         if is_envelope_header(name, value):
             envelope[name] = value
         elif name not in fields:
-            kept[name] = value
+            default = unsaid.get(name, kept)  # ``kept``: a value no header can have
+            if default is kept or type(value) is not type(default) or value != default:
+                kept[name] = value
     return kept, envelope
 
 

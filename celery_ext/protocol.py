@@ -40,6 +40,11 @@ Field mapping (Celery -> Envelope; delivery does the reverse):
 * where the task's result goes, for a task that wants one from a Redis result
   backend -> ``ext.celery.result`` (see :mod:`celery_ext.results`).
 
+What delivery writes anyway is left out of ``ext.celery``: the headers of
+:func:`~celery_ext.headers.unsaid_headers` with exactly that value, a
+``correlation_id`` that is the task id, a null ``priority``, an ``embed`` with
+nothing in it.
+
 On delivery, a value kept in ``ext.celery`` is used while it still agrees
 with the Envelope field it maps to (see :mod:`celery_ext.headers`).
 
@@ -90,6 +95,7 @@ from celery_ext.headers import (
     time_of,
     timelimit_header,
     timeout_ms_of,
+    unsaid_headers,
 )
 from celery_ext.priority import (
     UNSET_PRIORITY_PROPERTY,
@@ -178,8 +184,11 @@ class CeleryAdapter(MessageAdapter):
         known = celery or {}
         args, kwargs = unbind(envelope.payload, _names(known), _list(known, "args"))
         embed = _dict(known, "embed") if "embed" in known else dict(_EMPTY_EMBED)
-        properties = (_dict(known, "properties") if "properties" in known
-                      else {"correlation_id": envelope.task_id, "reply_to": ""})
+        if "properties" in known:
+            properties = _dict(known, "properties")
+            properties.setdefault("correlation_id", envelope.task_id)
+        else:
+            properties = {"correlation_id": envelope.task_id, "reply_to": ""}
         remember_delivery(envelope.task_id, envelope.trace_id)
         return {
             "body": json.dumps([args, kwargs, embed]),
@@ -226,22 +235,28 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     app = current_app._get_current_object()
     bound = bind(getattr(task, "run", None), args, kwargs)
 
-    kept, envelope_headers = split_headers(headers, _FIELD_HEADERS)
+    task_id = headers["id"]
+    kept, envelope_headers = split_headers(headers, _FIELD_HEADERS, unsaid_headers(task_id))
     properties = message.get("properties") or {}
     celery_priority = (None if properties.get(UNSET_PRIORITY_PROPERTY)
                        else properties.get("priority"))
+    # What delivery would write anyway is left out: Celery's headers with nothing to
+    # say, a correlation_id that is the task id, no priority, no callbacks.
     ext: dict[str, Any] = {
         "headers": kept,
-        "properties": {k: v for k, v in properties.items() if k not in _TRANSPORT_PROPERTIES},
-        "priority": celery_priority,
-        "embed": embed,
+        "properties": {k: v for k, v in properties.items() if k not in _TRANSPORT_PROPERTIES
+                       and (k != "correlation_id" or v != task_id)},
     }
+    if celery_priority is not None:
+        ext["priority"] = celery_priority
+    if embed != _EMPTY_EMBED:
+        ext["embed"] = embed
     if bound.argnames:
         ext["argnames"] = bound.argnames
     if bound.rest:
         ext["args"] = bound.rest
-    if isinstance(headers["id"], str):
-        result = result_ext(app, headers["id"], headers)
+    if isinstance(task_id, str):
+        result = result_ext(app, task_id, headers)
         if result is not None:
             ext[RESULT_EXT_KEY] = result
 
@@ -253,7 +268,7 @@ def _task_envelope(message: dict[str, Any], headers: dict[str, Any], body: bytes
     ext["max_retries"] = max_retries  # so that a change by another language shows
 
     fields: dict[str, Any] = {
-        "task_id": headers["id"],
+        "task_id": task_id,
         "task_type": name,
         "payload": bound.payload,
         "payload_version": headers.get("payload_version", 1),
@@ -351,17 +366,16 @@ def payload_versions(task: Any) -> frozenset[int]:
 
 def _foreign_headers(envelope: Envelope) -> dict[str, Any]:
     """Celery headers of an Envelope written by another language."""
-    return {
-        "lang": "py", "shadow": None, "eta": None, "expires": None, "group": None,
-        "group_index": None, "timelimit": [None, None], "root_id": envelope.task_id,
-        "parent_id": None, "argsrepr": saferepr(()), "kwargsrepr": saferepr(envelope.payload),
-        "origin": None, "ignore_result": False, "replaced_task_nesting": 0,
-        "stamped_headers": None, "stamps": {},
-    }
+    return {**unsaid_headers(envelope.task_id), "expires": None,
+            "kwargsrepr": saferepr(envelope.payload), "origin": None, "ignore_result": False}
 
 
 def _delivered_headers(envelope: Envelope, celery: dict[str, Any] | None) -> dict[str, Any]:
-    headers = _dict(celery, "headers") if celery is not None else _foreign_headers(envelope)
+    if celery is None:
+        headers = _foreign_headers(envelope)
+    else:  # the headers left out when it was stored, then the stored ones
+        headers = unsaid_headers(envelope.task_id)
+        headers.update(_dict(celery, "headers"))
     headers.update(celery_headers_of(envelope.headers))
     headers.update(task=envelope.task_type, id=envelope.task_id,
                    retries=envelope.retry_count, trace_id=envelope.trace_id)

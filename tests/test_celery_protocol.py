@@ -394,7 +394,7 @@ def test_priority_maps_to_0_255_most_urgent_highest(app: Celery, published: list
     app.tasks["proto.add"].apply_async((1, 2), priority=celery_priority)
     envelope, _ = assert_lossless(published[0])
     assert envelope.priority == priority
-    assert envelope.ext["celery"]["priority"] == celery_priority
+    assert envelope.ext["celery"].get("priority") == celery_priority  # None: left out
 
 
 @pytest.mark.parametrize(("priority", "celery_priority"), [
@@ -488,6 +488,50 @@ def test_stamps_survive(app: Celery, published: list) -> None:
     envelope, delivered = assert_lossless(published[0])
     assert envelope.ext["celery"]["headers"]["stamps"] == {"tenant": "acme"}
     assert delivered["headers"]["stamped_headers"] == ["tenant"]
+
+
+def test_what_delivery_writes_anyway_is_not_stored(app: Celery, published: list) -> None:
+    """A plain call stores only the headers and properties that say something."""
+    app.tasks["proto.add"].apply_async(kwargs={"x": 1, "y": 2})
+    envelope, delivered = assert_lossless(published[0])
+    celery = envelope.ext["celery"]
+    assert set(celery) == {"headers", "properties", "max_retries"}
+    assert set(celery["headers"]) == {"kwargsrepr", "origin", "ignore_result"}
+    assert "correlation_id" not in celery["properties"]
+    assert delivered["headers"]["root_id"] == delivered["properties"]["correlation_id"] == (
+        envelope.task_id)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("replaced_task_nesting", False), ("replaced_task_nesting", 1), ("lang", "go"),
+    ("timelimit", [None, 5]), ("stamps", {"k": "v"}), ("argsrepr", "(1,)"),
+    ("root_id", "another-task"), ("shadow", "alias"),
+])
+def test_headers_that_say_something_are_stored(app: Celery, published: list, name: str,
+                                               value: Any) -> None:
+    app.tasks["proto.add"].apply_async((1, 2), headers={"x-pad": "1"})
+    message = published[0]
+    message["headers"][name] = value
+    envelope, _ = assert_lossless(message)
+    stored = envelope.ext["celery"]["headers"][name]
+    assert stored == value and type(stored) is type(value)
+
+
+def test_a_celery_envelope_stored_before_headers_were_left_out_delivers_the_same(
+        app: Celery, published: list) -> None:
+    """ext.celery written with every header (by earlier versions) is delivered as it was."""
+    app.tasks["proto.add"].apply_async((1, 2), priority=None)
+    message = published[0]
+    envelope = store(message)
+    full = json.loads(envelope.to_json())
+    full["ext"]["celery"]["headers"] = {
+        k: v for k, v in message["headers"].items()
+        if k not in {"task", "id", "retries", "trace_id", "expires"}}
+    full["ext"]["celery"].update(priority=None, embed={
+        "callbacks": None, "errbacks": None, "chain": None, "chord": None})
+    full["ext"]["celery"]["properties"]["correlation_id"] = envelope.task_id
+    assert ADAPTER.to_message(Envelope.parse(full), "celery") == ADAPTER.to_message(
+        envelope, "celery")
 
 
 # ------------------------------------------------- Envelopes of other languages
