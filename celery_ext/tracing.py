@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from typing import Any
 
 from celery import current_task
 
+from kombu_envelope.random_ids import random_hex
 from kombu_envelope.trace_context import current_trace_id as trace_context_id
 from kombu_envelope.trace_context import trace_id_of
 
@@ -50,7 +50,7 @@ _RECENT_LIMIT = 10_000
 
 def new_trace_id() -> str:
     """A fresh trace id (32 hex digits, like an Envelope's default)."""
-    return uuid.uuid4().hex
+    return random_hex(16)
 
 
 @contextmanager

@@ -16,7 +16,6 @@ import math
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from ssl import RAND_bytes
 from typing import Annotated, Any, get_args
 
 from pydantic import (
@@ -34,6 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError, to_json
 
 from kombu_envelope.errors import InvalidEnvelope, Violation
+from kombu_envelope.random_ids import new_ids
 from kombu_envelope.trace_context import current_trace_id, trace_id_of
 
 #: Lowest and highest ``priority``; a higher number is more urgent, in every language.
@@ -174,25 +174,6 @@ Timestamp = Annotated[
     PlainSerializer(format_rfc3339, return_type=str),
     WithJsonSchema({"type": "string", "format": "date-time", "pattern": RFC3339_PATTERN}),
 ]
-
-
-# The variant nibble of a random UUID (RFC 9562: 10xx) for each random hex digit.
-_UUID_VARIANT = {digit: "89ab"[int(digit, 16) & 3] for digit in "0123456789abcdef"}
-
-
-def _new_ids() -> tuple[str, str]:
-    """A new ``task_id`` (a random, version 4, UUID) and ``trace_id`` (32 random hex digits).
-
-    Both come from one call of OpenSSL's random generator (seeded by the system, and
-    reseeded in a forked child), and the UUID is written from its hex digits without
-    building a ``UUID`` object: publishing many tasks at once feels either cost. Not
-    :func:`os.urandom`, which lets go of the GIL: while another thread of the process
-    is busy (a web server's, the dispatcher's publishing thread), taking it back cost
-    about 200 µs per Envelope.
-    """
-    d = RAND_bytes(32).hex()
-    return (f"{d[:8]}-{d[8:12]}-4{d[13:16]}-{_UUID_VARIANT[d[16]]}{d[17:20]}-{d[20:32]}",
-            d[32:])
 
 
 _JSON_SCALARS = (str, int, float, type(None))
@@ -399,7 +380,7 @@ class Envelope(BaseModel):
         is the trace's (its ``traceparent`` header, or the current trace), else new.
         """
         if "task_id" not in fields or "trace_id" not in fields:
-            task_id, trace_id = _new_ids()
+            task_id, trace_id = new_ids()
             fields.setdefault("task_id", task_id)
             if "trace_id" not in fields:
                 headers = fields.get("headers")

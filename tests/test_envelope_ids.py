@@ -7,7 +7,7 @@ import re
 import threading
 import uuid
 
-from kombu_envelope.envelope import _new_ids as new_ids
+from kombu_envelope.random_ids import new_ids
 
 UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 

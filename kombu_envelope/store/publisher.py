@@ -11,7 +11,6 @@ Usable without kombu::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from kombu_envelope.codec import encode_body
 from kombu_envelope.envelope import Envelope, check_publishable, utcnow
 from kombu_envelope.keys import QueueKeys, bucket_for
+from kombu_envelope.random_ids import random_hex
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
@@ -127,7 +127,7 @@ class Publisher:
         # One token for every try of this call: a try repeated after a lost reply
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         if tokens is None:
-            tokens = [os.urandom(8).hex()] * len(prepared)
+            tokens = [random_hex(8)] * len(prepared)
         elif len(tokens) != len(prepared):
             raise ValueError(f"{len(tokens)} publish tokens for {len(prepared)} Envelopes")
         dedupe_ms = settings.publish_dedupe_ms
