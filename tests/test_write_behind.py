@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from kombu_envelope.store.write_behind import WriteBehind
+from kombu_envelope.store.write_behind import WriteBehind, _packed
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 
@@ -137,3 +137,23 @@ def test_a_read_interrupted_by_a_signal_is_redone_at_the_next_settle(
     behind.send(_incr(client, "after"), redo=pytest.fail, failed=pytest.fail)
     behind.settle()
     assert control.hget("after", "attempts") == b"1"  # the writer goes on in step
+
+
+@pytest.mark.parametrize("commands", [
+    [("MULTI",), ("HSET", "k", "state", "running", "attempt", 1, "ratio", 0.5),
+     ("PEXPIRE", "k", 86_400_000), ("EXEC",)],
+    [("MULTI",), ("SET", b"k", memoryview(b"v\xff")), ("EXEC",)],
+    [("MULTI",), ("SET", "k", bytearray(b"v")), ("EXEC",)],  # hiredis refuses bytearray
+    [("MULTI",), ("CLIENT SETNAME", "worker"), ("EXEC",)],  # a command named in two words
+    [("SET", "k", "\u00e9t\u00e9")],
+])
+def test_a_transaction_is_packed_as_redis_py_packs_it(commands: list[tuple[Any, ...]]) -> None:
+    connection = redis.Redis().connection_pool.make_connection()  # packs; never connects
+    assert b"".join(_packed(connection, commands)) == b"".join(
+        connection.pack_commands(commands))
+
+
+def test_a_value_redis_cannot_take_is_reported_by_redis_py() -> None:
+    connection = redis.Redis().connection_pool.make_connection()
+    with pytest.raises(redis.DataError):
+        _packed(connection, [("MULTI",), ("SET", "k", None), ("EXEC",)])

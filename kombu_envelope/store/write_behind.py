@@ -34,8 +34,12 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
+from redis.utils import HIREDIS_AVAILABLE
 
 from kombu_envelope.store.outages import is_outage
+
+if HIREDIS_AVAILABLE:
+    from hiredis import pack_command
 
 __all__ = ["WriteBehind"]
 
@@ -69,7 +73,7 @@ class WriteBehind:
                     if self._connection is None:
                         self._connection = self.client.connection_pool.get_connection()
                     self._connection.send_packed_command(
-                        self._connection.pack_commands(commands), check_health=False)
+                        _packed(self._connection, commands), check_health=False)
                 except (RedisError, OSError):  # written the usual way, which reports it
                     self._drop()
                 else:
@@ -115,6 +119,26 @@ class WriteBehind:
             connection.disconnect()
             self.client.connection_pool.release(connection)
         return redos
+
+
+def _packed(connection: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
+    """The chunks of bytes of ``commands`` for ``send_packed_command``, the same bytes as
+    ``connection.pack_commands`` makes.
+
+    With hiredis, redis-py packs each command with ``hiredis.pack_command`` and then
+    copies the bytes into chunks in Python, which costs four times the packing itself for
+    a record's transaction (11 against 2.7 µs): commands named in one word are packed
+    here with hiredis directly. Others, and a value hiredis refuses (which redis-py then
+    converts or reports), go to redis-py.
+    """
+    if HIREDIS_AVAILABLE and all(type(args[0]) is str and " " not in args[0]
+                                 for args in commands):
+        try:
+            return [b"".join([pack_command(args) for args in commands])]
+        except TypeError:
+            pass
+    packed: list[bytes] = connection.pack_commands(commands)
+    return packed
 
 
 def _read(connection: Any) -> Any:
