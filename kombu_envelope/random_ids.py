@@ -22,9 +22,9 @@ def random_hex(count: int) -> str:
 def new_ids() -> tuple[str, str]:
     """A new ``task_id`` (a random, version 4, UUID) and ``trace_id`` (32 random hex digits).
 
-    Both come from one call of the generator, and the UUID is written from its hex digits
+    Both come from one :func:`random_hex` call, and the UUID is written from its hex digits
     without building a ``UUID`` object: publishing many tasks at once feels either cost.
     """
-    d = RAND_bytes(32).hex()
+    d = random_hex(32)
     return (f"{d[:8]}-{d[8:12]}-4{d[13:16]}-{_UUID_VARIANT[d[16]]}{d[17:20]}-{d[20:32]}",
             d[32:])
