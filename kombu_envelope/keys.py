@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from kombu_envelope.errors import InvalidQueueName
 
@@ -82,12 +82,12 @@ def _check_queue_name(queue: str) -> None:
 
 @dataclass(frozen=True)
 class QueueKeys:
-    """The keys of one queue."""
+    """The keys of one queue (the ones every publish names are made once)."""
 
     prefix: str
     queue: str
 
-    @property
+    @cached_property
     def base(self) -> str:
         """Common start of every key of this queue: ``<prefix>:{<queue>}``."""
         return f"{self.prefix}:{{{self.queue}}}"
@@ -120,12 +120,12 @@ class QueueKeys:
         """HASH of what became of ``task_id`` (docs/protocol.md, section 14); it expires."""
         return f"{self.base}:task:{task_id}"
 
-    @property
+    @cached_property
     def delayed(self) -> str:
         """ZSET of delayed task ids scored by due time in milliseconds."""
         return f"{self.base}:delayed"
 
-    @property
+    @cached_property
     def delayed_data(self) -> str:
         """HASH of delayed task id to stored entry."""
         return f"{self.base}:delayed:data"
