@@ -16,10 +16,10 @@ are still handed on.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 try:
@@ -157,14 +157,20 @@ class SendSpan:
         self.span.end()
 
 
-def send_spans(publishes: list[tuple[str, str, str]]) -> list[SendSpan]:
-    """The spans of many publishes, each ``(queue, task_id, task_type)``; whether a tracer
-    provider is configured is asked once."""
+def send_span_maker() -> Callable[[str, str, str], SendSpan]:
+    """A maker of the spans of many publishes, called with ``(queue, task_id,
+    task_type)``: whether a tracer provider is configured is asked once, when it is made."""
     tracing = otel_trace is not None and _tracing()
     # Without spans every publish hands on the same current trace: read it once.
     inherited = None if tracing else current_trace_headers()
-    return [SendSpan(queue, task_id, task_type, tracing=tracing, inherited=inherited)
-            for queue, task_id, task_type in publishes]
+    return partial(SendSpan, tracing=tracing, inherited=inherited)
+
+
+def send_spans(publishes: list[tuple[str, str, str]]) -> list[SendSpan]:
+    """The spans of many publishes, each ``(queue, task_id, task_type)`` (see
+    :func:`send_span_maker`)."""
+    make = send_span_maker()
+    return [make(queue, task_id, task_type) for queue, task_id, task_type in publishes]
 
 
 @contextmanager

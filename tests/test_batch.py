@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import pytest
 import redis
+from support.connection_loss import connection_lost_after_flushes
 
 from kombu_envelope.codec import decode_entry
 from kombu_envelope.envelope import PRIORITY_DEFAULT, Envelope, utcnow
@@ -94,17 +95,10 @@ def test_flushed_steps_run_while_the_rest_is_queued_and_every_reply_comes_in_ord
 def test_a_connection_lost_after_a_flush_has_every_step_sent_again_and_stored_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     with PrivateRedisServer() as server:
-        client, killer = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
-        flush, killed = Batch.flush, []
-
-        def flush_then_lose_the_connection(batch: Batch) -> None:
-            flush(batch)
-            if not killed:  # the publisher's connection, once its first steps are written
-                killed.append(killer.client_kill_filter(_type="normal", skipme=True))
-
-        monkeypatch.setattr(Batch, "flush", flush_then_lose_the_connection)
+        client = redis.Redis.from_url(server.url)
         envelopes = [Envelope.new(task_type="order.close") for _ in range(FLUSH_EVERY * 3 + 7)]
-        ids = Publisher(client).publish_many([("q", envelope) for envelope in envelopes])
+        with connection_lost_after_flushes(monkeypatch, server.url, 1) as killed:
+            ids = Publisher(client).publish_many([("q", envelope) for envelope in envelopes])
         assert killed == [1]
         stream = Settings().keys.queue("q").stream(bucket_for(PRIORITY_DEFAULT))
         stored = client.xrange(stream)
@@ -112,7 +106,6 @@ def test_a_connection_lost_after_a_flush_has_every_step_sent_again_and_stored_on
         assert [decode_entry(fields).task_id for _, fields in stored] == [
             envelope.task_id for envelope in envelopes]
         client.close()
-        killer.close()
 
 
 def test_a_flushed_batch_given_up_gives_its_connection_back(redis_url: str,

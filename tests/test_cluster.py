@@ -32,7 +32,9 @@ from support.workers import CeleryWorker
 
 import kombu_envelope
 from kombu_envelope import Envelope, Publisher
+from kombu_envelope.codec import decode_entry
 from kombu_envelope.dispatcher.metrics import render
+from kombu_envelope.envelope import PRIORITY_DEFAULT
 from kombu_envelope.keys import Bucket, bucket_for
 from kombu_envelope.settings import Settings
 from kombu_envelope.store import replication
@@ -159,6 +161,24 @@ def test_publish_many_spreads_over_shards_and_loads_scripts_a_node_lost(setup: S
             assert setup.client.sismember(setup.settings.keys.queues, name)
         else:
             assert setup.client.xlen(keys.stream(bucket_for(envelope.priority))) == 1
+
+
+def test_publish_iter_stores_each_queue_in_order_over_the_shards(setup: Setup) -> None:
+    """Each chunk goes as one pipeline per node when it is full; a queue's entries keep the
+    order they were drawn in, and a delayed task's queue is registered."""
+    names = [f"iter-{number}" for number in range(4)]
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    items = [(names[n % 4], Envelope.new(task_type="cluster.record", payload={"n": n},
+                                         schedule_time=later if n == 5 else None))
+             for n in range(2_345)]
+    replies = Publisher(setup.client, setup.settings).publish_iter(iter(items))
+    assert [reply is None for reply in replies] == [n == 5 for n in range(len(items))]
+    for name in names:
+        keys = setup.settings.keys.queue(name)
+        entries = setup.client.xrange(keys.stream(bucket_for(PRIORITY_DEFAULT)))
+        assert [decode_entry(fields).payload["n"] for _, fields in entries] == [
+            n for n, (queue, _) in enumerate(items) if queue == name and n != 5]
+    assert setup.client.sismember(setup.settings.keys.queues, names[1])
 
 
 def test_immediate_and_delayed_tasks_run_once_on_both_shards(setup: Setup) -> None:

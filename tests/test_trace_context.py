@@ -99,6 +99,23 @@ def test_a_publish_inside_a_span_is_its_send_span_and_carries_it(
     assert stored.trace_id == web_trace  # a new task in a trace takes its trace id
 
 
+def test_publish_iter_gives_each_envelope_its_send_span_ended_with_its_chunk(
+        spans: InMemorySpanExporter, publisher: Publisher, client: redis.Redis,
+        key_prefix: str, queue: str) -> None:
+    with trace_context._tracer().start_as_current_span("import job") as job:
+        envelopes = [Envelope.new(task_type="order.close") for _ in range(3)]
+        publisher.publish_iter((queue, envelope) for envelope in envelopes)
+    sends = {span.attributes["messaging.message.id"]: span
+             for span in spans.get_finished_spans() if span.name == f"send {queue}"}
+    assert set(sends) == {envelope.task_id for envelope in envelopes}
+    assert {send.parent.span_id for send in sends.values()} == {job.get_span_context().span_id}
+    stream = Settings(key_prefix=key_prefix).keys.queue(queue).stream(Bucket.NORMAL)
+    for _, fields in client.xrange(stream):
+        stored = decode_entry(fields)
+        assert stored.headers["traceparent"].split("-")[2] == (
+            f"{sends[stored.task_id].context.span_id:016x}")
+
+
 def test_a_traceparent_the_caller_set_is_kept(
         spans: InMemorySpanExporter, publisher: Publisher, client: redis.Redis,
         key_prefix: str, queue: str) -> None:

@@ -7,6 +7,10 @@ Usable without kombu::
 
     Publisher(Redis()).publish("orders", Envelope.new(task_type="order.close_timeout",
                                                       payload={"order_id": 1}))
+
+:meth:`Publisher.publish_many` publishes a list in one round trip (all or nothing when one
+is invalid); :meth:`Publisher.publish_iter` draws Envelopes from a loop that builds them
+while Redis stores the ones before.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ from kombu_envelope.store.task_records import (
     envelope_fields,
     record_write,
 )
-from kombu_envelope.trace_context import SendSpan, send_spans
+from kombu_envelope.trace_context import SendSpan, send_span_maker, send_spans
 
 #: A ``publish_many`` writes its steps this many at a time while it builds the rest, so
 #: that Redis runs the first ones meanwhile (one Redis; a Cluster batch goes at the end).
 FLUSH_EVERY = 100
+#: A ``publish_iter`` reads its replies this many Envelopes at a time (a multiple of
+#: :data:`FLUSH_EVERY`): one Batch, and one moment "now", per chunk.
+ITER_CHUNK = 1000
 
 
 class Publisher:
@@ -105,82 +112,210 @@ class Publisher:
             span.end()
         return replies
 
+    def publish_iter(self, items: Iterable[tuple[str, Envelope]]) -> list[str | None]:
+        """Publish Envelopes as ``items`` makes them, while Redis stores the ones before.
+
+        Meant for a loop that builds its Envelopes::
+
+            publisher.publish_iter((queue, Envelope.new(task_type=..., payload=row))
+                                   for row in rows)
+
+        Each Envelope is checked and encoded when it is drawn, written to Redis
+        :data:`FLUSH_EVERY` at a time, and the replies are read :data:`ITER_CHUNK` at a time,
+        one chunk in flight: Redis stores the first Envelopes while the next are built
+        (with :meth:`publish_many` it waits while the whole list is built), one Redis in
+        the order they are drawn. Returns what :meth:`publish_many` returns, in order, and
+        gives each Envelope its trace headers and ``send`` span alike.
+
+        Unlike :meth:`publish_many`, a bad Envelope cannot hold back the ones before it.
+        When anything raises (an Envelope that breaks a publish-time rule, as
+        :class:`~kombu_envelope.errors.InvalidEnvelope` naming it; ``items`` itself; a
+        Redis error reading a chunk's replies), nothing more is drawn, the Envelopes drawn
+        before are still sent and their replies read, and the error propagates (or the
+        error sending them, when that fails too).
+        """
+        ids: list[str | None] = []
+        token = random_hex(8)  # for every try of this call, as in publish_many
+        registered: set[str] = set()
+        new_span = send_span_maker()
+        drawing: _Chunk | None = None  # being drawn; written FLUSH_EVERY at a time
+        in_flight: _Chunk | None = None  # written whole, its replies not read yet
+        try:
+            for queue, envelope in items:
+                if drawing is None:
+                    drawing = _Chunk(self)
+                step = drawing.steps.prepare(
+                    queue, envelope, new_span(queue, envelope.task_id, envelope.task_type))
+                if _Steps.needs_registry(step) and queue not in registered:
+                    # Listed before its data lands (section 2): a round trip of its own.
+                    self.client.sadd(self.settings.keys.queues, queue)
+                    registered.add(queue)
+                drawing.steps.add(drawing.batch, step, token)
+                size = len(drawing.steps.spans)
+                if size % FLUSH_EVERY == 0:
+                    if in_flight is not None:  # read first: one chunk in flight, in order
+                        done, in_flight = in_flight, None
+                        ids += done.finish()
+                    drawing.batch.flush()
+                if size == ITER_CHUNK:
+                    in_flight, drawing = drawing, None
+        except BaseException:
+            _finish_in_order(in_flight, drawing)  # what was drawn is still published
+            raise
+        return ids + _finish_in_order(in_flight, drawing)
+
     def _send(self, items: list[tuple[str, Envelope]], spans: list[SendSpan], now: datetime,
               tokens: Sequence[str] | None, checked: bool) -> list[str | None]:
-        settings = self.settings
-        gzip_min_bytes, limits = settings.gzip_min_bytes, settings.limits
-        prepared = []
-        queue_keys: dict[str, QueueKeys] = {}
-        for (queue, envelope), span in zip(items, spans):
-            keys = queue_keys.get(queue)
-            if keys is None:  # an invalid queue name also sends nothing
-                keys = queue_keys[queue] = settings.keys.queue(queue)
-            span.write_headers(envelope.headers)  # published, so validated, with the rest
-            if not checked:
-                self._check(envelope, now)
-            prepared.append((keys, envelope, envelope.is_due(now),
-                             *encode_body(envelope, gzip_min_bytes, limits=limits)))
+        steps = _Steps(self, now, checked)
+        prepared = [steps.prepare(queue, envelope, span)
+                    for (queue, envelope), span in zip(items, spans)]
         # Delayed and keyed tasks' queues are registered, so promoters serve them (a
         # keyed task's successor is released by a promoter: section 20).
-        delayed_queues = sorted({keys.queue for keys, envelope, due, _, _ in prepared
-                                 if not due or envelope.ordering_key is not None})
+        delayed_queues = sorted({step[0].queue for step in prepared
+                                 if steps.needs_registry(step)})
         # One token for every try of this call: a try repeated after a lost reply
         # (kombu_envelope.store.outages) is absorbed by the scripts.
         if tokens is None:
             tokens = [random_hex(8)] * len(prepared)
         elif len(tokens) != len(prepared):
             raise ValueError(f"{len(tokens)} publish tokens for {len(prepared)} Envelopes")
-        dedupe_ms = settings.publish_dedupe_ms
-        records = RecordSpecs(settings, now)
-        if len(prepared) == 1 and not delayed_queues and not settings.wait_replicas:
+        if len(prepared) == 1 and not delayed_queues and not self.settings.wait_replicas:
             # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
             # sends SCRIPT EXISTS, a second round trip on every single publish. With
             # wait_replicas the WAIT must share the script's connection: a Batch, whose
             # raw EVALSHA needs no SCRIPT EXISTS either.
-            keys, envelope, _, enc, body = prepared[0]
-            record_keys, record_args = _queued_record(records, keys, envelope)
-            enqueue = script(self.client, "enqueue")
-            reply = enqueue(keys=[keys.stream(bucket_for(envelope.priority)), keys.delayed,
-                                  keys.delayed_data, keys.published(envelope.task_id),
-                                  *record_keys],
-                            args=[envelope.task_id, enc, body, tokens[0], dedupe_ms,
-                                  *record_args])
-            return [reply.decode() if isinstance(reply, bytes) else reply]
-        batch = Batch(self.client, settings, "publish")  # WAIT with wait_replicas
+            keys, args = steps.enqueue_step(prepared[0], tokens[0])
+            return _entry_ids([script(self.client, "enqueue")(keys=keys, args=args)])
+        batch = Batch(self.client, self.settings, "publish")  # WAIT with wait_replicas
         if delayed_queues:
             # Registered on every delayed publish, before schedule.lua wakes the
             # promoters (a SADD of its own: the registry is in another slot): a registry
             # lost with a Redis restart is rebuilt by the next publish.
             for queue in delayed_queues:
-                batch.first("sadd", settings.keys.queues, queue)
+                batch.first("sadd", self.settings.keys.queues, queue)
         try:
-            for index, ((keys, envelope, due, enc, body), token) in enumerate(
-                    zip(prepared, tokens), 1):
-                if due:
-                    record_keys, record_args = _queued_record(records, keys, envelope)
-                    batch.script("enqueue", [keys.stream(bucket_for(envelope.priority)),
-                                             keys.delayed, keys.delayed_data,
-                                             keys.published(envelope.task_id), *record_keys],
-                                 [envelope.task_id, enc, body, token, dedupe_ms, *record_args])
-                else:
-                    schedule_encoded(batch, settings, keys, envelope, enc, body, token=token,
-                                     now=now)
+            for index, (step, token) in enumerate(zip(prepared, tokens), 1):
+                steps.add(batch, step, token)
                 if index % FLUSH_EVERY == 0:
                     batch.flush()  # Redis runs these while the next ones are built
-            replies = batch.execute()
+            return _entry_ids(batch.execute())
         finally:
             batch.close()
-        # enqueue.lua answers the entry id; schedule.lua answers an integer.
-        return [
-            reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)
-            else None
-            for reply in replies
-        ]
 
     def _check(self, envelope: Envelope, now: datetime | None) -> None:
         """Raise InvalidEnvelope unless ``envelope`` may be published now."""
         check_publishable(envelope, self.settings.limits, now)
         self.schemas.check(envelope)
+
+
+#: A step of a publish: the queue's keys, the Envelope, whether it is due, and its
+#: encoding and body.
+_Prepared = tuple[QueueKeys, Envelope, bool, str, bytes]
+
+
+class _Steps:
+    """The steps of Envelopes published at one moment ``now``: each checked (unless
+    ``checked``), encoded, then queued on a :class:`Batch` as its queue's script."""
+
+    def __init__(self, publisher: Publisher, now: datetime, checked: bool = False) -> None:
+        self.publisher = publisher
+        self.settings = settings = publisher.settings
+        self.now = now
+        self.checked = checked
+        self.records = RecordSpecs(settings, now)
+        self.spans: list[SendSpan] = []
+        self._queue_keys: dict[str, QueueKeys] = {}
+
+    def prepare(self, queue: str, envelope: Envelope, span: SendSpan) -> _Prepared:
+        """Check and encode ``envelope`` (raises InvalidEnvelope); ``span`` writes its
+        trace headers and is kept to be ended with the call."""
+        keys = self._queue_keys.get(queue)
+        if keys is None:  # an invalid queue name also sends nothing
+            keys = self._queue_keys[queue] = self.settings.keys.queue(queue)
+        span.write_headers(envelope.headers)  # published, so validated, with the rest
+        if not self.checked:
+            self.publisher._check(envelope, self.now)
+        self.spans.append(span)
+        settings = self.settings
+        return (keys, envelope, envelope.is_due(self.now),
+                *encode_body(envelope, settings.gzip_min_bytes, limits=settings.limits))
+
+    @staticmethod
+    def needs_registry(step: _Prepared) -> bool:
+        """Whether the step's queue must be in the registry first: a delayed or keyed task."""
+        _, envelope, due, _, _ = step
+        return not due or envelope.ordering_key is not None
+
+    def enqueue_step(self, step: _Prepared, token: str) -> tuple[list[Any], list[Any]]:
+        """KEYS and ARGV of enqueue.lua for a due task."""
+        keys, envelope, _, enc, body = step
+        record_keys, record_args = _queued_record(self.records, keys, envelope)
+        return ([keys.stream(bucket_for(envelope.priority)), keys.delayed, keys.delayed_data,
+                 keys.published(envelope.task_id), *record_keys],
+                [envelope.task_id, enc, body, token, self.settings.publish_dedupe_ms,
+                 *record_args])
+
+    def add(self, batch: Batch, step: _Prepared, token: str) -> None:
+        """Queue the step's script on ``batch``: enqueue.lua when due, else schedule.lua."""
+        keys, envelope, due, enc, body = step
+        if due:
+            batch.script("enqueue", *self.enqueue_step(step, token))
+        else:
+            schedule_encoded(batch, self.settings, keys, envelope, enc, body, token=token,
+                             now=self.now)
+
+
+class _Chunk:
+    """Envelopes of a ``publish_iter`` published together: one moment "now", one Batch."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.steps = _Steps(publisher, utcnow())
+        self.batch = Batch(publisher.client, publisher.settings, "publish")
+
+    def finish(self) -> list[str | None]:
+        """Send what is not written yet, read every reply and end the spans."""
+        try:
+            ids = _entry_ids(self.batch.execute())
+        except BaseException as exc:
+            for span in self.steps.spans:
+                span.end(exc)
+            raise
+        finally:
+            self.batch.close()
+        for span in self.steps.spans:
+            span.end()
+        return ids
+
+    def drop(self, error: BaseException) -> None:
+        """Publish nothing more of this chunk (an earlier one failed): end its spans."""
+        self.batch.close()
+        for span in self.steps.spans:
+            span.end(error)
+
+
+def _finish_in_order(*chunks: _Chunk | None) -> list[str | None]:
+    """Finish ``chunks`` in order; when one fails, drop the ones after it and raise."""
+    ids: list[str | None] = []
+    for index, chunk in enumerate(chunks):
+        if chunk is None:
+            continue
+        try:
+            ids += chunk.finish()
+        except BaseException as exc:
+            for later in chunks[index + 1:]:
+                if later is not None:
+                    later.drop(exc)
+            raise
+    return ids
+
+
+def _entry_ids(replies: list[Any]) -> list[str | None]:
+    """enqueue.lua answers the entry id (or "waiting"); schedule.lua answers an integer."""
+    return [
+        reply.decode() if isinstance(reply, bytes) else reply if isinstance(reply, str)
+        else None
+        for reply in replies
+    ]
 
 
 def publish_record(settings: Settings, queue: str, envelope: Envelope,
