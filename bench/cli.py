@@ -40,8 +40,9 @@ SCENARIOS = (
              "One consumer with basic_qos prefetch_count=100 drains N pre-published "
              "messages, acking each (msgs/s).",
              run_consume, {"n": 5_000}, {"n": 200}),
-    Scenario("bulk", "Bulk publish with Publisher.publish_many (envelope only)",
-             "N Envelopes published in chunks of 1000 (Envelopes/s).",
+    Scenario("bulk", "Bulk publish with Publisher.publish_many and publish_iter (envelope only)",
+             "N Envelopes published in chunks of 1000, or drawn by one publish_iter "
+             "(Envelopes/s).",
              run_bulk, {"n": 30_000}, {"n": 2_000}),
     Scenario("celery", "Celery end to end",
              "N no-op tasks published, then drained by one `celery worker` subprocess "
