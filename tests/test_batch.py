@@ -67,6 +67,25 @@ def test_a_redis_that_lost_its_scripts_gets_them_again() -> None:
         client.close()
 
 
+def test_calls_a_redis_answered_noscript_are_sent_again_whole_with_their_own_wait() -> None:
+    with PrivateRedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        settings = Settings(wait_replicas=1, wait_timeout_ms=10)  # no replica: a short WAIT
+        publisher = Publisher(client, settings)
+        publisher.publish_many([("q", Envelope.new(task_type="order.close")) for _ in range(2)])
+        client.script_flush()
+        later = Envelope.new(task_type="order.close", schedule_time=utcnow() + timedelta(hours=1))
+        due = Envelope.new(task_type="order.close", payload={"n": 1})
+        ids = publisher.publish_many([("q", due), ("q", later)])
+        keys = settings.keys.queue("q")
+        [(entry_id, fields)] = client.xrange(keys.stream(bucket_for(PRIORITY_DEFAULT)))[2:]
+        assert ids == [entry_id.decode(), None]
+        assert decode_entry(fields) == due
+        assert client.zscore(keys.delayed, later.task_id) == later.due_ms()
+        assert client.hget(keys.task_record(due.task_id), "state") == b"queued"
+        client.close()
+
+
 def test_small_and_large_bodies_of_one_batch_arrive_whole(
         redis_client: redis.Redis, key_prefix: str) -> None:
     settings = Settings(key_prefix=key_prefix, gzip_min_bytes=None)

@@ -59,6 +59,9 @@ from kombu_envelope.store.scripts import script, script_source
 
 __all__ = ["Batch"]
 
+#: The options of every step on one Redis (read, never changed).
+_NO_OPTIONS: dict[str, Any] = {}
+
 
 class Batch:
     """Commands and script calls for one round trip; :meth:`execute` answers in order.
@@ -77,7 +80,9 @@ class Batch:
         # arguments, the steps themselves being sent by execute().
         self._pipe = client.pipeline(transaction=False)
         self._steps: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        self._calls: dict[int, tuple[str, list[Any], list[Any]]] = {}
+        #: The script calls by step: on one Redis only the script's name (the keys and
+        #: arguments are in the step's command), on a Cluster ``(name, keys, args)``.
+        self._calls: dict[int, str | tuple[str, list[Any], list[Any]]] = {}
         self._shas: dict[str, str] = {}  # by script name: looked up once per batch
         self._size = 0
         #: Commands a Cluster gets before the pipeline; on one Redis, how many of the
@@ -123,20 +128,32 @@ class Batch:
         sha = self._shas.get(name)
         if sha is None:
             sha = self._shas[name] = script(self.client, name).sha
-        options = {}
-        if self._cluster and keys:
-            # Named here, the node is not asked (COMMAND GETKEYS, a round trip per call)
-            # which keys the call has; a MOVED reply routes it again by its keys.
-            node = self.client.get_node_from_key(keys[0])
-            options["target_nodes"] = node
-            self._nodes[node.name] = node
         if self._cluster:
+            options = {}
+            if keys:
+                # Named here, the node is not asked (COMMAND GETKEYS, a round trip per
+                # call) which keys the call has; a MOVED reply routes it again by its keys.
+                node = self.client.get_node_from_key(keys[0])
+                options["target_nodes"] = node
+                self._nodes[node.name] = node
             self._pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args, **options)
+            self._calls[self._size] = (name, keys, args)
         else:
-            self._steps.append((("EVALSHA", sha, len(keys), *keys, *args), options))
-        self._calls[self._size] = (name, keys, args)
+            # Nothing more per step than its command: a batch of 1,000 holds them until
+            # it is read, long enough for the GC to walk each container it keeps.
+            self._steps.append((("EVALSHA", sha, len(keys), *keys, *args), _NO_OPTIONS))
+            self._calls[self._size] = name
         self._size += 1
         return self
+
+    def _call(self, index: int) -> tuple[str, list[Any], list[Any]]:
+        """``(name, keys, args)`` of the script call at step ``index``."""
+        call = self._calls[index]
+        if not isinstance(call, str):
+            return call
+        command = self._steps[index][0]
+        count = command[2]
+        return call, list(command[3:3 + count]), list(command[3 + count:])
 
     def flush(self) -> None:
         """Write the steps queued so far, on one Redis, so that it runs them while the
@@ -194,17 +211,16 @@ class Batch:
         if missing:
             if self._wait:
                 # Sent again in a batch of their own, so that a WAIT follows them too.
-                for name in {self._calls[index][0] for index in missing}:
+                for name in {self._call(index)[0] for index in missing}:
                     self.client.script_load(script_source(name))
                 again = Batch(self.client, self.settings, self.step)
                 for index in missing:
-                    name, keys, args = self._calls[index]
-                    again.script(name, keys, args)
+                    again.script(*self._call(index))
                 for index, reply in zip(missing, again.execute()):
                     replies[index] = reply
             else:
                 for index in missing:
-                    name, keys, args = self._calls[index]
+                    name, keys, args = self._call(index)
                     replies[index] = script(self.client, name)(keys=keys, args=args)
         for reply in replies:
             if isinstance(reply, Exception):
