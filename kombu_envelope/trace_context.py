@@ -160,10 +160,12 @@ class SendSpan:
 def send_span_maker() -> Callable[[str, str, str], SendSpan]:
     """A maker of the spans of many publishes, called with ``(queue, task_id,
     task_type)``: whether a tracer provider is configured is asked once, when it is made."""
-    tracing = otel_trace is not None and _tracing()
-    # Without spans every publish hands on the same current trace: read it once.
-    inherited = None if tracing else current_trace_headers()
-    return partial(SendSpan, tracing=tracing, inherited=inherited)
+    if otel_trace is not None and _tracing():
+        return partial(SendSpan, tracing=True)
+    # Without spans every publish hands on the same current trace, read once: one no-op
+    # span serves them all.
+    untraced = SendSpan("", "", "", tracing=False, inherited=current_trace_headers())
+    return lambda _queue, _task_id, _task_type: untraced
 
 
 def send_spans(publishes: list[tuple[str, str, str]]) -> list[SendSpan]:
