@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -45,7 +46,7 @@ def _names_for(func: Callable[..., Any] | None, args: Sequence[Any],
     if func is None or not args:
         return []
     try:
-        signature = inspect.signature(func)
+        signature = _signature(func)
         signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return []
@@ -54,6 +55,19 @@ def _names_for(func: Callable[..., Any] | None, args: Sequence[Any],
     if any(name in kwargs for name in names):
         return []
     return names
+
+
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    """``func``'s signature, read once per task function (every publish asks)."""
+    try:
+        return _cached_signature(func)
+    except TypeError:  # an unhashable callable: read every time
+        return inspect.signature(func)
+
+
+@lru_cache(maxsize=1024)
+def _cached_signature(func: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(func)
 
 
 def unbind(payload: Mapping[str, Any], argnames: Sequence[str],

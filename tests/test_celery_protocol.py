@@ -24,6 +24,7 @@ from kombu.transport import memory as memory_transport
 from kombu.utils.json import loads as kombu_loads
 
 import celery_ext
+from celery_ext.arguments import BoundArguments, bind
 from celery_ext.headers import HARD_LIMIT_GRACE_S
 from celery_ext.priority import UNSET_PRIORITY_PROPERTY, to_celery_priority, to_envelope_priority
 from celery_ext.protocol import CeleryAdapter, serve_worker_app, set_worker_app
@@ -185,6 +186,21 @@ def test_args_of_unregistered_tasks_stay_positional(app: Celery, published: list
 
     delivered = ADAPTER.to_message(envelope, "celery")
     assert json.loads(delivered["body"]) == json.loads(body_of(published[0]))
+
+
+def test_a_signature_read_once_serves_each_function_and_an_unhashable_run_binds_too() -> None:
+    class Runner:  # a callable object without a hash: its signature is read every time
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, a: Any, b: Any = 0) -> None:
+            return None
+
+    def other(c: Any, d: Any) -> None:
+        return None
+
+    assert bind(Runner(), (1, 2), {}).argnames == ["a", "b"]
+    for _ in range(2):
+        assert bind(other, (1,), {"d": 2}) == BoundArguments({"c": 1, "d": 2}, ["c"], [])
 
 
 @pytest.mark.parametrize(("args", "kwargs"), [
