@@ -76,9 +76,7 @@ class Batch:
         self.settings = settings
         self.step = step
         self._cluster = isinstance(client, RedisCluster)
-        # On a Cluster, redis-py's pipeline; on one Redis, only what builds a command's
-        # arguments, the steps themselves being sent by execute().
-        self._pipe = client.pipeline(transaction=False)
+        self._pipeline: Any = None
         self._steps: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         #: The script calls by step: on one Redis only the script's name (the keys and
         #: arguments are in the step's command), on a Cluster ``(name, keys, args)``.
@@ -94,6 +92,15 @@ class Batch:
         #: On one Redis, the connection :meth:`flush` wrote the first ``_written`` steps on.
         self._connection: Any = None
         self._written = 0
+
+    @property
+    def _pipe(self) -> Any:
+        """On a Cluster, redis-py's pipeline; on one Redis, only what builds a command's
+        arguments (made when a command needs it), the steps themselves being sent by
+        :meth:`execute`."""
+        if self._pipeline is None:
+            self._pipeline = self.client.pipeline(transaction=False)
+        return self._pipeline
 
     @property
     def _wait(self) -> int:

@@ -27,7 +27,6 @@ from kombu_envelope.settings import Settings
 from kombu_envelope.store.batch import Batch
 from kombu_envelope.store.replacing import Replaced, pending_replaced_by, replace_pending
 from kombu_envelope.store.schemas import PayloadSchemas
-from kombu_envelope.store.scripts import script
 from kombu_envelope.store.task_records import (
     RecordSpecs,
     RecordWrite,
@@ -179,14 +178,10 @@ class Publisher:
             tokens = [random_hex(8)] * len(prepared)
         elif len(tokens) != len(prepared):
             raise ValueError(f"{len(tokens)} publish tokens for {len(prepared)} Envelopes")
-        if len(prepared) == 1 and not delayed_queues and not self.settings.wait_replicas:
-            # One due task: EVALSHA on its own. Run in a pipeline, redis-py first
-            # sends SCRIPT EXISTS, a second round trip on every single publish. With
-            # wait_replicas the WAIT must share the script's connection: a Batch, whose
-            # raw EVALSHA needs no SCRIPT EXISTS either.
-            keys, args = steps.enqueue_step(prepared[0], tokens[0])
-            return _entry_ids([script(self.client, "enqueue")(keys=keys, args=args)])
-        batch = Batch(self.client, self.settings, "publish")  # WAIT with wait_replicas
+        # A single publish too: a Batch sends EVALSHA straight on a connection (redis-py's
+        # pipelines would send SCRIPT EXISTS first, and its Script objects pack each argument
+        # in Python), and ends with WAIT with wait_replicas.
+        batch = Batch(self.client, self.settings, "publish")
         if delayed_queues:
             # Registered on every delayed publish, before schedule.lua wakes the
             # promoters (a SADD of its own: the registry is in another slot): a registry
