@@ -61,8 +61,8 @@ from kombu_envelope.store.outages import is_outage, retries_seen
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
 from kombu_envelope.store.replacing import pending_replaced_by
+from kombu_envelope.store.replication import run_script
 from kombu_envelope.store.replies import as_text
-from kombu_envelope.store.scripts import script
 
 __all__ = [
     "BINDING_SEP", "F_KOMBU", "INFO_CONSUMER", "INFO_ENTRY_ID", "INFO_FAILURE_CLASS",
@@ -378,17 +378,16 @@ class Channel(virtual.Channel):
     def _read_now(self, queue: str, count: int) -> list[Any]:
         """Non-blocking read of up to ``count`` entries of ``queue``, most urgent first."""
         streams = list(self.keys.queue(queue).all_streams)
-        read = script(self.client, "read")
         args: list[str | int] = [self.settings.consumer_group, self.consumer_name, count,
                                  self.settings.lease_ms, self._limited_credit(count)]
         retried = retries_seen()
-        try:
-            answer: list[Any] = read(keys=streams, args=args)
+        try:  # settings None: no WAIT after a read, as before
+            answer: list[Any] = run_script(self.client, None, "read", streams, args, "read")
         except ResponseError as exc:
             if not str(exc).startswith("NOGROUP"):
                 raise
             self._recreate_groups()
-            answer = read(keys=streams, args=args)
+            answer = run_script(self.client, None, "read", streams, args, "read")
         reply = self._note_limits(queue, answer)
         self._note_fill(queue, sum(len(entries) for _stream, entries in reply) >= count)
         if retries_seen() != retried:

@@ -149,15 +149,17 @@ def _execute_waiting(pipe: Any, settings: Settings, step: str) -> list[Any]:
     return list(replies[-2]) if transaction else replies[:-1]
 
 
-def run_script(client: Any, settings: Settings, name: str, keys: list[Any], args: list[Any],
-               step: str) -> Any:
-    """Run script ``name`` once and return its reply, followed by ``WAIT`` when set.
+def run_script(client: Any, settings: Settings | None, name: str, keys: list[Any],
+               args: list[Any], step: str) -> Any:
+    """Run script ``name`` once and return its reply, followed by ``WAIT`` when set
+    (``settings`` None: never).
 
-    Without ``wait_replicas`` it is a plain ``EVALSHA``; with it, the script and its
-    ``WAIT`` share a :class:`~kombu_envelope.store.batch.Batch` (one connection, to the
-    node of the script's keys on a Cluster).
+    On one Redis, and with ``wait_replicas``, it is a one-step
+    :class:`~kombu_envelope.store.batch.Batch`: the ``EVALSHA`` packed at once, on one
+    connection with its ``WAIT`` (to the node of the script's keys on a Cluster). A Cluster
+    without ``wait_replicas`` takes redis-py's script call, which follows the slot map.
     """
-    if not settings.wait_replicas:
+    if not (settings and settings.wait_replicas) and isinstance(client, RedisCluster):
         return script(client, name)(keys=keys, args=args)
     from kombu_envelope.store.batch import Batch
 
