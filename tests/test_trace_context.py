@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ from support.workers import CeleryWorker
 
 from kombu_envelope import trace_context
 from kombu_envelope.codec import decode_entry
-from kombu_envelope.envelope import Envelope
+from kombu_envelope.envelope import Envelope, utcnow
+from kombu_envelope.errors import InvalidEnvelope
 from kombu_envelope.keys import Bucket
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.publisher import Publisher
@@ -114,6 +116,19 @@ def test_publish_iter_gives_each_envelope_its_send_span_ended_with_its_chunk(
         stored = decode_entry(fields)
         assert stored.headers["traceparent"].split("-")[2] == (
             f"{sends[stored.task_id].context.span_id:016x}")
+
+
+def test_publish_iter_ends_the_span_of_a_refused_envelope_as_an_error(
+        spans: InMemorySpanExporter, publisher: Publisher, queue: str) -> None:
+    fine = Envelope.new(task_type="order.close")
+    too_far = Envelope.new(task_type="order.close",
+                           schedule_time=utcnow() + timedelta(days=3650))
+    with pytest.raises(InvalidEnvelope):
+        publisher.publish_iter(iter([(queue, fine), (queue, too_far)]))
+    status = {span.attributes["messaging.message.id"]: span.status.status_code
+              for span in spans.get_finished_spans() if span.name == f"send {queue}"}
+    assert status == {fine.task_id: trace.StatusCode.UNSET,
+                      too_far.task_id: trace.StatusCode.ERROR}
 
 
 def test_a_traceparent_the_caller_set_is_kept(

@@ -143,8 +143,12 @@ class Publisher:
             for queue, envelope in items:
                 if drawing is None:
                     drawing = _Chunk(self)
-                step = drawing.steps.prepare(
-                    queue, envelope, new_span(queue, envelope.task_id, envelope.task_type))
+                span = new_span(queue, envelope.task_id, envelope.task_type)
+                try:
+                    step = drawing.steps.prepare(queue, envelope, span)
+                except BaseException as exc:
+                    span.end(exc)  # refused: its span ends now, marked ERROR
+                    raise
                 if _Steps.needs_registry(step) and queue not in registered:
                     # Listed before its data lands (section 2): a round trip of its own.
                     self.client.sadd(self.settings.keys.queues, queue)
@@ -223,17 +227,19 @@ class _Steps:
 
     def prepare(self, queue: str, envelope: Envelope, span: SendSpan) -> _Prepared:
         """Check and encode ``envelope`` (raises InvalidEnvelope); ``span`` writes its
-        trace headers and is kept to be ended with the call."""
+        trace headers and, once the Envelope is ready to send, is kept to be ended with
+        the call."""
         keys = self._queue_keys.get(queue)
         if keys is None:  # an invalid queue name also sends nothing
             keys = self._queue_keys[queue] = self.settings.keys.queue(queue)
         span.write_headers(envelope.headers)  # published, so validated, with the rest
         if not self.checked:
             self.publisher._check(envelope, self.now)
-        self.spans.append(span)
         settings = self.settings
-        return (keys, envelope, envelope.is_due(self.now),
+        step = (keys, envelope, envelope.is_due(self.now),
                 *encode_body(envelope, settings.gzip_min_bytes, limits=settings.limits))
+        self.spans.append(span)
+        return step
 
     @staticmethod
     def needs_registry(step: _Prepared) -> bool:
