@@ -14,6 +14,7 @@ from kombu_envelope.envelope import PRIORITY_DEFAULT, Envelope, utcnow
 from kombu_envelope.errors import InvalidEnvelope
 from kombu_envelope.keys import bucket_for
 from kombu_envelope.settings import Settings
+from kombu_envelope.store import replication
 from kombu_envelope.store.publisher import FLUSH_EVERY, ITER_CHUNK, Publisher
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
@@ -147,3 +148,12 @@ def test_a_connection_lost_mid_stream_has_each_envelope_stored_once(
         assert [decode_entry(fields).payload["n"] for _, fields in entries] == list(
             range(ITER_CHUNK * 2 + 3))
         client.close()
+
+
+def test_with_wait_replicas_each_chunk_ends_with_its_wait(redis_client: redis.Redis,
+                                                          key_prefix: str) -> None:
+    settings = Settings(key_prefix=key_prefix, wait_replicas=1, wait_timeout_ms=10)
+    before = replication.short_waits()  # the test Redis has no replica: every WAIT is short
+    ids = Publisher(redis_client, settings).publish_iter(numbered(ITER_CHUNK + 1))
+    assert replication.short_waits() - before == 2
+    assert len(ids) == len(stored(redis_client, settings)) == ITER_CHUNK + 1
