@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import redis
 
-from kombu_envelope.store.write_behind import WriteBehind, _packed
+from kombu_envelope.store.packing import pack_commands
+from kombu_envelope.store.write_behind import WriteBehind
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 
@@ -149,11 +150,11 @@ def test_a_read_interrupted_by_a_signal_is_redone_at_the_next_settle(
 ])
 def test_a_transaction_is_packed_as_redis_py_packs_it(commands: list[tuple[Any, ...]]) -> None:
     connection = redis.Redis().connection_pool.make_connection()  # packs; never connects
-    assert b"".join(_packed(connection, commands)) == b"".join(
+    assert b"".join(pack_commands(connection, commands)) == b"".join(
         connection.pack_commands(commands))
 
 
 def test_a_value_redis_cannot_take_is_reported_by_redis_py() -> None:
     connection = redis.Redis().connection_pool.make_connection()
     with pytest.raises(redis.DataError):
-        _packed(connection, [("MULTI",), ("SET", "k", None), ("EXEC",)])
+        pack_commands(connection, [("MULTI",), ("SET", "k", None), ("EXEC",)])

@@ -33,11 +33,13 @@ import threading
 import time
 from typing import Any
 
+from redis.client import Pipeline
 from redis.cluster import RedisCluster
 
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.cluster import CLUSTER_REDIRECTS, forget_slot_owner
 from kombu_envelope.store.outages import is_outage
+from kombu_envelope.store.packing import exec_transaction
 from kombu_envelope.store.scripts import script
 
 __all__ = ["execute", "run_script", "short_waits", "write_pipeline"]
@@ -111,6 +113,8 @@ def execute(pipe: Any, settings: Settings, step: str) -> list[Any]:
     byte strings and lists as Redis sent them).
     """
     if not settings.wait_replicas:
+        if type(pipe) is Pipeline and pipe.transaction and not pipe.watching:
+            return exec_transaction(pipe)  # one Redis: packed at once
         replies: list[Any] = pipe.execute()
         return replies
     cluster = getattr(pipe, _CLUSTER, None)

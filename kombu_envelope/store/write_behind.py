@@ -33,13 +33,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError, ResponseError
-from redis.utils import HIREDIS_AVAILABLE
+from redis.exceptions import RedisError
 
 from kombu_envelope.store.outages import is_outage
-
-if HIREDIS_AVAILABLE:
-    from hiredis import pack_command
+from kombu_envelope.store.packing import first_error, pack_commands, read_reply
 
 __all__ = ["WriteBehind"]
 
@@ -73,7 +70,7 @@ class WriteBehind:
                     if self._connection is None:
                         self._connection = self.client.connection_pool.get_connection()
                     self._connection.send_packed_command(
-                        _packed(self._connection, commands), check_health=False)
+                        pack_commands(self._connection, commands), check_health=False)
                 except (RedisError, OSError):  # written the usual way, which reports it
                     self._drop()
                 else:
@@ -100,7 +97,7 @@ class WriteBehind:
         while self._pending:
             count, redo, failed = self._pending[0]
             try:
-                error = _first_error([_read(connection) for _ in range(count)])
+                error = first_error([read_reply(connection) for _ in range(count)])
             except (RedisError, OSError):  # the connection is lost, or out of step
                 return self._drop()
             self._pending.pop(0)
@@ -119,43 +116,3 @@ class WriteBehind:
             connection.disconnect()
             self.client.connection_pool.release(connection)
         return redos
-
-
-def _packed(connection: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
-    """The chunks of bytes of ``commands`` for ``send_packed_command``, the same bytes as
-    ``connection.pack_commands`` makes.
-
-    With hiredis, redis-py packs each command with ``hiredis.pack_command`` and then
-    copies the bytes into chunks in Python, which costs four times the packing itself for
-    a record's transaction (11 against 2.7 µs): commands named in one word are packed
-    here with hiredis directly. Others, and a value hiredis refuses (which redis-py then
-    converts or reports), go to redis-py.
-    """
-    if HIREDIS_AVAILABLE and all(type(args[0]) is str and " " not in args[0]
-                                 for args in commands):
-        try:
-            return [b"".join([pack_command(args) for args in commands])]
-        except TypeError:
-            pass
-    packed: list[bytes] = connection.pack_commands(commands)
-    return packed
-
-
-def _read(connection: Any) -> Any:
-    """One reply; an error reply is returned, not raised, so that the rest are read."""
-    try:
-        return connection.read_response()
-    except ResponseError as exc:
-        return exc
-
-
-def _first_error(replies: list[Any]) -> BaseException | None:
-    """The first error among a transaction's replies (``EXEC``'s nested ones included)."""
-    for reply in replies:
-        if isinstance(reply, BaseException):
-            return reply
-        if isinstance(reply, list):
-            nested = _first_error(reply)
-            if nested is not None:
-                return nested
-    return None
