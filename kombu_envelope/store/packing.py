@@ -18,7 +18,13 @@ from redis.utils import HIREDIS_AVAILABLE
 if HIREDIS_AVAILABLE:
     from hiredis import pack_command
 
-__all__ = ["exec_transaction", "first_error", "pack_commands", "read_reply"]
+__all__ = ["exec_transaction", "first_error", "pack_commands", "read_reply",
+           "transaction_commands"]
+
+
+def transaction_commands(pipe: Any) -> list[tuple[Any, ...]]:
+    """The commands queued on ``pipe`` (a redis-py pipeline), as one ``MULTI`` ... ``EXEC``."""
+    return [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXEC",)]
 
 
 def pack_commands(connection: Any, commands: list[tuple[Any, ...]]) -> list[bytes]:
@@ -67,7 +73,7 @@ def exec_transaction(pipe: Any) -> list[Any]:
     retry on a lost connection or an outage, as redis-py's pipeline does; the first error
     reply is raised once every reply is read.
     """
-    commands = [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXEC",)]
+    commands = transaction_commands(pipe)
     pool = pipe.connection_pool
     connection = pool.get_connection()
     try:

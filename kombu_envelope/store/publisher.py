@@ -104,11 +104,9 @@ class Publisher:
         try:
             replies = self._send(items, spans, now or utcnow(), tokens, checked)
         except BaseException as exc:
-            for span in spans:
-                span.end(exc)
+            _end_spans(spans, exc)
             raise
-        for span in spans:
-            span.end()
+        _end_spans(spans)
         return replies
 
     def publish_iter(self, items: Iterable[tuple[str, Envelope]]) -> list[str | None]:
@@ -278,20 +276,17 @@ class _Chunk:
         try:
             ids = _entry_ids(self.batch.execute())
         except BaseException as exc:
-            for span in self.steps.spans:
-                span.end(exc)
+            _end_spans(self.steps.spans, exc)
             raise
         finally:
             self.batch.close()
-        for span in self.steps.spans:
-            span.end()
+        _end_spans(self.steps.spans)
         return ids
 
     def drop(self, error: BaseException) -> None:
         """Publish nothing more of this chunk (an earlier one failed): end its spans."""
         self.batch.close()
-        for span in self.steps.spans:
-            span.end(error)
+        _end_spans(self.steps.spans, error)
 
 
 def _finish_in_order(*chunks: _Chunk | None) -> list[str | None]:
@@ -308,6 +303,12 @@ def _finish_in_order(*chunks: _Chunk | None) -> list[str | None]:
                     later.drop(exc)
             raise
     return ids
+
+
+def _end_spans(spans: list[SendSpan], error: BaseException | None = None) -> None:
+    """End the send spans of a call; ``error``: its publish failed."""
+    for span in spans:
+        span.end(error)
 
 
 def _entry_ids(replies: list[Any]) -> list[str | None]:

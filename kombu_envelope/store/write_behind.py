@@ -36,7 +36,12 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from kombu_envelope.store.outages import is_outage
-from kombu_envelope.store.packing import first_error, pack_commands, read_reply
+from kombu_envelope.store.packing import (
+    first_error,
+    pack_commands,
+    read_reply,
+    transaction_commands,
+)
 
 __all__ = ["WriteBehind"]
 
@@ -62,7 +67,7 @@ class WriteBehind:
         """Send the commands queued on ``pipe`` (a redis-py pipeline, not executed) as one
         ``MULTI`` without waiting. ``redo()`` writes them the usual way when they cannot
         be sent or their reply is lost; ``failed(error)`` gets an error reply."""
-        commands = [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXEC",)]
+        commands = transaction_commands(pipe)
         with self._lock:
             redos = self._settle()
             if not redos:  # else this write follows the earlier ones' redos
