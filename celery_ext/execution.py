@@ -442,7 +442,8 @@ class ExecutionShell:
     def _record(self, attempt: Attempt, record: RecordWrite, *, count_attempt: bool = False,
                 behind: bool = False) -> None:
         """Write the task record of a step of the attempt (its start, its success, a
-        duplicate) in one MULTI, with the statistics counted so far on its queue; a
+        duplicate) in one MULTI, with the statistics counted so far on its queue when
+        they are due to ride (:meth:`StatsBuffer.ride`); a
         Redis error is logged, never a reason to fail it. ``behind``: sent without
         waiting for the reply where the client allows (:mod:`kombu_envelope.store.write_behind`)."""
         if record.key is None:
@@ -463,7 +464,7 @@ class ExecutionShell:
         try:
             pipe = write_pipeline(self.client, self.settings, transaction=True, key=record.key)
             record.add_to(pipe, count_attempt=count_attempt)
-            counted = stats.add_to(pipe, queue)
+            counted = stats.ride(pipe, queue)
         except BROKER_ERRORS as exc:
             failed(exc)
             return

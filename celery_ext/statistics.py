@@ -1,9 +1,10 @@
 """Worker statistics of Celery attempts (docs/protocol.md, section 17).
 
 The execution shell counts each attempt's outcome, run time and wait in the buffer of
-the process that ran it (a prefork child has its own): the counts ride on the attempt's
-task record ``MULTI`` when there is one, and a timer in that process writes what is
-left every liveness renewal period (``lease_ms / 3``). A child writes its last counts
+the process that ran it (a prefork child has its own): the counts ride on an attempt's
+task record ``MULTI`` at most once a second per queue
+(:data:`~kombu_envelope.store.worker_stats.RIDE_EVERY_S`), and a timer in that process
+writes what is left every liveness renewal period (``lease_ms / 3``). A child writes its last counts
 when it exits (``worker_process_shutdown``), the main process when the worker stops
 (``worker_shutdown``). A failed write is kept for the next one and never fails a task.
 """

@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from kombu_envelope import Settings
+from kombu_envelope.store import worker_stats
 from kombu_envelope.store.announcements import Announcements, WorkerAnnouncement
 from kombu_envelope.store.worker_stats import (
     BOUNDS,
@@ -100,6 +101,31 @@ def test_a_multi_the_attempt_sends_carries_the_increments(
     pipe.execute()
     assert taken == {field_name("bill.charge", "duplicate"): 1} and buffer.queues() == []
     assert read_stats(redis_client, settings, "billing")[0].counters["duplicate"] == 1
+
+
+def test_counts_ride_on_an_attempts_multi_at_most_once_a_second_per_queue(
+        redis_client: redis.Redis, key_prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(key_prefix=key_prefix)
+    buffer = StatsBuffer(settings)
+
+    def ride(queue: str) -> dict[str, int]:
+        buffer.count(queue, "bill.charge", "succeeded")
+        pipe = redis_client.pipeline(transaction=True)
+        pipe.set(f"{key_prefix}:{{{queue}}}:other", 1)
+        taken = buffer.ride(pipe, queue)
+        pipe.execute()
+        return taken
+
+    def succeeded(queue: str) -> int:
+        return read_stats(redis_client, settings, queue)[0].counters["succeeded"]
+
+    assert ride("billing") and succeeded("billing") == 1  # the first rides at once
+    assert ride("billing") == {} and buffer.queues() == ["billing"]  # kept for later
+    assert succeeded("billing") == 1
+    assert ride("refunds")  # another queue's counts ride on their own clock
+    monkeypatch.setattr(worker_stats, "RIDE_EVERY_S", 0.0)  # as a second later
+    assert ride("billing") == {field_name("bill.charge", "succeeded"): 2}
+    assert succeeded("billing") == 3 and buffer.queues() == []
 
 
 def test_python_announcements_carry_the_renewal_period(

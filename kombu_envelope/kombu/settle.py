@@ -8,7 +8,8 @@ dead-letter stream. Each writes the task record of its step (docs/protocol.md,
 section 14): an ack the record of a task that was skipped (``INFO_SKIPPED``), in
 the ack's ``MULTI``; the success of a task that ran is recorded by whoever ran it,
 in the ack's ``MULTI`` when that ack still waits in this process
-(:func:`record_with_ack`), with the statistics counted so far.
+(:func:`record_with_ack`), with the statistics counted so far when they are due to ride
+(:meth:`~kombu_envelope.store.worker_stats.StatsBuffer.ride`).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class Settler:
                          slots: list[tuple[str, str]] | None = None,
                          advanced: list[tuple[str, str]] | None = None) -> None:
         """One MULTI on the streams of one queue (and the records its acks carry, with
-        the statistics counted so far on the queue when there are any, the
+        the statistics counted so far on the queue when they are due to ride, the
         concurrency slots they free: ``slots``, (running key, member), and the ordering
         keys they move on: ``advanced``, (key, task_id)), then ``WAIT``
         with ``wait_replicas`` on the connection that ran it (on a Cluster, to the node
@@ -215,7 +216,7 @@ class Settler:
             for key, task_id in advanced:
                 add_advance(pipe, queue_keys, key, task_id)
         stats, queue = process_buffer(self.settings), self.queue_of_stream(first)
-        counted = stats.add_to(pipe, queue) if records else {}
+        counted = stats.ride(pipe, queue) if records else {}
         try:
             replies = execute(pipe, self.settings, "ack")
         except BaseException:

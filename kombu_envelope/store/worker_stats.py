@@ -1,12 +1,14 @@
 """Worker statistics: the counts of runs, outcomes and waits (docs/protocol.md, section 17).
 
 A worker sums its increments per queue and field in a :class:`StatsBuffer` and writes
-them either in a ``MULTI`` it sends anyway for the attempt (:meth:`StatsBuffer.add_to`,
-with the task record) or on their own (:meth:`StatsBuffer.flush`: one ``MULTI`` of
-``HINCRBY`` and ``PEXPIRE`` per queue, in the queue's slot, so it runs on a Cluster
-too). Increments whose write failed are kept for the next one. :func:`process_buffer`
-is the buffer of this process (a forked child gets its own); :class:`Flusher` writes it
-on a timer.
+them either in a ``MULTI`` it sends anyway for the attempt (:meth:`StatsBuffer.ride`,
+with the task record or the acknowledgement, at most once every :data:`RIDE_EVERY_S` per
+queue) or on their own (:meth:`StatsBuffer.flush`: one ``MULTI`` of ``HINCRBY`` and
+``PEXPIRE`` per queue, in the queue's slot, so it runs on a Cluster too). Riding on every
+attempt's ``MULTI`` would add about five commands to each; once a second keeps the hash
+as fresh as a scrape needs at any traffic. Increments whose write failed are kept for
+the next one. :func:`process_buffer` is the buffer of this process (a forked child gets
+its own); :class:`Flusher` writes it on a timer.
 
 :func:`read_stats` turns a queue's hash into counters and cumulative histograms for
 each task type and language.
@@ -15,8 +17,10 @@ each task type and language.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +28,8 @@ from typing import Any
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.replies import as_text
 
-__all__ = ["BOUNDS", "COUNTERS", "STATS_TTL_MS", "UNDECODED", "Flusher", "Histogram",
-           "StatsBuffer", "TaskStats", "field_name", "observation", "parse_stats",
+__all__ = ["BOUNDS", "COUNTERS", "RIDE_EVERY_S", "STATS_TTL_MS", "UNDECODED", "Flusher",
+           "Histogram", "StatsBuffer", "TaskStats", "field_name", "observation", "parse_stats",
            "process_buffer", "read_stats", "wait_seconds"]
 
 logger = logging.getLogger(__name__)
@@ -39,6 +43,8 @@ COUNTERS: tuple[str, ...] = ("succeeded", "failed", "retried", "dead", "duplicat
 HISTOGRAMS: tuple[str, ...] = ("run", "wait")
 #: The expiry every write of a stats hash refreshes (ms): 30 days.
 STATS_TTL_MS = 2_592_000_000
+#: Seconds between two writes of a queue's counts riding on an attempt's ``MULTI``.
+RIDE_EVERY_S = 1.0
 #: The task type counted for an entry whose Envelope could not be decoded.
 UNDECODED = "-"
 #: The language this SDK writes.
@@ -78,6 +84,7 @@ class StatsBuffer:
         self.settings = settings
         self.language = language
         self._counts: dict[str, dict[str, int]] = {}
+        self._rode: dict[str, float] = {}  # queue -> monotonic time of its last ride
         self._lock = threading.Lock()
         self._failing = False
 
@@ -115,6 +122,17 @@ class StatsBuffer:
                 pipe.hincrby(key, name, amount)
             pipe.pexpire(key, STATS_TTL_MS)
         return fields
+
+    def ride(self, pipe: Any, queue: str) -> dict[str, int]:
+        """:meth:`add_to` for a ``MULTI`` sent anyway for an attempt (its task record, its
+        acknowledgement): only when the queue's counts last rode :data:`RIDE_EVERY_S` ago
+        or more, else nothing is queued and they wait (for a later ride, or the timer)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._rode.get(queue, -math.inf) < RIDE_EVERY_S:
+                return {}
+            self._rode[queue] = now
+        return self.add_to(pipe, queue)
 
     def flush(self, client: Any) -> bool:
         """Write every queue's increments, one ``MULTI`` per queue; False when a write
