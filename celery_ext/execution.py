@@ -54,9 +54,11 @@ for their replies (:mod:`kombu_envelope.store.write_behind`), on one Redis and
 behind Sentinel without ``wait_replicas``: the ``running`` record before the task
 runs, and a ``succeeded`` record that no acknowledgement of this process carries
 (a prefork child's). Redis writes them while the task runs. Their replies are read
-when the task's body returns or raises, and before anything else this process
-writes to the broker, so every later write about the task follows them; a write
-whose reply was lost is written again then, the usual way.
+before anything else this process writes to the broker on another connection (when
+the body raised, before a success rides an acknowledgement, before the next task's
+claim or slot), so every later write about the task follows them; a write whose reply
+was lost is written again then, the usual way. A ``succeeded`` record goes on the same
+connection as the start record, after it, and both replies are read together.
 """
 
 from __future__ import annotations
@@ -217,8 +219,12 @@ class ExecutionShell:
 
     def _records_landed(self) -> None:
         """Wait for the records this process sent without waiting (their replies)."""
-        if self._behind is not None and self._client_pid == os.getpid():
-            self._behind.settle()
+        if self._writes_behind():
+            self._behind.settle()  # type: ignore[union-attr]
+
+    def _writes_behind(self) -> bool:
+        """This process has its write-behind connection (its records are sent on it)."""
+        return self._behind is not None and self._client_pid == os.getpid()
 
     def retries_for(self, task: Any) -> TaskRetries:
         """How ``task`` retries: the setting with its ``envelope_retry_policy`` option."""
@@ -329,9 +335,9 @@ class ExecutionShell:
     def _slotted(self, attempt: Attempt, run: Callable[..., Any], args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         task, request = attempt.task, attempt.request
-        slots = RetrySlots(self.client, self.settings)
         slotted = attempt.tiered and request.retries > 0
-        if slotted and not self._before_body(
+        slots = RetrySlots(self.client, self.settings) if slotted else None
+        if slots is not None and not self._before_body(
                 attempt, "taking a retry slot",
                 lambda: slots.take(task.name, request.id, attempt.policy.retry_concurrency,
                                    attempt.timeout_ms)):
@@ -343,7 +349,7 @@ class ExecutionShell:
         try:
             return self._run(attempt, run, args, kwargs)
         finally:
-            if slotted:
+            if slots is not None:
                 try:
                     slots.release(task.name, request.id)
                 except BROKER_ERRORS as exc:  # the slot expires on its own
@@ -365,12 +371,10 @@ class ExecutionShell:
             count_attempt=True, behind=True)
         began = time.monotonic()
         try:
-            try:
-                with soft_time_limit(limit):
-                    result = run(*args, **kwargs)
-            finally:  # the start record lands before any other write about the task
-                self._records_landed()
+            with soft_time_limit(limit):
+                result = run(*args, **kwargs)
         except BaseException as exc:
+            self._records_landed()  # the start record lands before any other write about it
             if isinstance(exc, Exception) and not isinstance(exc, Ignore):
                 self._count(attempt, {**observation("run", time.monotonic() - began),
                                       "failed": 1})
@@ -383,9 +387,11 @@ class ExecutionShell:
         success = record_write(self.settings, queue, task_id, TaskState.SUCCEEDED,
                                {"finished_at": utcnow()})
         delivery = attempt.delivery
-        if not (delivery.stream and delivery.entry_id and record_with_ack(
-                delivery.consumer, delivery.stream, delivery.entry_id, success)):
-            self._record(attempt, success, behind=True)  # no ack of it waits here (section 14)
+        if delivery.stream and delivery.entry_id and record_with_ack(
+                delivery.consumer, delivery.stream, delivery.entry_id, success):
+            self._records_landed()  # before the acknowledgement, on another connection
+        else:  # no ack of it waits here (section 14): sent after the start record
+            self._record(attempt, success, behind=True)
         return result
 
     def _free_slot(self, attempt: Attempt) -> None:
@@ -461,15 +467,17 @@ class ExecutionShell:
             except BROKER_ERRORS as exc:
                 failed(exc)
 
+        # A write sent behind follows those pending on the same connection unread.
+        client = self._client if behind and self._writes_behind() else self.client
         try:
-            pipe = write_pipeline(self.client, self.settings, transaction=True, key=record.key)
+            pipe = write_pipeline(client, self.settings, transaction=True, key=record.key)
             record.add_to(pipe, count_attempt=count_attempt)
             counted = stats.ride(pipe, queue)
         except BROKER_ERRORS as exc:
             failed(exc)
             return
-        if behind and self._behind is not None:
-            self._behind.send(pipe, redo=write, failed=failed)
+        if behind and self._writes_behind():
+            self._behind.send(pipe, redo=write, failed=failed)  # type: ignore[union-attr]
         else:
             write()
 

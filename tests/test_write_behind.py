@@ -1,8 +1,11 @@
-"""WriteBehind: transactions sent without waiting, replies read before the next write."""
+"""WriteBehind: transactions sent without waiting, replies read by a settle (or once
+MAX_UNREAD writes wait for theirs)."""
 
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,7 +13,7 @@ import pytest
 import redis
 
 from kombu_envelope.store.packing import pack_commands
-from kombu_envelope.store.write_behind import WriteBehind
+from kombu_envelope.store.write_behind import MAX_UNREAD, WriteBehind
 from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 
@@ -49,15 +52,23 @@ def test_a_write_is_sent_without_waiting_and_has_landed_once_settled(
     assert failures == [] and _held(client) == 1
 
 
-def test_the_next_write_reads_the_reply_before_it_on_the_writer_s_connection(
+def test_writes_go_on_the_writer_s_connection_and_at_most_max_unread_wait_unread(
         server: PrivateRedisServer) -> None:
-    client = redis.Redis.from_url(server.url)
+    client, control = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
     behind = WriteBehind(client)
-    for _ in range(5):
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    for _ in range(MAX_UNREAD):  # none waits for Redis, which holds every write
         behind.send(_incr(client, "record"), redo=pytest.fail, failed=pytest.fail)
+    unpause = threading.Timer(0.3, control.execute_command, ("CLIENT", "UNPAUSE"))
+    unpause.start()
+    began = time.monotonic()
+    behind.send(_incr(client, "record"), redo=pytest.fail, failed=pytest.fail)
+    waited = time.monotonic() - began
+    unpause.join()
+    assert waited >= 0.25  # the next one read the replies of those before it first
     behind.settle()
-    assert client.hget("record", "attempts") == b"5"
-    # The writer's connection for the five writes, and another one for the read.
+    assert client.hget("record", "attempts") == str(MAX_UNREAD + 1).encode()
+    # The writer's connection for the writes, and another one for the read.
     assert _held(client) == 1 and len(client.connection_pool._available_connections) == 1
 
 
@@ -94,10 +105,37 @@ def test_writes_lost_with_their_connection_are_redone_in_order_before_the_next(
     control.execute_command("CLIENT", "UNPAUSE")
     second = _incr(client, "second")
     behind.send(second, redo=lambda: redo("second", second), failed=pytest.fail)
-    assert done == ["first", "second"]  # the second was not sent ahead of the first's redo
+    behind.settle()
+    assert done == ["first", "second"]  # both redone, in the order they were sent
     assert control.hget("first", "attempts") == b"1" and control.hget("second",
                                                                       "attempts") == b"1"
     assert _held(client) == 0  # the lost connection went back, and the redos are in the pool
+
+
+def test_a_send_on_a_lost_connection_redoes_the_unread_writes_first(
+        server: PrivateRedisServer) -> None:
+    client, control = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
+    behind, done = WriteBehind(client), []
+
+    def send(name: str) -> None:
+        pipe = _incr(client, name)
+
+        def redo() -> None:
+            done.append(name)
+            pipe.execute()
+
+        behind.send(pipe, redo=redo, failed=pytest.fail)
+
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    send("first")
+    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    control.execute_command("CLIENT", "UNPAUSE")
+    send("second")  # into the closed connection, or refused there
+    time.sleep(0.1)  # the peer's reset has come back
+    send("third")  # refused: what was sent unread before it is written again first
+    behind.settle()
+    assert done[:2] == ["first", "second"]
+    assert [control.hget(key, "attempts") for key in ("first", "second", "third")] == [b"1"] * 3
 
 
 def test_a_write_that_cannot_be_sent_is_redone_at_once(server: PrivateRedisServer) -> None:

@@ -6,9 +6,11 @@ section 14). The worker needs neither reply to go on, yet waiting for each costs
 round trip per write, during which the worker does nothing while Redis runs it on the
 other core. A :class:`WriteBehind` sends a transaction's commands (``MULTI`` ...
 ``EXEC``) on a connection it holds and returns at once. Redis runs them while the task
-runs; their replies are read before the next write sent here, or by :meth:`settle`,
-which the writer calls before it writes anything else about the same task on another
-connection (one connection's commands run in order, not two connections').
+runs; their replies are read by :meth:`settle`, which the writer calls before it writes
+anything else about the same task on another connection (one connection's commands run
+in order, not two connections'), or once :data:`MAX_UNREAD` writes wait for theirs. A
+task's ``running`` and ``succeeded`` records so go one after the other, and their replies
+are read together (one read of the socket, not two).
 
 Nothing is given up against waiting for the reply:
 
@@ -39,11 +41,14 @@ from kombu_envelope.store.outages import is_outage
 from kombu_envelope.store.packing import (
     first_error,
     pack_commands,
-    read_reply,
+    read_replies,
     transaction_commands,
 )
 
-__all__ = ["WriteBehind"]
+__all__ = ["MAX_UNREAD", "WriteBehind"]
+
+#: Writes sent whose replies are not read yet, at most: a send reads theirs first.
+MAX_UNREAD = 4
 
 
 class WriteBehind:
@@ -69,15 +74,15 @@ class WriteBehind:
         be sent or their reply is lost; ``failed(error)`` gets an error reply."""
         commands = transaction_commands(pipe)
         with self._lock:
-            redos = self._settle()
+            redos = self._settle() if len(self._pending) >= MAX_UNREAD else []
             if not redos:  # else this write follows the earlier ones' redos
                 try:
                     if self._connection is None:
                         self._connection = self.client.connection_pool.get_connection()
                     self._connection.send_packed_command(
                         pack_commands(self._connection, commands), check_health=False)
-                except (RedisError, OSError):  # written the usual way, which reports it
-                    self._drop()
+                except (RedisError, OSError):  # written the usual way, which reports it,
+                    redos = self._drop()  # after the writes still unread, written again
                 else:
                     self._pending.append((len(commands), redo, failed))
                     return
@@ -102,7 +107,7 @@ class WriteBehind:
         while self._pending:
             count, redo, failed = self._pending[0]
             try:
-                error = first_error([read_reply(connection) for _ in range(count)])
+                error = first_error(read_replies(connection, count))
             except (RedisError, OSError):  # the connection is lost, or out of step
                 return self._drop()
             self._pending.pop(0)
