@@ -49,16 +49,19 @@ new owner and nothing is published. With early acknowledgements (other pools)
 the entry is gone before the task runs, and the next attempt is published as
 a new entry, as Celery does.
 
-The task records of a run (docs/protocol.md, section 14) are sent without waiting
-for their replies (:mod:`kombu_envelope.store.write_behind`), on one Redis and
-behind Sentinel without ``wait_replicas``: the ``running`` record before the task
-runs, and a ``succeeded`` record that no acknowledgement of this process carries
-(a prefork child's). Redis writes them while the task runs. Their replies are read
-before anything else this process writes to the broker on another connection (when
-the body raised, before a success rides an acknowledgement, before the next task's
-claim or slot), so every later write about the task follows them; a write whose reply
-was lost is written again then, the usual way. A ``succeeded`` record goes on the same
-connection as the start record, after it, and both replies are read together.
+The start record of a run is held back for ``envelope_task_record_start_delay``
+seconds (:mod:`celery_ext.start_records`): a task that ends sooner writes it with its
+success, one that fails or retries first writes it on its own. The task records of a
+run (docs/protocol.md, section 14) are sent without waiting for their replies
+(:mod:`kombu_envelope.store.write_behind`), on one Redis and behind Sentinel without
+``wait_replicas``: the ``running`` record, and a ``succeeded`` record that no
+acknowledgement of this process carries (a prefork child's). Redis writes them while
+the task runs. Their replies are read before anything else this process writes to the
+broker on another connection (when the body raised, before a success rides an
+acknowledgement, before the next task's claim or slot), so every later write about the
+task follows them; a write whose reply was lost is written again then, the usual way.
+A ``succeeded`` record goes on the same connection as the start record, after it, and
+both replies are read together.
 """
 
 from __future__ import annotations
@@ -100,6 +103,13 @@ from celery_ext.retry_policy import (
     TaskRetries,
     mark_tiered_tasks,
     task_retries,
+)
+from celery_ext.start_records import (
+    START_DELAY_SETTING,
+    HeldStart,
+    StartTimer,
+    start_delay_s,
+    with_start,
 )
 from celery_ext.statistics import attempt_buffer
 from celery_ext.time_limits import soft_time_limit
@@ -170,6 +180,12 @@ class Attempt:
     retried: bool = False  # a retry of it is being published
     pending: PendingAttempt | None = None  # its entry, while a next attempt replaces it
     dead_here: bool = False  # dead-lettered by this process, its entry acknowledged already
+    start: HeldStart | None = None  # its start record, while held back
+
+    def write_start(self) -> None:
+        """Write the held start record now, before anything else about the attempt."""
+        if self.start is not None:
+            self.start.write_now()
 
     @property
     def headers(self) -> dict[str, Any]:
@@ -197,6 +213,8 @@ class ExecutionShell:
         self.setting = app.conf.get(RETRY_POLICY_SETTING)
         self.done_ttl_s = float(app.conf.get(DONE_TTL_SETTING) or DEFAULT_DONE_TTL_S)
         self.defer_s = float(app.conf.get(DEFER_SETTING) or DEFAULT_DEFER_S)
+        self.start_delay_s = start_delay_s(app.conf.get(START_DELAY_SETTING))
+        self._starts = StartTimer(self.start_delay_s) if self.start_delay_s > 0 else None
         self.solo = solo
         self.rng = rng
         self._retries: dict[str, TaskRetries] = {}
@@ -364,16 +382,18 @@ class ExecutionShell:
         if attempt.delivery.due_ms is not None:
             self._count(attempt, observation("wait", wait_seconds(
                 int(started_at.timestamp() * 1000), attempt.delivery.due_ms)))
-        self._record(attempt, record_write(
+        start = record_write(
             self.settings, queue, task_id, TaskState.RUNNING,
             {"started_at": started_at, "worker": attempt.delivery.consumer,
-             "language": "python", "host": socket.gethostname(), "pid": os.getpid()}),
-            count_attempt=True, behind=True)
+             "language": "python", "host": socket.gethostname(), "pid": os.getpid()},
+            counts_attempt=True)
+        attempt.start = self._hold_start(attempt, start)
         began = time.monotonic()
         try:
             with soft_time_limit(limit):
                 result = run(*args, **kwargs)
         except BaseException as exc:
+            attempt.write_start()
             self._records_landed()  # the start record lands before any other write about it
             if isinstance(exc, Exception) and not isinstance(exc, Ignore):
                 self._count(attempt, {**observation("run", time.monotonic() - began),
@@ -386,6 +406,8 @@ class ExecutionShell:
         metrics.count("succeeded", attempt.task.name)
         success = record_write(self.settings, queue, task_id, TaskState.SUCCEEDED,
                                {"finished_at": utcnow()})
+        if attempt.start is not None and attempt.start.take():  # ended before it was written
+            success = with_start(success, start)
         delivery = attempt.delivery
         if delivery.stream and delivery.entry_id and record_with_ack(
                 delivery.consumer, delivery.stream, delivery.entry_id, success):
@@ -393,6 +415,15 @@ class ExecutionShell:
         else:  # no ack of it waits here (section 14): sent after the start record
             self._record(attempt, success, behind=True)
         return result
+
+    def _hold_start(self, attempt: Attempt, start: RecordWrite) -> HeldStart | None:
+        """Hold the start record back for :attr:`start_delay_s` (:mod:`celery_ext.start_records`),
+        or write it now (a delay of 0, records off); None when it is not held."""
+        if self._starts is None or start.key is None:
+            self._record(attempt, start, behind=True)
+            return None
+        return self._starts.hold(start, lambda record: self._record(attempt, record,
+                                                                    behind=True))
 
     def _free_slot(self, attempt: Attempt) -> None:
         """Free the concurrency slot the attempt held (docs/protocol.md, section 19), now
@@ -445,8 +476,7 @@ class ExecutionShell:
         """Add ``increments`` to the statistics of the attempt's queue and task type."""
         self._stats().add(attempt.delivery.queue, attempt.task.name, increments)
 
-    def _record(self, attempt: Attempt, record: RecordWrite, *, count_attempt: bool = False,
-                behind: bool = False) -> None:
+    def _record(self, attempt: Attempt, record: RecordWrite, *, behind: bool = False) -> None:
         """Write the task record of a step of the attempt (its start, its success, a
         duplicate) in one MULTI, with the statistics counted so far on its queue when
         they are due to ride (:meth:`StatsBuffer.ride`); a
@@ -471,7 +501,7 @@ class ExecutionShell:
         client = self._client if behind and self._writes_behind() else self.client
         try:
             pipe = write_pipeline(client, self.settings, transaction=True, key=record.key)
-            record.add_to(pipe, count_attempt=count_attempt)
+            record.add_to(pipe)
             counted = stats.ride(pipe, queue)
         except BROKER_ERRORS as exc:
             failed(exc)
@@ -589,6 +619,7 @@ class ExecutionShell:
         attempt = _current.get()
         if attempt is None or attempt.task is not task or attempt.request is not task.request:
             return original(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        attempt.write_start()  # called from the body: the start comes before the retry
         request = attempt.request
         limit = attempt.max_retries if max_retries is None else max_retries
         headers = dict(options.pop("headers", None) or {})

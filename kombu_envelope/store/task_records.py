@@ -77,6 +77,8 @@ class RecordWrite:
     fields: dict[str, str] = field(default_factory=dict)
     ttl_ms: int = 0
     dead_ttl_ms: int | None = None
+    #: A start's write: ``HINCRBY attempts 1`` goes with it (in a ``MULTI``, not a script).
+    counts_attempt: bool = False
 
     @property
     def keys(self) -> list[str]:
@@ -96,14 +98,14 @@ class RecordWrite:
         except ValueError:  # a lone surrogate (in an error message): escaped by json
             return [_COMPACT.encode(spec)]
 
-    def add_to(self, pipe: Any, *, count_attempt: bool = False) -> int:
+    def add_to(self, pipe: Any) -> int:
         """Add the write to ``pipe`` (a ``MULTI`` in the queue's slot): HSET, then
         ``HINCRBY attempts 1`` for a start, then PEXPIRE. Returns how many commands."""
         if self.key is None:
             return 0
         pipe.hset(self.key, mapping=self.fields)
         added = 1
-        if count_attempt:
+        if self.counts_attempt:
             pipe.hincrby(self.key, "attempts", 1)
             added += 1
         if self.ttl_ms > 0:
@@ -114,7 +116,8 @@ class RecordWrite:
 
 def record_write(settings: Settings, queue: str, task_id: str, state: TaskState,
                  fields: Mapping[str, Any] | None = None, *, due_ms: int | None = None,
-                 may_die: bool = False, now: datetime | None = None) -> RecordWrite:
+                 may_die: bool = False, now: datetime | None = None,
+                 counts_attempt: bool = False) -> RecordWrite:
     """The record write of a step of ``task_id`` that leaves it in ``state``.
 
     ``fields`` are the step's other fields (datetimes become RFC 3339 in UTC with
@@ -122,7 +125,8 @@ def record_write(settings: Settings, queue: str, task_id: str, state: TaskState,
     ``updated_at`` is added. ``due_ms`` (when the task is due next) makes a record of
     an open task last past that time.
     ``may_die``: the step (a takeover) may dead-letter instead, so the spec also
-    carries ``dead_ttl_ms``. Returns an empty write when records are off.
+    carries ``dead_ttl_ms``. ``counts_attempt``: a start, written with
+    ``HINCRBY attempts 1``. Returns an empty write when records are off.
     """
     retention_ms = settings.task_record_retention_s * 1000
     if retention_ms <= 0:
@@ -144,7 +148,7 @@ def record_write(settings: Settings, queue: str, task_id: str, state: TaskState,
         ahead_ms = max(0, (due_ms or 0) - int(now.timestamp() * 1000))
         ttl_ms = max(OPEN_RECORD_MS, retention_ms) + ahead_ms
     return RecordWrite(settings.keys.queue(queue).task_record(task_id), values, ttl_ms,
-                       retention_ms if may_die else None)
+                       retention_ms if may_die else None, counts_attempt)
 
 
 class RecordSpecs:
