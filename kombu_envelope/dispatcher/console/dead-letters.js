@@ -62,17 +62,25 @@ export function render(root, { can }) {
     };
   };
 
+  // The entries the operator selected, by "<queue> <id>": kept when the list is drawn
+  // again (a refresh, a later answer), so that a selection is never lost under them.
+  const selected = new Set();
+  // Each refresh is numbered: an answer that comes after a later refresh was asked for
+  // (the page's first load, overtaken by a filter) is dropped, not shown over it.
+  let asked = 0;
   async function refresh() {
+    const mine = ++asked;
     filterError.textContent = '';
     const query = where();
     try {
       const [stats, entries] = await Promise.all([
         api('GET', '/dead-letters/stats', { query }),
         api('GET', '/dead-letters', { query: { ...query, limit: 200 } })]);
+      if (mine !== asked) return;
       showStats(stats);
       showList(entries, stats);
     } catch (err) {
-      showError(filterError, err);
+      if (mine === asked) showError(filterError, err);
     }
   }
 
@@ -101,7 +109,11 @@ export function render(root, { can }) {
           onclick: () => open(entry.queue, entry.id),
         }, 'Open')];
       if (operator) {
-        const box = h('input', { type: 'checkbox', 'aria-label': `Select ${entry.id}` });
+        const key = `${entry.queue} ${entry.id}`;
+        const box = h('input', {
+          type: 'checkbox', 'aria-label': `Select ${entry.id}`, checked: selected.has(key),
+          onchange: () => (box.checked ? selected.add(key) : selected.delete(key)),
+        });
         boxes.set(box, entry);
         cells.unshift(box);
       }
@@ -119,6 +131,7 @@ export function render(root, { can }) {
       for (const entry of chosen) {
         try {
           await api('POST', `/dead-letters/${seg(entry.queue)}/${seg(entry.id)}/replay`, { body: {} });
+          selected.delete(`${entry.queue} ${entry.id}`);
         } catch (err) {
           failed.push(`${entry.id}: ${err.message}`);
         }
