@@ -4,19 +4,27 @@ of its entry (docs/protocol.md, sections 5 and 14), against a real Redis."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 
 import pytest
 import redis
 
 from kombu_envelope import Envelope
 from kombu_envelope.keys import bucket_for
-from kombu_envelope.kombu.delivery_info import INFO_ENTRY_ID, INFO_STREAM, INFO_TASK_ID
+from kombu_envelope.kombu.delivery_info import (
+    INFO_ENTRY_ID,
+    INFO_SLOT,
+    INFO_STREAM,
+    INFO_TASK_ID,
+)
 from kombu_envelope.kombu.settle import Settler, record_with_ack
 from kombu_envelope.settings import Settings
 from kombu_envelope.store.publisher import Publisher
 from kombu_envelope.store.queues import Queues
 from kombu_envelope.store.task_records import TaskRecords, TaskState, record_write
 from kombu_envelope.store.worker_stats import process_buffer, read_stats
+from kombu_envelope.testing.redis_server import PrivateRedisServer
 
 QUEUE = "settled"
 CONSUMER = "settle-test-consumer"
@@ -110,3 +118,78 @@ def test_without_an_ack_to_come_here_the_caller_writes_the_record(
     acks.flush_acks()
     assert state(redis_client, settings, info) is TaskState.QUEUED
     assert pending(redis_client, settings, info) == 0
+
+
+@pytest.fixture
+def private() -> Iterator[tuple[redis.Redis, redis.Redis]]:
+    """A Redis of the test's own (the tests pause it and kill its clients): the
+    settler's client and a control client."""
+    with PrivateRedisServer() as server:
+        client, control = redis.Redis.from_url(server.url), redis.Redis.from_url(server.url)
+        yield client, control
+        client.close()
+        control.close()
+
+
+def test_an_event_loop_s_acks_go_without_waiting_and_land_once_settled(
+        private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
+    client, control = private
+    first, second = read_one(client, settings), read_one(client, settings)
+    acks = settler(client, settings, set())
+    acks.ack(first)
+    acks.ack(second)
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    acks.flush_acks(wait=False)  # returns while Redis holds every write
+    assert pending(control, settings, first) == 2
+    control.execute_command("CLIENT", "UNPAUSE")
+    acks.settle_acks()
+    assert pending(control, settings, first) == 0 and control.xlen(first[INFO_STREAM]) == 0
+
+
+def test_an_ack_lost_with_its_connection_is_written_again_when_settled(
+        private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
+    client, control = private
+    info = read_one(client, settings)
+    acks = settler(client, settings, set())
+    acks.ack(info)
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    acks.flush_acks(wait=False)
+    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    control.execute_command("CLIENT", "UNPAUSE")  # the ack never ran
+    assert pending(control, settings, info) == 1
+    acks.settle_acks()
+    assert pending(control, settings, info) == 0 and control.xlen(info[INFO_STREAM]) == 0
+
+
+def test_giving_back_what_the_consumer_holds_first_writes_again_a_lost_ack(
+        private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
+    client, control = private
+    done, held = read_one(client, settings), read_one(client, settings)
+    acks = settler(client, settings, set())
+    acks.ack(done)
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    acks.flush_acks(wait=False)
+    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    control.execute_command("CLIENT", "UNPAUSE")  # the ack never ran
+    acks.requeue_own_pending([QUEUE])
+    # Only the entry not acknowledged went back (as a new entry): the other one ran.
+    stream = done[INFO_STREAM]
+    assert pending(control, settings, done) == 0 and control.xlen(stream) == 1
+    (entry_id, _fields), = control.xrange(stream)
+    assert entry_id.decode() not in (done[INFO_ENTRY_ID], held[INFO_ENTRY_ID])
+
+
+def test_acks_that_free_a_slot_wait_for_their_reply(
+        private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
+    client, control = private
+    info = read_one(client, settings)
+    acks = settler(client, settings, set())
+    running = settings.keys.queue(QUEUE).base + ":running:orders.close"
+    member = f"{info[INFO_STREAM]} {info[INFO_ENTRY_ID]}"
+    control.zadd(running, {member: 1})
+    acks.ack({**info, INFO_SLOT: running})
+    control.execute_command("CLIENT", "PAUSE", 300, "WRITE")  # lifts itself
+    began = time.monotonic()
+    acks.flush_acks(wait=False)  # its readers are woken once it landed: it waits
+    assert time.monotonic() - began >= 0.25
+    assert pending(control, settings, info) == 0 and control.zscore(running, member) is None

@@ -454,6 +454,7 @@ class Channel(virtual.Channel):
     def _unseen_own_entries(self, streams: list[str], reply: list[Any]) -> list[Any]:
         """Entries this consumer holds but never saw: a read retried after its reply
         was lost may have taken them (kombu_envelope.store.outages)."""
+        self.settler.settle_acks()  # an entry whose ack is on its way is not unseen
         known = {(as_text(stream), as_text(entry_id))
                  for stream, entries in reply for entry_id, _ in entries}
         known.update(self._held_entries())

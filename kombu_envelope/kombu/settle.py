@@ -2,7 +2,13 @@
 
 Ack is ``XACK`` + ``XDEL``, batched when a hub drives the channel: the acks of the
 messages delivered from one read wait until the channel has nothing more to
-deliver, or for :data:`ACK_BATCH_S` at most. Requeue puts an entry back at the end
+deliver, or for :data:`ACK_BATCH_S` at most. A hub's acks are then sent without waiting
+(:mod:`~kombu_envelope.store.write_behind`, one Redis without ``wait_replicas``), and
+their replies read once the next reads started: the loop no longer waits a round trip
+for each batch. An ack whose reply was lost is written again when they are read, and
+before anything reads this consumer's pending entries (giving them back, recovering a
+lost read) or writes about them; an ack that frees a concurrency slot or moves an
+ordering key waits, as their readers are woken once it landed. Requeue puts an entry back at the end
 of its stream; dead-lettering moves it, with its raw bytes, to the queue's
 dead-letter stream. Each writes the task record of its step (docs/protocol.md,
 section 14): an ack the record of a task that was skipped (``INFO_SKIPPED``), in
@@ -22,6 +28,7 @@ from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from kombu_envelope.envelope import format_rfc3339, utcnow
@@ -51,6 +58,7 @@ from kombu_envelope.store.task_records import (
     skip_write,
 )
 from kombu_envelope.store.worker_stats import UNDECODED, process_buffer
+from kombu_envelope.store.write_behind import WriteBehind
 
 #: Everything a channel does is logged under one name.
 logger = logging.getLogger("kombu_envelope.kombu.channel")
@@ -100,6 +108,9 @@ class Settler:
         #: Records to write with acks not made yet, by (stream, entry id).
         self._records_for_ack: dict[tuple[str, str], RecordWrite] = {}
         self._lock = threading.Lock()  # a thread pool's task may attach a record
+        #: Where an event loop's acks go without waiting (one Redis, no wait_replicas).
+        self._behind = (None if settings.wait_replicas or isinstance(client, RedisCluster)
+                        else WriteBehind(client))
         _settlers[os.getpid(), consumer_name] = self
 
     def ack(self, delivery_info: dict[str, Any]) -> None:
@@ -159,12 +170,18 @@ class Settler:
         """Whether the oldest waiting ack has waited :data:`ACK_BATCH_S`."""
         return bool(self._pending_acks) and monotonic() - self._pending_since >= ACK_BATCH_S
 
-    def flush_acks(self) -> None:
+    def flush_acks(self, *, wait: bool = True) -> None:
         """XACK and XDEL every acknowledged entry not yet settled: one MULTI per queue.
 
         The entries of one queue share its slot; those of several queues are
-        acknowledged in separate transactions (docs/protocol.md, section 5).
+        acknowledged in separate transactions (docs/protocol.md, section 5). With
+        ``wait`` False (an event loop's turn), acks that free no slot and move no
+        ordering key are sent without waiting for their replies, which
+        :meth:`settle_acks` reads (``WriteBehind``); else every ack has landed when
+        this returns.
         """
+        if wait:
+            self.settle_acks()
         with self._lock:
             pending, self._pending_acks = self._pending_acks, []
             slots, self._slots_freed = self._slots_freed, []
@@ -182,26 +199,36 @@ class Settler:
                 (key, member) for key, member in slots
                 if self.queue_of_stream(member.split(" ", 1)[0]) == queue
             ], [(key, task_id) for stream, key, task_id in advanced
-                if self.queue_of_stream(stream) == queue])
+                if self.queue_of_stream(stream) == queue], behind=not wait)
         if advanced:
             wake_promoters(self.client, self.settings)
+
+    def settle_acks(self) -> None:
+        """Read the replies of the acks sent without waiting: they landed, or were
+        written again, when this returns. Whatever reads this consumer's pending
+        entries, or writes about them on another connection, calls it first."""
+        if self._behind is not None:
+            self._behind.settle()
 
     def ack_now(self, stream: str, ids: list[str], records: list[RecordWrite] | None = None,
                 slots: list[tuple[str, str]] | None = None) -> None:
         """XACK and XDEL entries of one stream at once, in one MULTI with ``records`` and
         the slots they free."""
+        self.settle_acks()
         self._ack_in_one_slot({stream: ids}, records or [], slots)
 
     def _ack_in_one_slot(self, by_stream: dict[str, list[str]],
                          records: list[RecordWrite],
                          slots: list[tuple[str, str]] | None = None,
-                         advanced: list[tuple[str, str]] | None = None) -> None:
+                         advanced: list[tuple[str, str]] | None = None,
+                         behind: bool = False) -> None:
         """One MULTI on the streams of one queue (and the records its acks carry, with
         the statistics counted so far on the queue when they are due to ride, the
         concurrency slots they free: ``slots``, (running key, member), and the ordering
         keys they move on: ``advanced``, (key, task_id)), then ``WAIT``
         with ``wait_replicas`` on the connection that ran it (on a Cluster, to the node
-        of the queue's slot)."""
+        of the queue's slot). ``behind``: sent without waiting when it frees no slot
+        and moves no key (whose readers are woken once it landed)."""
         first = next(iter(by_stream))
         pipe = write_pipeline(self.client, self.settings, transaction=True, key=first)
         for stream, ids in by_stream.items():
@@ -217,11 +244,25 @@ class Settler:
                 add_advance(pipe, queue_keys, key, task_id)
         stats, queue = process_buffer(self.settings), self.queue_of_stream(first)
         counted = stats.ride(pipe, queue) if records else {}
-        try:
-            replies = execute(pipe, self.settings, "ack")
-        except BaseException:
-            stats.give_back(queue, counted)
-            raise
+
+        def write() -> None:
+            try:
+                replies = execute(pipe, self.settings, "ack")
+            except BaseException:
+                stats.give_back(queue, counted)
+                raise
+            self._log_settled_already(by_stream, replies)
+
+        if behind and self._behind is not None and not slots and not advanced:
+            # An error reply is written again the usual way, which raises it.
+            self._behind.send(pipe, redo=write, failed=lambda _error: write(),
+                              landed=lambda replies: self._log_settled_already(by_stream,
+                                                                               replies))
+        else:
+            write()
+
+    @staticmethod
+    def _log_settled_already(by_stream: dict[str, list[str]], replies: list[Any]) -> None:
         for (stream, ids), acked in zip(by_stream.items(), replies[:2 * len(by_stream):2]):
             if acked < len(ids):
                 # Normal when a task settled its entry itself (dead-lettered it, or
@@ -234,6 +275,7 @@ class Settler:
 
     def requeue(self, delivery_info: dict[str, Any]) -> None:
         """Put the entry a message came from back at the end of its stream."""
+        self.settle_acks()
         stream = delivery_info.get(INFO_STREAM)
         if stream is None:
             return
@@ -264,6 +306,7 @@ class Settler:
 
     def dead_letter(self, queue: str, stream: str, entry_id: str, failure: Failure) -> None:
         """Move a pending entry of ``queue`` to its dead-letter stream, and log it."""
+        self.settle_acks()
         dead_id = dead_letter_pending(
             self.client, self.settings, queue=queue, stream=stream, entry_id=entry_id,
             failure=failure, consumer=self.consumer_name,
@@ -280,6 +323,7 @@ class Settler:
         """Put back at once every entry of ``queues`` this consumer still holds: one
         batch of requeue.lua calls per queue (its slot), ending with ``WAIT`` when
         ``wait_replicas`` is set."""
+        self.settle_acks()
         now = format_rfc3339(utcnow())
         for queue in queues:
             keys = self.settings.keys.queue(queue)

@@ -126,16 +126,20 @@ class Poller:
 
         A channel that still has a message to deliver keeps its acks for the next
         turns (one ``MULTI`` for the messages of one read), unless the oldest has
-        waited ``ACK_BATCH_S``; acks always go before the loop waits.
+        waited ``ACK_BATCH_S``; acks always go before the loop waits. They are sent
+        without waiting, and their replies read once the reads started (Redis has run
+        the acks by then, so reading costs no wait).
         """
         self._fd_to_reader = {}
         come_back = False
         for channel in list(self.channels):
             if not channel.has_buffered() or channel.settler.acks_waited():
-                channel.settler.flush_acks()
+                channel.settler.flush_acks(wait=False)
             if not channel.has_buffered():
                 for fd, reader in channel.start_blocking_reads():
                     self._fd_to_reader[fd] = (channel, reader)
+                # Read while Redis ran the reads above, or while the loop waits otherwise.
+                channel.settler.settle_acks()
             if channel.retry_reads_soon:  # a Cluster reader lost its node: try again soon
                 channel.retry_reads_soon = False
                 time.sleep(RETRY_READ_S)

@@ -1,4 +1,5 @@
-"""Writes whose replies are read later: a worker's task records, sent without waiting.
+"""Writes whose replies are read later: a worker's task records and an event loop's
+acknowledgements (:mod:`kombu_envelope.kombu.settle`), sent without waiting.
 
 A worker writes a task's ``running`` record before the task runs and, where the
 acknowledgement does not carry it, its ``succeeded`` record after (docs/protocol.md,
@@ -63,15 +64,18 @@ class WriteBehind:
         self.client = client
         self._lock = threading.Lock()
         self._connection: Any = None
-        #: Per write sent and not read yet: how many replies, its redo and its failed.
-        self._pending: list[tuple[int, Callable[[], None],
-                                  Callable[[BaseException], None]]] = []
+        #: Per write sent and not read yet: how many replies, its redo, its failed and
+        #: its landed.
+        self._pending: list[tuple[int, Callable[[], None], Callable[[BaseException], None],
+                                  Callable[[list[Any]], None] | None]] = []
 
     def send(self, pipe: Any, redo: Callable[[], None],
-             failed: Callable[[BaseException], None]) -> None:
+             failed: Callable[[BaseException], None],
+             landed: Callable[[list[Any]], None] | None = None) -> None:
         """Send the commands queued on ``pipe`` (a redis-py pipeline, not executed) as one
         ``MULTI`` without waiting. ``redo()`` writes them the usual way when they cannot
-        be sent or their reply is lost; ``failed(error)`` gets an error reply."""
+        be sent or their reply is lost; ``failed(error)`` gets an error reply;
+        ``landed(replies)`` gets ``EXEC``'s replies, as Redis sent them, once read."""
         commands = transaction_commands(pipe)
         with self._lock:
             redos = self._settle() if len(self._pending) >= MAX_UNREAD else []
@@ -84,7 +88,7 @@ class WriteBehind:
                 except (RedisError, OSError):  # written the usual way, which reports it,
                     redos = self._drop()  # after the writes still unread, written again
                 else:
-                    self._pending.append((len(commands), redo, failed))
+                    self._pending.append((len(commands), redo, failed, landed))
                     return
             for again in [*redos, redo]:
                 again()
@@ -105,21 +109,24 @@ class WriteBehind:
         if connection is None:
             return []
         while self._pending:
-            count, redo, failed = self._pending[0]
+            count, redo, failed, landed = self._pending[0]
             try:
-                error = first_error(read_replies(connection, count))
+                replies = read_replies(connection, count)
             except (RedisError, OSError):  # the connection is lost, or out of step
                 return self._drop()
             self._pending.pop(0)
+            error = first_error(replies)
             if error is not None:
                 if is_outage(error):  # a demoted primary refused it: nothing ran
                     return [redo, *self._drop()]
                 failed(error)
+            elif landed is not None:
+                landed(replies[-1])
         return []
 
     def _drop(self) -> list[Callable[[], None]]:
         """Disconnect after a lost connection; the redos of every write still pending."""
-        redos = [redo for _, redo, _ in self._pending]
+        redos = [redo for _, redo, _, _ in self._pending]
         self._pending.clear()
         connection, self._connection = self._connection, None
         if connection is not None:
