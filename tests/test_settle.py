@@ -131,13 +131,19 @@ def private() -> Iterator[tuple[redis.Redis, redis.Redis]]:
         control.close()
 
 
+def acked(client: redis.Redis, settings: Settings, *infos: dict[str, str]) -> Settler:
+    """A settler under an event loop that acknowledged ``infos`` (not flushed yet)."""
+    acks = settler(client, settings, set())
+    for info in infos:
+        acks.ack(info)
+    return acks
+
+
 def test_an_event_loop_s_acks_go_without_waiting_and_land_once_settled(
         private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
     client, control = private
     first, second = read_one(client, settings), read_one(client, settings)
-    acks = settler(client, settings, set())
-    acks.ack(first)
-    acks.ack(second)
+    acks = acked(client, settings, first, second)
     control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
     acks.flush_acks(wait=False)  # returns while Redis holds every write
     assert pending(control, settings, first) == 2
@@ -146,16 +152,20 @@ def test_an_event_loop_s_acks_go_without_waiting_and_land_once_settled(
     assert pending(control, settings, first) == 0 and control.xlen(first[INFO_STREAM]) == 0
 
 
+def flush_and_lose(acks: Settler, control: redis.Redis) -> None:
+    """Send the acks without waiting, then lose their connection before Redis ran them."""
+    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+    acks.flush_acks(wait=False)
+    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    control.execute_command("CLIENT", "UNPAUSE")  # the acks never ran
+
+
 def test_an_ack_lost_with_its_connection_is_written_again_when_settled(
         private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
     client, control = private
     info = read_one(client, settings)
-    acks = settler(client, settings, set())
-    acks.ack(info)
-    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
-    acks.flush_acks(wait=False)
-    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-    control.execute_command("CLIENT", "UNPAUSE")  # the ack never ran
+    acks = acked(client, settings, info)
+    flush_and_lose(acks, control)
     assert pending(control, settings, info) == 1
     acks.settle_acks()
     assert pending(control, settings, info) == 0 and control.xlen(info[INFO_STREAM]) == 0
@@ -165,12 +175,8 @@ def test_giving_back_what_the_consumer_holds_first_writes_again_a_lost_ack(
         private: tuple[redis.Redis, redis.Redis], settings: Settings) -> None:
     client, control = private
     done, held = read_one(client, settings), read_one(client, settings)
-    acks = settler(client, settings, set())
-    acks.ack(done)
-    control.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
-    acks.flush_acks(wait=False)
-    control.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
-    control.execute_command("CLIENT", "UNPAUSE")  # the ack never ran
+    acks = acked(client, settings, done)
+    flush_and_lose(acks, control)
     acks.requeue_own_pending([QUEUE])
     # Only the entry not acknowledged went back (as a new entry): the other one ran.
     stream = done[INFO_STREAM]
