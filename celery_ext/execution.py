@@ -87,7 +87,6 @@ from celery.concurrency import get_implementation
 from celery.concurrency.solo import TaskPool as SoloPool
 from celery.exceptions import Ignore, Reject, Retry
 from kombu.exceptions import OperationalError
-from redis.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -229,8 +228,7 @@ class ExecutionShell:
         if self._client is None or self._client_pid != os.getpid():
             self._client = broker_redis(self.app, self.settings)
             self._client_pid = os.getpid()
-            plain = not (self.settings.wait_replicas or isinstance(self._client, RedisCluster))
-            self._behind = WriteBehind(self._client) if plain else None
+            self._behind = WriteBehind.where_allowed(self._client, self.settings)
         elif self._behind is not None:
             self._behind.settle()
         return self._client

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import Any
 
-from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from kombu_envelope.envelope import format_rfc3339, utcnow
@@ -109,8 +108,7 @@ class Settler:
         self._records_for_ack: dict[tuple[str, str], RecordWrite] = {}
         self._lock = threading.Lock()  # a thread pool's task may attach a record
         #: Where an event loop's acks go without waiting (one Redis, no wait_replicas).
-        self._behind = (None if settings.wait_replicas or isinstance(client, RedisCluster)
-                        else WriteBehind(client))
+        self._behind = WriteBehind.where_allowed(client, settings)
         _settlers[os.getpid(), consumer_name] = self
 
     def ack(self, delivery_info: dict[str, Any]) -> None:

@@ -36,8 +36,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from redis.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from kombu_envelope.settings import Settings
 from kombu_envelope.store.outages import is_outage
 from kombu_envelope.store.packing import (
     first_error,
@@ -59,6 +61,14 @@ class WriteBehind:
     the redos it makes (so a settle returns once a write lost by another thread's read
     was written again).
     """
+
+    @classmethod
+    def where_allowed(cls, client: Any, settings: Settings) -> WriteBehind | None:
+        """A writer for ``client``, or None where writes must wait for their replies (a
+        Cluster, ``wait_replicas``)."""
+        if settings.wait_replicas or isinstance(client, RedisCluster):
+            return None
+        return cls(client)
 
     def __init__(self, client: Any) -> None:
         self.client = client
